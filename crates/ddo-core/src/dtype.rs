@@ -1,0 +1,126 @@
+//! Element types of checkpoint tensors.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// The element type of a tensor, named as safetensors names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[allow(missing_docs)]
+pub enum Dtype {
+    #[serde(rename = "BOOL")]
+    Bool,
+    U8,
+    I8,
+    I16,
+    U16,
+    I32,
+    U32,
+    I64,
+    U64,
+    F16,
+    BF16,
+    F32,
+    F64,
+    #[serde(rename = "F8_E4M3")]
+    F8E4M3,
+    #[serde(rename = "F8_E5M2")]
+    F8E5M2,
+}
+
+impl Dtype {
+    /// Every dtype ddo accepts, in the order of [`Dtype::as_str`]'s documentation.
+    pub const ALL: [Dtype; 15] = [
+        Dtype::Bool,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::I16,
+        Dtype::U16,
+        Dtype::I32,
+        Dtype::U32,
+        Dtype::I64,
+        Dtype::U64,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::F32,
+        Dtype::F64,
+        Dtype::F8E4M3,
+        Dtype::F8E5M2,
+    ];
+
+    /// Bytes per element.
+    pub const fn size_bytes(self) -> u64 {
+        match self {
+            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4M3 | Dtype::F8E5M2 => 1,
+            Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::I32 | Dtype::U32 | Dtype::F32 => 4,
+            Dtype::I64 | Dtype::U64 | Dtype::F64 => 8,
+        }
+    }
+
+    /// The safetensors name (`"BF16"`, `"F8_E4M3"`, ...).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Dtype::Bool => "BOOL",
+            Dtype::U8 => "U8",
+            Dtype::I8 => "I8",
+            Dtype::I16 => "I16",
+            Dtype::U16 => "U16",
+            Dtype::I32 => "I32",
+            Dtype::U32 => "U32",
+            Dtype::I64 => "I64",
+            Dtype::U64 => "U64",
+            Dtype::F16 => "F16",
+            Dtype::BF16 => "BF16",
+            Dtype::F32 => "F32",
+            Dtype::F64 => "F64",
+            Dtype::F8E4M3 => "F8_E4M3",
+            Dtype::F8E5M2 => "F8_E5M2",
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The error of parsing an unknown dtype name; it lists the known ones.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dtype {name:?}; known dtypes: {}", Dtype::ALL.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(", "))]
+pub struct UnknownDtype {
+    /// The name that was not recognised.
+    pub name: String,
+}
+
+impl FromStr for Dtype {
+    type Err = UnknownDtype;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Dtype::ALL
+            .into_iter()
+            .find(|d| d.as_str() == s)
+            .ok_or_else(|| UnknownDtype { name: s.to_owned() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_sizes() {
+        for d in Dtype::ALL {
+            assert_eq!(d.as_str().parse::<Dtype>(), Ok(d));
+        }
+        assert_eq!(Dtype::BF16.size_bytes(), 2);
+        assert_eq!(Dtype::F8E4M3.size_bytes(), 1);
+        let err = "F4".parse::<Dtype>().unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("unknown dtype \"F4\"; known dtypes: BOOL, U8")
+        );
+    }
+}

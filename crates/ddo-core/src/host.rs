@@ -1,0 +1,98 @@
+//! Host memory handed to device copies and registrations.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// A span of host memory that stays valid and unchanged for as long as any `Arc` to it lives:
+/// a mapped checkpoint file, a retained buffer, a staging buffer.
+///
+/// Ports that copy asynchronously keep an `Arc` of the region until the copy is proven complete,
+/// so a region can never be freed under a copy in flight.
+pub trait HostRegion: Send + Sync + fmt::Debug {
+    /// The region's bytes. The same address and length on every call.
+    fn bytes(&self) -> &[u8];
+}
+
+/// A sub-range of a [`HostRegion`], sharing ownership of the region.
+#[derive(Clone, Debug)]
+pub struct HostSlice {
+    region: Arc<dyn HostRegion>,
+    offset: usize,
+    len: usize,
+}
+
+impl HostSlice {
+    /// The sub-range `[offset, offset + len)` of `region`, or `None` if it leaves the region.
+    pub fn new(region: Arc<dyn HostRegion>, offset: usize, len: usize) -> Option<HostSlice> {
+        let end = offset.checked_add(len)?;
+        (end <= region.bytes().len()).then_some(HostSlice {
+            region,
+            offset,
+            len,
+        })
+    }
+
+    /// The whole region.
+    pub fn whole(region: Arc<dyn HostRegion>) -> HostSlice {
+        let len = region.bytes().len();
+        HostSlice {
+            region,
+            offset: 0,
+            len,
+        }
+    }
+
+    /// The bytes of the slice.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.region.bytes()[self.offset..self.offset + self.len]
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The region the slice belongs to.
+    pub fn region(&self) -> &Arc<dyn HostRegion> {
+        &self.region
+    }
+}
+
+/// Proof that a host range is registered (page-locked) for device DMA. Returned by
+/// [`crate::Residency::register_host`] and consumed by [`crate::Residency::unregister_host`].
+/// It holds the region, so registered memory cannot be freed while registered.
+#[derive(Debug)]
+pub struct Registration {
+    /// The registered bytes.
+    pub slice: HostSlice,
+    /// Adapter-specific handle.
+    pub handle: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Buffer(Vec<u8>);
+    impl HostRegion for Buffer {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    #[test]
+    fn slices_are_bounded_by_their_region() {
+        let region: Arc<dyn HostRegion> = Arc::new(Buffer(vec![1, 2, 3, 4]));
+        let s = HostSlice::new(region.clone(), 1, 2).unwrap();
+        assert_eq!(s.as_bytes(), &[2, 3]);
+        assert!(HostSlice::new(region.clone(), 3, 2).is_none());
+        assert!(HostSlice::new(region.clone(), usize::MAX, 2).is_none());
+        assert_eq!(HostSlice::whole(region).len(), 4);
+    }
+}

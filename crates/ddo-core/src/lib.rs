@@ -1,0 +1,55 @@
+//! The core of ddo: the ports every hardware or storage adapter implements, the domain types they
+//! exchange, and the errors they report.
+//!
+//! ddo streams diffusion-model weights from host memory (or disk) to a GPU just before each block
+//! runs, inside a bounded GPU weight arena. This crate holds no I/O and no `unsafe`: it states the
+//! contracts. Four small `Send + Sync` ports describe the outside world:
+//!
+//! - [`WeightSource`]: immutable tensor slices of a checkpoint and their bytes;
+//! - [`Residency`]: device memory (address reservations, physical backing, mappings, copies, host
+//!   registration);
+//! - [`Fence`]: monotonic completion values recorded on streams;
+//! - [`AdmissionProbe`]: whether the host can take more retained, staged or registered bytes.
+//!
+//! Adapters are values: a [`Platform`] holds one of each, so a test replaces a single field
+//! (struct update syntax) and keeps the rest. Hardware-facing ports are synchronous or poll-based;
+//! a fence is a value you query or wait on, never a future.
+#![forbid(unsafe_code)]
+
+mod admission;
+mod bytes;
+mod device;
+mod dtype;
+mod error;
+mod fence;
+mod host;
+mod platform;
+mod residency;
+mod source;
+mod tensor;
+mod unit;
+
+pub use admission::{
+    Admission, AdmissionProbe, CgroupMemory, GrowthKind, GrowthRequest, HostMemoryObservation,
+    OvercommitMode, Refusal, RefusalReason,
+};
+pub use bytes::{ByteSize, GIB, KIB, MIB};
+pub use device::{BackingId, DeviceAddress, DeviceOrdinal, DeviceRange, Reservation, StreamId};
+pub use dtype::{Dtype, UnknownDtype};
+pub use error::{DeviceError, PlatformError, SourceError};
+pub use fence::{Fence, FenceValue};
+pub use host::{HostRegion, HostSlice, Registration};
+pub use platform::Platform;
+pub use residency::Residency;
+pub use source::WeightSource;
+pub use tensor::{CheckpointFileId, FileIdentity, TensorSlice};
+pub use unit::{ExecutionUnit, SlotId, UnitId, UnitTensor};
+
+#[cfg(feature = "mocks")]
+pub use admission::MockAdmissionProbe;
+#[cfg(feature = "mocks")]
+pub use fence::MockFence;
+#[cfg(feature = "mocks")]
+pub use residency::MockResidency;
+#[cfg(feature = "mocks")]
+pub use source::MockWeightSource;

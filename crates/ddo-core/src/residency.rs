@@ -1,0 +1,61 @@
+//! The residency port: device memory, copies into it, and host registration.
+
+use crate::{
+    BackingId, DeviceError, DeviceOrdinal, DeviceRange, HostSlice, Registration, Reservation,
+    StreamId,
+};
+
+/// Device memory management for one device, in the shape of CUDA's virtual memory management:
+/// reserve addresses once, then map and unmap physical backing inside them, so the addresses a
+/// tensor view points at never change while the reservation lives.
+///
+/// Contract (the adapter validates what it cheaply can and reports [`DeviceError::InvalidUse`]):
+/// - Sizes and offsets passed to `reserve`, `create_backing`, `map` and `unmap` are multiples of
+///   [`granularity`](Residency::granularity).
+/// - `map` places the whole backing at `range` (same length) inside a live reservation, with
+///   read/write access for this device; the range must not be mapped already.
+/// - `copy_to_device` enqueues an asynchronous copy on `stream` into a mapped range. The adapter
+///   keeps `src` (and so its region) alive until the copy has completed; completion is observed
+///   through a [`crate::Fence`] value recorded on `stream` after the call.
+/// - `read_back` copies device bytes to the host synchronously (waits for all work on the
+///   device first). It exists for verification and tests, never for the hot path.
+/// - `register_host` page-locks host memory for fast DMA; `unregister_host` undoes it and never
+///   frees or changes the bytes. On CUDA, unregistering waits for all device work: call it only at
+///   phase boundaries.
+/// - A failing `unmap`, `release_backing`, `release_reservation` or `unregister_host` leaves the
+///   resource in place: the caller keeps ownership and must not reuse it.
+#[cfg_attr(feature = "mocks", mockall::automock)]
+pub trait Residency: Send + Sync {
+    /// The device this adapter manages.
+    fn device(&self) -> DeviceOrdinal;
+    /// The mapping granularity in bytes (a power of two).
+    fn granularity(&self) -> Result<u64, DeviceError>;
+    /// Reserves `len` bytes of device virtual addresses, backed by nothing.
+    fn reserve(&self, len: u64) -> Result<Reservation, DeviceError>;
+    /// Frees a reservation; everything inside it must be unmapped.
+    fn release_reservation(&self, reservation: Reservation) -> Result<(), DeviceError>;
+    /// Creates `len` bytes of physical device memory.
+    fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError>;
+    /// Maps `backing` at `range` and grants this device access to it.
+    fn map(&self, range: DeviceRange, backing: BackingId) -> Result<(), DeviceError>;
+    /// Unmaps whatever is mapped at `range`; the addresses stay reserved.
+    fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError>;
+    /// Frees physical memory; it must not be mapped anywhere.
+    fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError>;
+    /// Creates a non-blocking stream for copies.
+    fn create_stream(&self) -> Result<StreamId, DeviceError>;
+    /// Enqueues a host-to-device copy of `src` into `dst` (same length) on `stream`.
+    fn copy_to_device(
+        &self,
+        src: HostSlice,
+        dst: DeviceRange,
+        stream: StreamId,
+    ) -> Result<(), DeviceError>;
+    /// Copies `src` back to `dst` synchronously (verification only).
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError>;
+    /// Page-locks `slice` for DMA; `read_only` for memory the device only reads (mapped files).
+    fn register_host(&self, slice: HostSlice, read_only: bool)
+    -> Result<Registration, DeviceError>;
+    /// Undoes a registration; the bytes stay as they are.
+    fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError>;
+}

@@ -1,0 +1,1 @@
+//! Cross-crate tests of ddo live in `tests/tests/`.
