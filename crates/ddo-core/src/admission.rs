@@ -2,7 +2,8 @@
 
 use std::fmt;
 
-use serde::Serialize;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 use crate::ByteSize;
 
@@ -196,7 +197,7 @@ impl Admission {
 }
 
 /// The kernel's overcommit policy (`/proc/sys/vm/overcommit_memory`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OvercommitMode {
     /// 0: heuristic overcommit.
@@ -208,7 +209,7 @@ pub enum OvercommitMode {
 }
 
 /// Memory accounting of one cgroup v2 level that has a memory controller.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct CgroupMemory {
     /// The cgroup path (`/user.slice/...`).
     pub path: String,
@@ -232,40 +233,40 @@ impl CgroupMemory {
 
 /// A snapshot of the host's memory as seen by this process. A field is `None` when it could not
 /// be observed (never zero in its place).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct HostMemoryObservation {
     /// Resident set size of this process (VmRSS).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rss_bytes: Option<u64>,
     /// Peak resident set size (VmHWM).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,
     /// Locked memory of this process (VmLck).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub locked_bytes: Option<u64>,
     /// MemTotal.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem_total_bytes: Option<u64>,
     /// MemAvailable.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem_available_bytes: Option<u64>,
     /// CommitLimit.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub commit_limit_bytes: Option<u64>,
     /// Committed_AS.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub committed_bytes: Option<u64>,
     /// The overcommit mode.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overcommit_mode: Option<OvercommitMode>,
     /// Every cgroup level with a memory controller, innermost first. Empty when there is none.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cgroups: Vec<CgroupMemory>,
     /// RLIMIT_AS soft limit (`None` with `rlimits_observed` = unlimited).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rlimit_as_bytes: Option<u64>,
     /// RLIMIT_MEMLOCK soft limit (`None` with `rlimits_observed` = unlimited).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rlimit_memlock_bytes: Option<u64>,
     /// Whether the rlimits were read (so `None` above means unlimited).
     pub rlimits_observed: bool,

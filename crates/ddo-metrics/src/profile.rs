@@ -1,0 +1,168 @@
+//! The text profile.
+
+use std::fmt::Write;
+
+use ddo_core::GIB;
+
+use crate::DynamicOffloadMetrics;
+
+/// One `  name=key=value key=value` line; empty lines are not printed.
+struct Line {
+    name: &'static str,
+    fields: Vec<String>,
+}
+
+impl Line {
+    fn new(name: &'static str) -> Self {
+        Line {
+            name,
+            fields: Vec::new(),
+        }
+    }
+
+    fn text(mut self, key: &str, value: Option<impl AsRef<str>>) -> Self {
+        if let Some(v) = value {
+            self.fields.push(format!("{key}={}", v.as_ref()));
+        }
+        self
+    }
+
+    fn count(self, key: &str, value: Option<u64>) -> Self {
+        self.text(key, value.map(|v| v.to_string()))
+    }
+
+    fn gib(self, key: &str, bytes: Option<u64>) -> Self {
+        self.text(key, bytes.map(|b| format!("{:.4}", b as f64 / GIB as f64)))
+    }
+
+    fn seconds(self, key: &str, value: Option<f64>) -> Self {
+        self.text(key, value.map(|s| format!("{s:.6}")))
+    }
+
+    fn flag(self, key: &str, value: Option<bool>) -> Self {
+        self.text(key, value.map(|b| if b { "1" } else { "0" }))
+    }
+
+    fn render(self, out: &mut String, suffix: &str) {
+        if !self.fields.is_empty() {
+            let _ = writeln!(out, "  {}={}{suffix}", self.name, self.fields.join(" "));
+        }
+    }
+}
+
+/// Renders the profile: two fixed lines (`DDO profile`, schema and route), then one line per
+/// group of present values, in a fixed order. A line whose values are all absent is left out,
+/// so the text never shows a counter the route does not have. Sizes are GiB with four decimals.
+pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
+    let mut out = String::from("DDO profile\n");
+    let r = &m.route;
+    let _ = write!(out, "  schema={} route={}", m.schema_version, r.name);
+    if let Some(c) = &r.component {
+        let _ = write!(out, " component={c}");
+    }
+    out.push('\n');
+    if let (Some(req), Some(eff)) = (&r.requested_preset, &r.effective_preset) {
+        let _ = write!(out, "  preset={req} -> {eff}");
+        if let Some(b) = &r.backend {
+            let _ = write!(out, " backend={b}");
+        }
+        if let Some(mode) = &r.execution_mode {
+            let _ = write!(out, " mode={mode}");
+        }
+        out.push('\n');
+    }
+
+    let s = &m.setup;
+    Line::new("setup")
+        .count("modules", s.module_count)
+        .count("tensors", s.tensor_count)
+        .gib("total_gib", s.total_bytes)
+        .seconds("seconds", s.setup_seconds)
+        .count("source_bound_tensors", s.source_bound_tensors)
+        .render(&mut out, "");
+    Line::new("plan")
+        .count("units", s.unit_count)
+        .count("resident_units", s.resident_units)
+        .count("streamed_units", s.streamed_units)
+        .count("slots", s.execution_slots)
+        .gib("slot_gib", s.slot_bytes)
+        .gib("budget_gib", s.gpu_budget_bytes)
+        .gib("headroom_gib", s.headroom_bytes)
+        .gib("streamed_gib_per_pass", s.streamed_bytes_per_pass)
+        .text(
+            "link_gb_per_s",
+            s.link_bytes_per_second.map(|b| format!("{:.1}", b / 1e9)),
+        )
+        .seconds("copy_floor_seconds", s.expected_copy_floor_seconds)
+        .render(&mut out, "");
+    if let Some(g) = &s.group_offload {
+        Line::new("group_offload")
+            .text("offload_type", Some(&g.offload_type))
+            .flag("use_stream", Some(g.use_stream))
+            .flag("record_stream", Some(g.record_stream))
+            .flag("low_cpu_mem_usage", Some(g.low_cpu_mem_usage))
+            .count(
+                "num_blocks_per_group",
+                g.num_blocks_per_group.map(u64::from),
+            )
+            .render(&mut out, " (delegated to Diffusers hooks)");
+    }
+    Line::new("placement")
+        .text("module", s.placement.as_ref())
+        .render(&mut out, "");
+    Line::new("host_weights")
+        .gib("pinned_gib", s.pinned_bytes)
+        .gib("registered_gib", s.registered_bytes)
+        .gib("retained_gib", s.retained_bytes)
+        .render(&mut out, "");
+
+    let rt = &m.runtime;
+    Line::new("runtime")
+        .count("passes", rt.passes)
+        .count("uploads", rt.uploads)
+        .gib("upload_gib", rt.upload_bytes)
+        .seconds("upload_seconds", rt.upload_seconds)
+        .seconds("wait_seconds", rt.wait_seconds)
+        .render(&mut out, "");
+    Line::new("prefetch")
+        .count("hits", rt.prefetch_hits)
+        .count("misses", rt.prefetch_misses)
+        .count("cancels", rt.prefetch_cancels)
+        .render(&mut out, "");
+    Line::new("arena")
+        .gib("resident_gib", rt.resident_bytes)
+        .gib("slot_gib", rt.slot_bytes)
+        .gib("peak_gib", rt.peak_bytes)
+        .count("evictions", rt.evictions)
+        .count("reclaim_cycles", rt.reclaim_cycles)
+        .render(&mut out, "");
+    Line::new("unsafe_retained")
+        .gib("gib", rt.unsafe_retained_bytes.filter(|b| *b > 0))
+        .render(
+            &mut out,
+            " (ownership kept after a release that could not be proven safe)",
+        );
+
+    if let Some(h) = &m.host_memory {
+        let o = &h.observation;
+        let memlock = match (o.rlimits_observed, o.rlimit_memlock_bytes) {
+            (true, None) => Some("unlimited".to_owned()),
+            (_, Some(b)) => Some(format!("{:.4}", b as f64 / GIB as f64)),
+            (false, None) => None,
+        };
+        let cgroup_headroom = o
+            .cgroups
+            .iter()
+            .filter_map(|c| c.limit().map(|l| l.saturating_sub(c.current)))
+            .min();
+        Line::new("host_memory")
+            .text("phase", h.phase.as_ref())
+            .gib("rss_gib", o.rss_bytes)
+            .gib("peak_rss_gib", o.peak_rss_bytes)
+            .gib("available_gib", o.mem_available_bytes)
+            .gib("cgroup_headroom_gib", cgroup_headroom)
+            .text("memlock_gib", memlock)
+            .render(&mut out, "");
+    }
+    out
+}

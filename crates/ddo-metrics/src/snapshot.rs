@@ -1,0 +1,275 @@
+//! The snapshot and its sections.
+
+use std::collections::BTreeMap;
+
+use ddo_core::HostMemoryObservation;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Version of the snapshot layout. It changes when a field changes meaning or is removed.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Which route, component, backend and preset produced the snapshot.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RouteSection {
+    /// The route (`linear_runtime`, `vmm_fast_runtime`, `vmm_runtime`,
+    /// `diffusers_group_offload`, `none`, or an observation such as `host_memory_observation`).
+    pub name: String,
+    /// The component (`transformer`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub component: Option<String>,
+    /// The backend (`linear`, `vmm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The preset as requested.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_preset: Option<String>,
+    /// The preset after resolution.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effective_preset: Option<String>,
+    /// The execution mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution_mode: Option<String>,
+}
+
+/// Diffusers group-offload parameters as applied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GroupOffloadSetup {
+    /// `leaf_level` or `block_level`.
+    pub offload_type: String,
+    /// Side-stream copies.
+    pub use_stream: bool,
+    /// Diffusers `record_stream`.
+    pub record_stream: bool,
+    /// Diffusers `low_cpu_mem_usage`.
+    pub low_cpu_mem_usage: bool,
+    /// Blocks per group (block_level only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_blocks_per_group: Option<u32>,
+}
+
+macro_rules! optional_section {
+    ($(#[$meta:meta])* $name:ident { $($(#[doc = $doc:literal])* $field:ident : $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+        pub struct $name {
+            $(
+                $(#[doc = $doc])*
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub $field: Option<$ty>,
+            )*
+        }
+
+        impl $name {
+            /// Names of the fields that are present.
+            pub fn present(&self) -> Vec<&'static str> {
+                let mut out = Vec::new();
+                $( if self.$field.is_some() { out.push(stringify!($field)); } )*
+                out
+            }
+        }
+    };
+}
+
+optional_section! {
+    /// What attaching the route did.
+    SetupSection {
+        /// Modules walked.
+        module_count: u64,
+        /// Tensors managed.
+        tensor_count: u64,
+        /// Bytes of all managed weights.
+        total_bytes: u64,
+        /// Wall time of the attach, seconds.
+        setup_seconds: f64,
+        /// Execution units found.
+        unit_count: u64,
+        /// Units kept resident on the device.
+        resident_units: u64,
+        /// Units streamed each pass.
+        streamed_units: u64,
+        /// Execution slots streamed units take turns in.
+        execution_slots: u64,
+        /// Bytes of one execution slot.
+        slot_bytes: u64,
+        /// GPU budget of the arena (resident units + slots), bytes.
+        gpu_budget_bytes: u64,
+        /// GPU memory kept free for activations, bytes.
+        headroom_bytes: u64,
+        /// Bytes uploaded per pass (the streamed units).
+        streamed_bytes_per_pass: u64,
+        /// Link speed the plan assumes, bytes per second.
+        link_bytes_per_second: f64,
+        /// Streamed bytes / link speed: the copy floor of one pass, seconds.
+        expected_copy_floor_seconds: f64,
+        /// Host bytes pinned for copies.
+        pinned_bytes: u64,
+        /// Host bytes registered for DMA.
+        registered_bytes: u64,
+        /// Host bytes retained by the source store.
+        retained_bytes: u64,
+        /// Tensors bound to checkpoint slices.
+        source_bound_tensors: u64,
+        /// Diffusers group-offload parameters (compatibility route).
+        group_offload: GroupOffloadSetup,
+        /// Who places the component (route none): `resident` or `unmanaged`.
+        placement: String,
+    }
+}
+
+optional_section! {
+    /// What running the route did.
+    RuntimeSection {
+        /// Forward passes observed.
+        passes: u64,
+        /// Unit uploads (or weight copies on the linear route).
+        uploads: u64,
+        /// Bytes uploaded.
+        upload_bytes: u64,
+        /// Host time spent enqueuing uploads, seconds.
+        upload_seconds: f64,
+        /// Time compute waited for uploads, seconds.
+        wait_seconds: f64,
+        /// Acquisitions whose unit was already in flight or resident thanks to prefetch.
+        prefetch_hits: u64,
+        /// Acquisitions that had to upload on demand.
+        prefetch_misses: u64,
+        /// Look-ahead uploads cancelled because the order changed.
+        prefetch_cancels: u64,
+        /// Units evicted from a slot.
+        evictions: u64,
+        /// Slot backings released and recreated by explicit reclaim.
+        reclaim_cycles: u64,
+        /// Device bytes of resident units.
+        resident_bytes: u64,
+        /// Device bytes of execution slots.
+        slot_bytes: u64,
+        /// Peak device bytes held by the arena.
+        peak_bytes: u64,
+        /// Bytes kept owned (never reused) after a release that could not be proven safe.
+        unsafe_retained_bytes: u64,
+    }
+}
+
+/// Host memory as observed, plus ddo's own host ceilings' use.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct HostMemorySection {
+    /// The observation (absent fields could not be read).
+    #[serde(flatten)]
+    pub observation: HostMemoryObservation,
+    /// When the observation was taken (`after_attach`, `after_pass`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+}
+
+/// A versioned snapshot of one component's offload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DynamicOffloadMetrics {
+    /// Layout version ([`SCHEMA_VERSION`]).
+    pub schema_version: u32,
+    /// Route, component, backend, preset.
+    pub route: RouteSection,
+    /// Resolved settings (`dynamic_offload_<setting>` keys).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub configuration: BTreeMap<String, serde_json::Value>,
+    /// What attaching did.
+    pub setup: SetupSection,
+    /// What running did.
+    pub runtime: RuntimeSection,
+    /// Host memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory: Option<HostMemorySection>,
+}
+
+/// A snapshot that reports counters its route cannot measure.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("route {route} has no counter(s) {}; a counter a route does not have must be absent", counters.join(", "))]
+pub struct MetricsError {
+    /// The route.
+    pub route: String,
+    /// The counters it cannot have.
+    pub counters: Vec<&'static str>,
+}
+
+/// The runtime counters a route can measure. Routes not in the table (observations such as
+/// `host_memory_observation`) measure none.
+pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
+    const STREAMING: &[&str] = &[
+        "passes",
+        "uploads",
+        "upload_bytes",
+        "upload_seconds",
+        "wait_seconds",
+        "prefetch_hits",
+        "prefetch_misses",
+        "prefetch_cancels",
+        "evictions",
+        "reclaim_cycles",
+        "resident_bytes",
+        "slot_bytes",
+        "peak_bytes",
+        "unsafe_retained_bytes",
+    ];
+    match route {
+        "vmm_fast_runtime" | "vmm_runtime" => STREAMING,
+        // PyTorch's allocator owns device memory on the linear route: no arena, slots or reclaim.
+        "linear_runtime" => &[
+            "passes",
+            "uploads",
+            "upload_bytes",
+            "upload_seconds",
+            "wait_seconds",
+            "prefetch_hits",
+            "prefetch_misses",
+            "prefetch_cancels",
+            "peak_bytes",
+        ],
+        // Diffusers' hooks do the copies; ddo only counts passes.
+        "diffusers_group_offload" => &["passes"],
+        _ => &[],
+    }
+}
+
+impl DynamicOffloadMetrics {
+    /// An empty snapshot of `route`.
+    pub fn new(route: RouteSection) -> Self {
+        DynamicOffloadMetrics {
+            schema_version: SCHEMA_VERSION,
+            route,
+            configuration: BTreeMap::new(),
+            setup: SetupSection::default(),
+            runtime: RuntimeSection::default(),
+            host_memory: None,
+        }
+    }
+
+    /// Refuses a snapshot whose runtime section has counters the route cannot measure.
+    pub fn validate(&self) -> Result<(), MetricsError> {
+        let allowed = runtime_counters_of(&self.route.name);
+        let extra: Vec<&'static str> = self
+            .runtime
+            .present()
+            .into_iter()
+            .filter(|c| !allowed.contains(c))
+            .collect();
+        if extra.is_empty() {
+            Ok(())
+        } else {
+            Err(MetricsError {
+                route: self.route.name.clone(),
+                counters: extra,
+            })
+        }
+    }
+
+    /// The snapshot as JSON (`schema_version`, `route`, `configuration`, `setup`, `runtime`,
+    /// `host_memory`); absent counters are absent keys.
+    pub fn as_dict(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("metrics serialize")
+    }
+
+    /// The text profile; see [`crate::format_profile`].
+    pub fn format_profile(&self) -> String {
+        crate::format_profile(self)
+    }
+}
