@@ -1,1 +1,68 @@
-fn main() {}
+//! Project tasks: `cargo xtask <task>`.
+//!
+//! - `ci`: formatting, lints, tests and doc tests, as CI runs them.
+//! - `demo`: the main job: shows what ddo decides for a Diffusers pipeline on this machine.
+
+use std::process::{Command, ExitCode};
+
+mod demo;
+
+const USAGE: &str = "usage: cargo xtask <task>
+
+tasks:
+  ci      cargo fmt --check, clippy -D warnings, the test suite (nextest) and doc tests
+  demo    resolve a Diffusers pipeline's plan on this machine and print it";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("demo") => demo::run(&args[1..]),
+        Some("-h" | "--help") | None => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown task {other:?}\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs a command, echoing it; an error names the command.
+pub(crate) fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    eprintln!("$ {program} {}", args.join(" "));
+    let status = Command::new(program)
+        .args(args)
+        .status()
+        .map_err(|e| format!("could not start {program}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{program} {}` failed ({status})", args.join(" ")))
+    }
+}
+
+fn has_nextest() -> bool {
+    Command::new("cargo").args(["nextest", "--version"]).output().is_ok_and(|o| o.status.success())
+}
+
+fn ci() -> Result<(), String> {
+    run("cargo", &["fmt", "--all", "--", "--check"])?;
+    run(
+        "cargo",
+        &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"],
+    )?;
+    if has_nextest() {
+        run("cargo", &["nextest", "run", "--workspace", "--all-features", "--no-fail-fast"])?;
+    } else {
+        eprintln!("cargo-nextest is not installed; running the tests with cargo test");
+        run("cargo", &["test", "--workspace", "--all-features", "--lib", "--bins", "--tests"])?;
+    }
+    run("cargo", &["test", "--workspace", "--all-features", "--doc"])?;
+    Ok(())
+}

@@ -126,11 +126,7 @@ impl fmt::Display for Refusal {
                 ByteSize(*available),
                 ByteSize(*margin)
             ),
-            RefusalReason::Commit {
-                commit_limit,
-                committed,
-                margin,
-            } => write!(
+            RefusalReason::Commit { commit_limit, committed, margin } => write!(
                 f,
                 "{what} of {want} refused: strict overcommit (vm.overcommit_memory=2) leaves {} of commit (CommitLimit {} - Committed_AS {}, {} kept free); lower the {what} ceiling",
                 ByteSize(commit_limit.saturating_sub(*committed)),
@@ -138,12 +134,7 @@ impl fmt::Display for Refusal {
                 ByteSize(*committed),
                 ByteSize(*margin)
             ),
-            RefusalReason::Cgroup {
-                cgroup,
-                limit,
-                current,
-                margin,
-            } => write!(
+            RefusalReason::Cgroup { cgroup, limit, current, margin } => write!(
                 f,
                 "{what} of {want} refused: cgroup {cgroup} allows {} and uses {} ({} kept free); raise the cgroup's memory limit or lower the {what} ceiling",
                 ByteSize(*limit),
@@ -162,10 +153,7 @@ impl fmt::Display for Refusal {
                 ByteSize(*limit),
                 ByteSize(*locked)
             ),
-            RefusalReason::ObservationUnavailable {
-                what: observed,
-                error,
-            } => write!(
+            RefusalReason::ObservationUnavailable { what: observed, error } => write!(
                 f,
                 "{what} of {want} refused: {observed} could not be read ({error}); growth is refused while host memory cannot be observed"
             ),
@@ -301,21 +289,13 @@ mod tests {
                 bytes: GIB,
                 registered_bytes: 0,
             },
-            reason: RefusalReason::Memlock {
-                limit: 8 << 20,
-                locked: 0,
-            },
+            reason: RefusalReason::Memlock { limit: 8 << 20, locked: 0 },
         };
         assert_eq!(
             r.to_string(),
             "host registration of 1.00 GiB refused: RLIMIT_MEMLOCK is 8.00 MiB and 0 B is already locked; raise `ulimit -l` or lower the registration ceiling"
         );
-        let c = CgroupMemory {
-            path: "/a".into(),
-            max: Some(10),
-            high: Some(5),
-            current: 1,
-        };
+        let c = CgroupMemory { path: "/a".into(), max: Some(10), high: Some(5), current: 1 };
         assert_eq!(c.limit(), Some(5));
         assert_eq!(CgroupMemory { high: None, ..c }.limit(), Some(10));
     }

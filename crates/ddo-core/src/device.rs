@@ -46,10 +46,7 @@ impl DeviceRange {
     /// The sub-range `[start + offset, start + offset + len)`, or `None` if it leaves this range.
     pub fn sub(self, offset: u64, len: u64) -> Option<DeviceRange> {
         let end = offset.checked_add(len)?;
-        (end <= self.len).then_some(DeviceRange {
-            start: self.start.offset(offset),
-            len,
-        })
+        (end <= self.len).then_some(DeviceRange { start: self.start.offset(offset), len })
     }
 }
 
@@ -78,20 +75,11 @@ mod tests {
 
     #[test]
     fn sub_ranges_stay_inside() {
-        let r = DeviceRange {
-            start: DeviceAddress(4096),
-            len: 1024,
-        };
+        let r = DeviceRange { start: DeviceAddress(4096), len: 1024 };
         assert_eq!(r.sub(1000, 24).map(|s| s.end()), Some(4096 + 1024));
         assert_eq!(r.sub(1000, 25), None);
         assert_eq!(r.sub(u64::MAX, 2), None);
-        assert!(r.contains(DeviceRange {
-            start: DeviceAddress(4096),
-            len: 1024
-        }));
-        assert!(!r.contains(DeviceRange {
-            start: DeviceAddress(4095),
-            len: 2
-        }));
+        assert!(r.contains(DeviceRange { start: DeviceAddress(4096), len: 1024 }));
+        assert!(!r.contains(DeviceRange { start: DeviceAddress(4095), len: 2 }));
     }
 }

@@ -118,9 +118,6 @@ mod tests {
         assert_eq!(Dtype::BF16.size_bytes(), 2);
         assert_eq!(Dtype::F8E4M3.size_bytes(), 1);
         let err = "F4".parse::<Dtype>().unwrap_err();
-        assert!(
-            err.to_string()
-                .starts_with("unknown dtype \"F4\"; known dtypes: BOOL, U8")
-        );
+        assert!(err.to_string().starts_with("unknown dtype \"F4\"; known dtypes: BOOL, U8"));
     }
 }

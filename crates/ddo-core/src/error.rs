@@ -22,11 +22,7 @@ pub struct PlatformError {
 impl PlatformError {
     /// A failure of `call` described by `message`, with no underlying error.
     pub fn new(call: impl Into<String>, message: impl Into<String>) -> Self {
-        PlatformError {
-            call: call.into(),
-            message: message.into(),
-            source: None,
-        }
+        PlatformError { call: call.into(), message: message.into(), source: None }
     }
 
     /// Attaches the underlying error.

@@ -25,21 +25,13 @@ impl HostSlice {
     /// The sub-range `[offset, offset + len)` of `region`, or `None` if it leaves the region.
     pub fn new(region: Arc<dyn HostRegion>, offset: usize, len: usize) -> Option<HostSlice> {
         let end = offset.checked_add(len)?;
-        (end <= region.bytes().len()).then_some(HostSlice {
-            region,
-            offset,
-            len,
-        })
+        (end <= region.bytes().len()).then_some(HostSlice { region, offset, len })
     }
 
     /// The whole region.
     pub fn whole(region: Arc<dyn HostRegion>) -> HostSlice {
         let len = region.bytes().len();
-        HostSlice {
-            region,
-            offset: 0,
-            len,
-        }
+        HostSlice { region, offset: 0, len }
     }
 
     /// The bytes of the slice.

@@ -33,8 +33,6 @@ pub struct Platform {
 
 impl std::fmt::Debug for Platform {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Platform")
-            .field("name", &self.name)
-            .finish_non_exhaustive()
+        f.debug_struct("Platform").field("name", &self.name).finish_non_exhaustive()
     }
 }

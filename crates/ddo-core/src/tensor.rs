@@ -47,9 +47,7 @@ pub struct TensorSlice {
 impl TensorSlice {
     /// Number of elements the shape describes, or `None` on overflow.
     pub fn element_count(&self) -> Option<u64> {
-        self.shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        self.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
     }
 
     /// Whether `len` equals elements x element size.

@@ -14,10 +14,7 @@ struct Line {
 
 impl Line {
     fn new(name: &'static str) -> Self {
-        Line {
-            name,
-            fields: Vec::new(),
-        }
+        Line { name, fields: Vec::new() }
     }
 
     fn text(mut self, key: &str, value: Option<impl AsRef<str>>) -> Self {
@@ -89,10 +86,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("budget_gib", s.gpu_budget_bytes)
         .gib("headroom_gib", s.headroom_bytes)
         .gib("streamed_gib_per_pass", s.streamed_bytes_per_pass)
-        .text(
-            "link_gb_per_s",
-            s.link_bytes_per_second.map(|b| format!("{:.1}", b / 1e9)),
-        )
+        .text("link_gb_per_s", s.link_bytes_per_second.map(|b| format!("{:.1}", b / 1e9)))
         .seconds("copy_floor_seconds", s.expected_copy_floor_seconds)
         .render(&mut out, "");
     if let Some(g) = &s.group_offload {
@@ -101,15 +95,10 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
             .flag("use_stream", Some(g.use_stream))
             .flag("record_stream", Some(g.record_stream))
             .flag("low_cpu_mem_usage", Some(g.low_cpu_mem_usage))
-            .count(
-                "num_blocks_per_group",
-                g.num_blocks_per_group.map(u64::from),
-            )
+            .count("num_blocks_per_group", g.num_blocks_per_group.map(u64::from))
             .render(&mut out, " (delegated to Diffusers hooks)");
     }
-    Line::new("placement")
-        .text("module", s.placement.as_ref())
-        .render(&mut out, "");
+    Line::new("placement").text("module", s.placement.as_ref()).render(&mut out, "");
     Line::new("host_weights")
         .gib("pinned_gib", s.pinned_bytes)
         .gib("registered_gib", s.registered_bytes)
@@ -138,10 +127,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .render(&mut out, "");
     Line::new("unsafe_retained")
         .gib("gib", rt.unsafe_retained_bytes.filter(|b| *b > 0))
-        .render(
-            &mut out,
-            " (ownership kept after a release that could not be proven safe)",
-        );
+        .render(&mut out, " (ownership kept after a release that could not be proven safe)");
 
     if let Some(h) = &m.host_memory {
         let o = &h.observation;
@@ -150,11 +136,8 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
             (_, Some(b)) => Some(format!("{:.4}", b as f64 / GIB as f64)),
             (false, None) => None,
         };
-        let cgroup_headroom = o
-            .cgroups
-            .iter()
-            .filter_map(|c| c.limit().map(|l| l.saturating_sub(c.current)))
-            .min();
+        let cgroup_headroom =
+            o.cgroups.iter().filter_map(|c| c.limit().map(|l| l.saturating_sub(c.current))).min();
         Line::new("host_memory")
             .text("phase", h.phase.as_ref())
             .gib("rss_gib", o.rss_bytes)

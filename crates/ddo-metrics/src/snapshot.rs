@@ -246,19 +246,12 @@ impl DynamicOffloadMetrics {
     /// Refuses a snapshot whose runtime section has counters the route cannot measure.
     pub fn validate(&self) -> Result<(), MetricsError> {
         let allowed = runtime_counters_of(&self.route.name);
-        let extra: Vec<&'static str> = self
-            .runtime
-            .present()
-            .into_iter()
-            .filter(|c| !allowed.contains(c))
-            .collect();
+        let extra: Vec<&'static str> =
+            self.runtime.present().into_iter().filter(|c| !allowed.contains(c)).collect();
         if extra.is_empty() {
             Ok(())
         } else {
-            Err(MetricsError {
-                route: self.route.name.clone(),
-                counters: extra,
-            })
+            Err(MetricsError { route: self.route.name.clone(), counters: extra })
         }
     }
 

@@ -49,8 +49,7 @@ fn vmm_fast() -> DynamicOffloadMetrics {
         "vmm",
         "vmm_fast_runtime",
     ));
-    m.configuration
-        .insert("dynamic_offload_prefetch_depth".into(), 2.into());
+    m.configuration.insert("dynamic_offload_prefetch_depth".into(), 2.into());
     m.setup.module_count = Some(640);
     m.setup.tensor_count = Some(812);
     m.setup.total_bytes = Some(9 * GIB + GIB / 2);

@@ -20,9 +20,7 @@ impl Tree {
     /// 64 GiB total, `available_gib` available, overcommit `mode`, unlimited rlimits, root
     /// cgroup only (no memory controller on the process's path).
     fn new(available_gib: u64, mode: u8) -> Tree {
-        let t = Tree {
-            dir: tempfile::tempdir().unwrap(),
-        };
+        let t = Tree { dir: tempfile::tempdir().unwrap() };
         t.meminfo(available_gib, 40, 10);
         t.write("proc/sys/vm/overcommit_memory", &format!("{mode}\n"));
         t.status(4 * KB_PER_GIB, 0, 0);
@@ -93,19 +91,11 @@ impl Tree {
 }
 
 fn retained(bytes: u64) -> GrowthRequest {
-    GrowthRequest {
-        kind: GrowthKind::Retained,
-        bytes,
-        registered_bytes: 0,
-    }
+    GrowthRequest { kind: GrowthKind::Retained, bytes, registered_bytes: 0 }
 }
 
 fn registration(bytes: u64, registered_bytes: u64) -> GrowthRequest {
-    GrowthRequest {
-        kind: GrowthKind::Registration,
-        bytes,
-        registered_bytes,
-    }
+    GrowthRequest { kind: GrowthKind::Registration, bytes, registered_bytes }
 }
 
 fn refusal(a: Admission) -> (RefusalReason, String) {
@@ -119,18 +109,9 @@ fn refusal(a: Admission) -> (RefusalReason, String) {
 fn heuristic_overcommit_bounds_by_mem_available_minus_margin() {
     let t = Tree::new(10, 0);
     let p = t.probe();
-    assert_eq!(
-        p.admit(&retained(8 * GIB)),
-        Admission::Granted { headroom: GIB }
-    );
+    assert_eq!(p.admit(&retained(8 * GIB)), Admission::Granted { headroom: GIB });
     let (reason, message) = refusal(p.admit(&retained(9 * GIB + 1)));
-    assert_eq!(
-        reason,
-        RefusalReason::MemAvailable {
-            available: 10 * GIB,
-            margin: GIB
-        }
-    );
+    assert_eq!(reason, RefusalReason::MemAvailable { available: 10 * GIB, margin: GIB });
     assert_eq!(
         message,
         "retained host storage of 9.00 GiB refused: MemAvailable is 10.00 GiB and 1.00 GiB is kept free; free host memory or lower the retained host storage ceiling"
@@ -144,10 +125,7 @@ fn always_overcommit_keeps_the_finite_bound() {
         refusal(t.probe().admit(&retained(12 * GIB))).0,
         RefusalReason::MemAvailable { .. }
     ));
-    assert!(matches!(
-        t.probe().admit(&retained(GIB)),
-        Admission::Granted { .. }
-    ));
+    assert!(matches!(t.probe().admit(&retained(GIB)), Admission::Granted { .. }));
 }
 
 #[test]
@@ -155,18 +133,11 @@ fn strict_overcommit_also_bounds_by_commit() {
     let t = Tree::new(30, 2);
     t.meminfo(30, 40, 35); // 5 GiB of commit left
     let p = t.probe();
-    assert_eq!(
-        p.admit(&retained(3 * GIB)),
-        Admission::Granted { headroom: GIB }
-    );
+    assert_eq!(p.admit(&retained(3 * GIB)), Admission::Granted { headroom: GIB });
     let (reason, message) = refusal(p.admit(&retained(6 * GIB)));
     assert_eq!(
         reason,
-        RefusalReason::Commit {
-            commit_limit: 40 * GIB,
-            committed: 35 * GIB,
-            margin: GIB
-        }
+        RefusalReason::Commit { commit_limit: 40 * GIB, committed: 35 * GIB, margin: GIB }
     );
     assert_eq!(
         message,
@@ -174,10 +145,7 @@ fn strict_overcommit_also_bounds_by_commit() {
     );
     // The same request passes in mode 0, where commit is not a bound.
     t.write("proc/sys/vm/overcommit_memory", "0\n");
-    assert!(matches!(
-        p.admit(&retained(6 * GIB)),
-        Admission::Granted { .. }
-    ));
+    assert!(matches!(p.admit(&retained(6 * GIB)), Admission::Granted { .. }));
 }
 
 #[test]
@@ -185,10 +153,7 @@ fn a_cgroup_limit_refuses() {
     let t = Tree::new(50, 0);
     t.cgroup("/ddo.slice/job", &(16 * GIB).to_string(), None, 12 * GIB);
     let p = t.probe();
-    assert_eq!(
-        p.admit(&retained(2 * GIB)),
-        Admission::Granted { headroom: GIB }
-    );
+    assert_eq!(p.admit(&retained(2 * GIB)), Admission::Granted { headroom: GIB });
     let (reason, message) = refusal(p.admit(&retained(4 * GIB)));
     assert_eq!(
         reason,
@@ -231,26 +196,14 @@ fn no_cgroup_memory_controller_is_no_limit() {
     let t = Tree::new(50, 0);
     t.write("proc/self/cgroup", "0::/user.slice\n");
     fs::create_dir_all(t.path().join("sys/fs/cgroup/user.slice")).unwrap();
-    assert_eq!(
-        t.probe().admit(&retained(40 * GIB)),
-        Admission::Granted { headroom: 9 * GIB }
-    );
+    assert_eq!(t.probe().admit(&retained(40 * GIB)), Admission::Granted { headroom: 9 * GIB });
     // cgroup v1 only: no "0::" line.
     t.write("proc/self/cgroup", "4:memory:/user.slice\n");
-    assert!(matches!(
-        t.probe().admit(&retained(40 * GIB)),
-        Admission::Granted { .. }
-    ));
+    assert!(matches!(t.probe().admit(&retained(40 * GIB)), Admission::Granted { .. }));
     // No cgroup2 mount at all.
     t.write("proc/self/cgroup", "0::/user.slice\n");
-    t.write(
-        "proc/self/mountinfo",
-        "30 1 8:1 / / rw - ext4 /dev/sda1 rw\n",
-    );
-    assert!(matches!(
-        t.probe().admit(&retained(40 * GIB)),
-        Admission::Granted { .. }
-    ));
+    t.write("proc/self/mountinfo", "30 1 8:1 / / rw - ext4 /dev/sda1 rw\n");
+    assert!(matches!(t.probe().admit(&retained(40 * GIB)), Admission::Granted { .. }));
     assert!(t.probe().observe().cgroups.is_empty());
 }
 
@@ -279,10 +232,7 @@ fn unreadable_meminfo_refuses_with_the_reason() {
 #[test]
 fn missing_mem_available_or_commit_fields_refuse() {
     let t = Tree::new(50, 2);
-    t.write(
-        "proc/meminfo",
-        "MemTotal: 1000 kB\nMemAvailable: 900000000 kB\n",
-    );
+    t.write("proc/meminfo", "MemTotal: 1000 kB\nMemAvailable: 900000000 kB\n");
     let (reason, message) = refusal(t.probe().admit(&retained(MIB)));
     assert_eq!(
         reason,
@@ -327,44 +277,26 @@ fn rlimit_memlock_bounds_registration() {
         Admission::Granted { headroom: 8 * MIB }
     );
     let (reason, message) = refusal(p.admit(&registration(48 * MIB, 16 * MIB)));
-    assert_eq!(
-        reason,
-        RefusalReason::Memlock {
-            limit: 64 * MIB,
-            locked: 24 * MIB
-        }
-    );
+    assert_eq!(reason, RefusalReason::Memlock { limit: 64 * MIB, locked: 24 * MIB });
     assert_eq!(
         message,
         "host registration of 48.00 MiB refused: RLIMIT_MEMLOCK is 64.00 MiB and 24.00 MiB is already locked; raise `ulimit -l` or lower the registration ceiling"
     );
     // Registration allocates nothing: MemAvailable is not a bound for it.
     t.meminfo(0, 40, 10);
-    assert!(matches!(
-        p.admit(&registration(MIB, 0)),
-        Admission::Granted { .. }
-    ));
+    assert!(matches!(p.admit(&registration(MIB, 0)), Admission::Granted { .. }));
     // CAP_IPC_LOCK lifts the limit.
     t.status(4 * KB_PER_GIB, 8 * 1024, 1 << 14);
-    assert!(matches!(
-        p.admit(&registration(GIB, 0)),
-        Admission::Granted { .. }
-    ));
+    assert!(matches!(p.admit(&registration(GIB, 0)), Admission::Granted { .. }));
 }
 
 #[test]
 fn staging_is_bounded_by_memory_and_memlock() {
     let t = Tree::new(50, 0);
     t.limits("unlimited", &(64 * MIB).to_string());
-    let request = GrowthRequest {
-        kind: GrowthKind::Staging,
-        bytes: 128 * MIB,
-        registered_bytes: 0,
-    };
-    assert!(matches!(
-        refusal(t.probe().admit(&request)).0,
-        RefusalReason::Memlock { .. }
-    ));
+    let request =
+        GrowthRequest { kind: GrowthKind::Staging, bytes: 128 * MIB, registered_bytes: 0 };
+    assert!(matches!(refusal(t.probe().admit(&request)).0, RefusalReason::Memlock { .. }));
 }
 
 #[test]
@@ -373,21 +305,12 @@ fn rlimit_as_bounds_memory_growth() {
     t.limits(&(8 * GIB).to_string(), "unlimited");
     t.status(6 * KB_PER_GIB, 0, 0);
     let (reason, message) = refusal(t.probe().admit(&retained(3 * GIB)));
-    assert_eq!(
-        reason,
-        RefusalReason::AddressSpace {
-            limit: 8 * GIB,
-            vm_size: 6 * GIB
-        }
-    );
+    assert_eq!(reason, RefusalReason::AddressSpace { limit: 8 * GIB, vm_size: 6 * GIB });
     assert_eq!(
         message,
         "retained host storage of 3.00 GiB refused: RLIMIT_AS is 8.00 GiB and the process already maps 6.00 GiB; raise `ulimit -v` or lower the retained host storage ceiling"
     );
-    assert!(matches!(
-        t.probe().admit(&retained(GIB)),
-        Admission::Granted { .. }
-    ));
+    assert!(matches!(t.probe().admit(&retained(GIB)), Admission::Granted { .. }));
 }
 
 #[test]
@@ -405,10 +328,7 @@ fn unreadable_limits_refuse() {
 fn a_custom_margin_is_kept_free() {
     let t = Tree::new(10, 0);
     let p = t.probe().with_safety_margin(4 * GIB);
-    assert!(matches!(
-        p.admit(&retained(6 * GIB)),
-        Admission::Granted { .. }
-    ));
+    assert!(matches!(p.admit(&retained(6 * GIB)), Admission::Granted { .. }));
     assert!(
         matches!(refusal(p.admit(&retained(7 * GIB))).0, RefusalReason::MemAvailable { margin, .. } if margin == 4 * GIB)
     );

@@ -28,12 +28,7 @@ impl Environment {
     pub fn from_pairs<K: Into<String>, V: Into<String>>(
         pairs: impl IntoIterator<Item = (K, V)>,
     ) -> Self {
-        Environment {
-            vars: pairs
-                .into_iter()
-                .map(|(k, v)| (k.into(), v.into()))
-                .collect(),
-        }
+        Environment { vars: pairs.into_iter().map(|(k, v)| (k.into(), v.into())).collect() }
     }
 
     /// The value of `var`, if set.
@@ -55,13 +50,7 @@ pub fn component_env_name(component: &str) -> String {
     }
     component
         .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_uppercase()
-            } else {
-                '_'
-            }
-        })
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
         .collect()
 }
 

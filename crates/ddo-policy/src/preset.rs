@@ -107,10 +107,7 @@ impl Preset {
 
     /// The value of `key` in this preset's table.
     pub fn value(self, key: &str) -> Option<&'static str> {
-        self.values()
-            .iter()
-            .find(|(k, _)| *k == key)
-            .map(|(_, v)| *v)
+        self.values().iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
     }
 }
 
@@ -143,12 +140,7 @@ pub fn resolve_backend(backend: Backend, preset: Preset) -> Result<Preset, Confi
 }
 
 fn linear_presets() -> String {
-    Preset::ALL
-        .iter()
-        .filter(|p| !p.is_native())
-        .map(|p| p.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
+    Preset::ALL.iter().filter(|p| !p.is_native()).map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
 }
 
 const TEXT_ENCODER_LEAF: [(&str, &str); 2] = [

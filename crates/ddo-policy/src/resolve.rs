@@ -87,24 +87,12 @@ impl Plan {
         let extra = [
             ("dynamic_offload_component", self.component.clone().into()),
             ("dynamic_offload_backend", self.backend.as_str().into()),
-            (
-                "dynamic_offload_requested_preset",
-                self.requested_preset.as_str().into(),
-            ),
-            (
-                "dynamic_offload_effective_preset",
-                self.effective_preset.as_str().into(),
-            ),
-            (
-                "dynamic_offload_execution_mode",
-                self.execution_mode.as_str().into(),
-            ),
+            ("dynamic_offload_requested_preset", self.requested_preset.as_str().into()),
+            ("dynamic_offload_effective_preset", self.effective_preset.as_str().into()),
+            ("dynamic_offload_execution_mode", self.execution_mode.as_str().into()),
             ("dynamic_offload_route", self.route.name().into()),
             ("dynamic_offload_running_on_wsl", self.running_on_wsl.into()),
-            (
-                "dynamic_offload_effective_pin_cpu_memory",
-                self.effective_pin_cpu_memory.into(),
-            ),
+            ("dynamic_offload_effective_pin_cpu_memory", self.effective_pin_cpu_memory.into()),
         ];
         out.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
         out
@@ -120,10 +108,7 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
         get(&request.arguments)
             .map(|v| (v, Origin::Argument))
             .or_else(|| config.and_then(get).map(|v| (v, Origin::Config)))
-            .or_else(|| {
-                env.get(var)
-                    .map(|v| (v.to_owned(), Origin::Env(var.to_owned())))
-            })
+            .or_else(|| env.get(var).map(|v| (v.to_owned(), Origin::Env(var.to_owned()))))
     };
 
     let (preset_text, preset_origin) =
@@ -154,33 +139,23 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
         if let Some(v) = env.get(&component_var) {
             return Some((v.to_owned(), Origin::ComponentEnv(component_var)));
         }
-        let aliases = ENV_ALIASES
-            .iter()
-            .filter(|(k, _)| *k == key)
-            .map(|(_, alias)| *alias);
+        let aliases = ENV_ALIASES.iter().filter(|(k, _)| *k == key).map(|(_, alias)| *alias);
         for name in std::iter::once(key).chain(aliases) {
             let var = format!("DDO_{name}");
             if let Some(v) = env.get(&var) {
                 return Some((v.to_owned(), Origin::Env(var)));
             }
         }
-        effective_preset.value(key).map(|v| {
-            (
-                v.to_owned(),
-                Origin::Preset(effective_preset.as_str().to_owned()),
-            )
-        })
+        effective_preset
+            .value(key)
+            .map(|v| (v.to_owned(), Origin::Preset(effective_preset.as_str().to_owned())))
     };
     let settings = Settings::resolve(&typed, &text, &mut origins)?;
     validate(&settings, &origins)?;
 
     let effective_pin_cpu_memory =
         settings.pin_cpu_memory && !(request.running_on_wsl && settings.disable_pin_on_wsl);
-    let keys = ComponentKeys {
-        request,
-        effective_preset,
-        component_env: &component_env,
-    };
+    let keys = ComponentKeys { request, effective_preset, component_env: &component_env };
     let route = keys.route(&settings, &mut origins)?;
     if route.is_native() && settings.vmm_resident_weight_budget_gb <= 0.0 {
         return Err(ConfigError::RouteConflict(format!(
@@ -247,11 +222,7 @@ fn validate(s: &Settings, origins: &BTreeMap<String, Origin>) -> Result<(), Conf
         ));
     }
     if s.prefetch_depth > MAX_PREFETCH_DEPTH {
-        return Err(out_of_range(
-            "prefetch_depth",
-            s.prefetch_depth.to_string(),
-            "0 to 16 units",
-        ));
+        return Err(out_of_range("prefetch_depth", s.prefetch_depth.to_string(), "0 to 16 units"));
     }
     if s.pin_cpu_workers == 0 || s.pin_cpu_workers > 64 {
         return Err(out_of_range(
@@ -314,11 +285,8 @@ impl ComponentKeys<'_, '_> {
             return Ok(Some((v, Origin::Argument)));
         }
         if let Some(v) = self.policies().into_iter().find_map(&get) {
-            let name = if self.request.component.is_empty() {
-                "model"
-            } else {
-                self.request.component
-            };
+            let name =
+                if self.request.component.is_empty() { "model" } else { self.request.component };
             return Ok(Some((v, Origin::ComponentPolicy(name.to_owned()))));
         }
         let field = key.to_ascii_lowercase();
@@ -362,13 +330,8 @@ impl ComponentKeys<'_, '_> {
         settings: &Settings,
         origins: &mut BTreeMap<String, Origin>,
     ) -> Result<Route, ConfigError> {
-        let explicit = self
-            .request
-            .arguments
-            .route
-            .clone()
-            .map(|r| (r, Origin::Argument))
-            .or_else(|| {
+        let explicit =
+            self.request.arguments.route.clone().map(|r| (r, Origin::Argument)).or_else(|| {
                 self.request
                     .config
                     .as_ref()
@@ -395,9 +358,7 @@ impl ComponentKeys<'_, '_> {
         let preset_origin = Origin::Preset(self.effective_preset.as_str().to_owned());
 
         let route = match (choice, vae_rule) {
-            (RouteChoice::None, _) => Route::None {
-                placement: Placement::Resident,
-            },
+            (RouteChoice::None, _) => Route::None { placement: Placement::Resident },
             (RouteChoice::DiffusersGroupOffload, _) => self.group(settings, None, origins)?,
             (RouteChoice::DynamicOffload, _) => {
                 runtime_route(self.effective_preset.execution_mode())
@@ -408,12 +369,10 @@ impl ComponentKeys<'_, '_> {
                     VaeDefault::LeafOffloadWithoutStream => {
                         self.group(settings, Some(VAE_GROUP), origins)?
                     }
-                    VaeDefault::Resident => Route::None {
-                        placement: Placement::Resident,
-                    },
-                    VaeDefault::Unmanaged | VaeDefault::Generic => Route::None {
-                        placement: Placement::Unmanaged,
-                    },
+                    VaeDefault::Resident => Route::None { placement: Placement::Resident },
+                    VaeDefault::Unmanaged | VaeDefault::Generic => {
+                        Route::None { placement: Placement::Unmanaged }
+                    }
                 }
             }
             (RouteChoice::Auto, None) => {
@@ -423,10 +382,7 @@ impl ComponentKeys<'_, '_> {
                 if let Some((true, o)) = group {
                     origins.insert("route".into(), o);
                     self.group(settings, None, origins)?
-                } else if dynamic
-                    .as_ref()
-                    .map_or(mode != ExecutionMode::Plan, |(d, _)| *d)
-                {
+                } else if dynamic.as_ref().map_or(mode != ExecutionMode::Plan, |(d, _)| *d) {
                     if let Some((_, o)) = dynamic {
                         origins.insert("route".into(), o);
                     }
@@ -538,11 +494,8 @@ const DEFAULT_GROUP: GroupOffload = GroupOffload {
     num_blocks_per_group: 1,
 };
 
-const VAE_GROUP: GroupOffload = GroupOffload {
-    use_stream: false,
-    low_cpu_mem_usage: false,
-    ..DEFAULT_GROUP
-};
+const VAE_GROUP: GroupOffload =
+    GroupOffload { use_stream: false, low_cpu_mem_usage: false, ..DEFAULT_GROUP };
 
 /// The runtime route of an execution mode; an explicit dynamic route under a plan-only preset
 /// runs the linear runtime.

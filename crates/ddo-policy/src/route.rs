@@ -106,10 +106,7 @@ impl Route {
 
     /// Whether ddo's own runtime streams this component.
     pub const fn is_dynamic(&self) -> bool {
-        matches!(
-            self,
-            Route::LinearRuntime | Route::VmmFastRuntime | Route::VmmRuntime
-        )
+        matches!(self, Route::LinearRuntime | Route::VmmFastRuntime | Route::VmmRuntime)
     }
 
     /// Whether the route runs on the native arena.
@@ -133,9 +130,7 @@ mod tests {
             assert_eq!(RouteChoice::parse(alias, Origin::Argument), Ok(want));
         }
         assert_eq!(
-            RouteChoice::parse("fast", Origin::Argument)
-                .unwrap_err()
-                .to_string(),
+            RouteChoice::parse("fast", Origin::Argument).unwrap_err().to_string(),
             "route = \"fast\" (from argument) is not valid; allowed: auto, dynamic_offload, diffusers_group_offload, none"
         );
     }

@@ -4,10 +4,7 @@ use ddo_policy::{Environment, Request, SETTING_KEYS, resolve};
 use proptest::prelude::*;
 
 fn var() -> impl Strategy<Value = String> {
-    let mut names: Vec<String> = SETTING_KEYS
-        .iter()
-        .map(|(_, k)| format!("DDO_{k}"))
-        .collect();
+    let mut names: Vec<String> = SETTING_KEYS.iter().map(|(_, k)| format!("DDO_{k}")).collect();
     names.extend(
         [
             "DDO_PRESET",

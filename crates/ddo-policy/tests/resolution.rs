@@ -6,10 +6,7 @@ use ddo_policy::{
 };
 
 fn req(component: &str) -> Request<'_> {
-    Request {
-        component,
-        ..Request::default()
-    }
+    Request { component, ..Request::default() }
 }
 
 fn env(pairs: &[(&str, &str)]) -> Environment {
@@ -43,18 +40,12 @@ fn linear_auto_streams_the_transformer_with_the_linear_runtime() {
 
 #[test]
 fn vmm_auto_is_the_native_fast_route() {
-    let r = Request {
-        arguments: args(|c| c.backend = Some("vmm".into())),
-        ..req("transformer")
-    };
+    let r = Request { arguments: args(|c| c.backend = Some("vmm".into())), ..req("transformer") };
     let p = plan(&r);
     assert_eq!(p.effective_preset, Preset::VmmFast);
     assert_eq!(p.route, Route::VmmFastRuntime);
     assert_eq!(p.settings.vmm_resident_weight_budget_gb, 4.0);
-    assert_eq!(
-        p.origins["vmm_resident_weight_budget_gb"],
-        Origin::Preset("vmm_fast".into())
-    );
+    assert_eq!(p.origins["vmm_resident_weight_budget_gb"], Origin::Preset("vmm_fast".into()));
 }
 
 #[test]
@@ -68,18 +59,12 @@ fn vmm_nvme_baseline_reads_from_disk() {
     };
     let p = plan(&r);
     assert_eq!(p.route, Route::VmmRuntime);
-    assert_eq!(
-        p.settings.load_safetensors_backend,
-        ddo_policy::ReadBackend::Direct
-    );
+    assert_eq!(p.settings.load_safetensors_backend, ddo_policy::ReadBackend::Direct);
 }
 
 #[test]
 fn a_native_preset_alone_selects_the_vmm_backend() {
-    let r = Request {
-        environment: env(&[("DDO_PRESET", "vmm_fast")]),
-        ..req("transformer")
-    };
+    let r = Request { environment: env(&[("DDO_PRESET", "vmm_fast")]), ..req("transformer") };
     let p = plan(&r);
     assert_eq!(p.backend, Backend::Vmm);
     assert_eq!(p.route, Route::VmmFastRuntime);
@@ -87,10 +72,7 @@ fn a_native_preset_alone_selects_the_vmm_backend() {
 
 #[test]
 fn route_diffusers_group_offload_is_the_compatibility_route() {
-    let r = Request {
-        arguments: args(|c| c.route = Some("group".into())),
-        ..req("transformer")
-    };
+    let r = Request { arguments: args(|c| c.route = Some("group".into())), ..req("transformer") };
     assert_eq!(
         plan(&r).route,
         Route::DiffusersGroupOffload(GroupOffload {
@@ -105,26 +87,10 @@ fn route_diffusers_group_offload_is_the_compatibility_route() {
 
 #[test]
 fn route_none_and_preset_off() {
-    let r = Request {
-        arguments: args(|c| c.route = Some("none".into())),
-        ..req("transformer")
-    };
-    assert_eq!(
-        plan(&r).route,
-        Route::None {
-            placement: Placement::Resident
-        }
-    );
-    let r = Request {
-        environment: env(&[("DDO_PRESET", "off")]),
-        ..req("transformer")
-    };
-    assert_eq!(
-        plan(&r).route,
-        Route::None {
-            placement: Placement::Unmanaged
-        }
-    );
+    let r = Request { arguments: args(|c| c.route = Some("none".into())), ..req("transformer") };
+    assert_eq!(plan(&r).route, Route::None { placement: Placement::Resident });
+    let r = Request { environment: env(&[("DDO_PRESET", "off")]), ..req("transformer") };
+    assert_eq!(plan(&r).route, Route::None { placement: Placement::Unmanaged });
 }
 
 #[test]
@@ -146,10 +112,7 @@ fn compat_presets_give_the_transformer_to_diffusers() {
     };
     assert!(matches!(
         plan(&leaf).route,
-        Route::DiffusersGroupOffload(GroupOffload {
-            offload_type: OffloadType::LeafLevel,
-            ..
-        })
+        Route::DiffusersGroupOffload(GroupOffload { offload_type: OffloadType::LeafLevel, .. })
     ));
 }
 
@@ -164,9 +127,7 @@ fn vae_defaults_follow_the_resolved_preset() {
         low_cpu_mem_usage: false,
         num_blocks_per_group: 1,
     });
-    let resident = Route::None {
-        placement: Placement::Resident,
-    };
+    let resident = Route::None { placement: Placement::Resident };
     let cases: &[(&[(&str, &str)], Route)] = &[
         (&[], leaf),
         (&[("DDO_PRESET", "one_shot_fast")], leaf),
@@ -175,37 +136,23 @@ fn vae_defaults_follow_the_resolved_preset() {
         (&[("DDO_PRESET", "warm_process")], resident),
         (&[("DDO_PRESET", "wsl_compat")], resident),
         (&[("DDO_PRESET", "nvme_baseline")], resident),
-        (
-            &[("DDO_PRESET", "off")],
-            Route::None {
-                placement: Placement::Unmanaged,
-            },
-        ),
+        (&[("DDO_PRESET", "off")], Route::None { placement: Placement::Unmanaged }),
         // No VAE rule: the generic auto rule (dynamic disabled) keeps it resident.
         (&[("DDO_PRESET", "diffusers_offload_compat")], resident),
     ];
     for (vars, want) in cases {
-        let r = Request {
-            environment: env(vars),
-            ..req("vae")
-        };
+        let r = Request { environment: env(vars), ..req("vae") };
         assert_eq!(plan(&r).route, *want, "{vars:?}");
     }
 }
 
 #[test]
 fn text_encoders_get_diffusers_leaf_offload_with_the_presets_stream() {
-    for (preset, stream) in [
-        ("auto", true),
-        ("wsl_compat", false),
-        ("low_ram_safe", false),
-        ("warm_process", true),
-    ] {
+    for (preset, stream) in
+        [("auto", true), ("wsl_compat", false), ("low_ram_safe", false), ("warm_process", true)]
+    {
         for name in ["text_encoder", "text_encoder_2"] {
-            let r = Request {
-                environment: env(&[("DDO_PRESET", preset)]),
-                ..req(name)
-            };
+            let r = Request { environment: env(&[("DDO_PRESET", preset)]), ..req(name) };
             match plan(&r).route {
                 Route::DiffusersGroupOffload(g) => {
                     assert_eq!(g.offload_type, OffloadType::LeafLevel);
@@ -219,34 +166,22 @@ fn text_encoders_get_diffusers_leaf_offload_with_the_presets_stream() {
 
 #[test]
 fn wsl_turns_off_pinning_and_group_streams_unless_explicit() {
-    let r = Request {
-        running_on_wsl: true,
-        ..req("text_encoder")
-    };
+    let r = Request { running_on_wsl: true, ..req("text_encoder") };
     let p = plan(&r);
     assert!(p.settings.pin_cpu_memory);
     assert!(!p.effective_pin_cpu_memory);
     assert!(matches!(
         p.route,
-        Route::DiffusersGroupOffload(GroupOffload {
-            use_stream: false,
-            ..
-        })
+        Route::DiffusersGroupOffload(GroupOffload { use_stream: false, .. })
     ));
     let explicit = Request {
         running_on_wsl: true,
-        group: ComponentPolicy {
-            use_stream: Some(true),
-            ..Default::default()
-        },
+        group: ComponentPolicy { use_stream: Some(true), ..Default::default() },
         ..req("text_encoder")
     };
     assert!(matches!(
         plan(&explicit).route,
-        Route::DiffusersGroupOffload(GroupOffload {
-            use_stream: true,
-            ..
-        })
+        Route::DiffusersGroupOffload(GroupOffload { use_stream: true, .. })
     ));
     let keep_pin = Request {
         running_on_wsl: true,
@@ -274,10 +209,7 @@ fn explicit_argument_beats_explicit_config() {
 fn explicit_config_beats_component_variables_and_global_variables() {
     let r = Request {
         config: Some(args(|c| c.prefetch_depth = Some(3))),
-        environment: env(&[
-            ("DDO_TRANSFORMER_PREFETCH_DEPTH", "7"),
-            ("DDO_PREFETCH_DEPTH", "9"),
-        ]),
+        environment: env(&[("DDO_TRANSFORMER_PREFETCH_DEPTH", "7"), ("DDO_PREFETCH_DEPTH", "9")]),
         ..req("transformer")
     };
     let p = plan(&r);
@@ -287,10 +219,7 @@ fn explicit_config_beats_component_variables_and_global_variables() {
 
 #[test]
 fn explicit_config_route_beats_component_policy() {
-    let policy = ComponentPolicy {
-        route: Some("none".into()),
-        ..Default::default()
-    };
+    let policy = ComponentPolicy { route: Some("none".into()), ..Default::default() };
     let r = Request {
         config: Some(args(|c| {
             c.route = Some("group".into());
@@ -303,10 +232,7 @@ fn explicit_config_route_beats_component_policy() {
 
 #[test]
 fn component_policy_beats_component_variable() {
-    let policy = ComponentPolicy {
-        route: Some("none".into()),
-        ..Default::default()
-    };
+    let policy = ComponentPolicy { route: Some("none".into()), ..Default::default() };
     let r = Request {
         config: Some(args(|c| {
             c.components.insert("transformer".into(), policy.clone());
@@ -316,10 +242,7 @@ fn component_policy_beats_component_variable() {
     };
     let p = plan(&r);
     assert_eq!(p.route.name(), "none");
-    assert_eq!(
-        p.origins["route"],
-        Origin::ComponentPolicy("transformer".into())
-    );
+    assert_eq!(p.origins["route"], Origin::ComponentPolicy("transformer".into()));
 }
 
 #[test]
@@ -335,104 +258,68 @@ fn component_variable_beats_runner_variable_and_global_variable() {
     };
     let p = plan(&r);
     assert_eq!(p.route.name(), "none");
-    assert_eq!(
-        p.origins["route"],
-        Origin::ComponentEnv("DDO_TRANSFORMER_ROUTE".into())
-    );
+    assert_eq!(p.origins["route"], Origin::ComponentEnv("DDO_TRANSFORMER_ROUTE".into()));
     assert_eq!(p.settings.prefetch_depth, 7);
     assert_eq!(
         p.origins["prefetch_depth"],
         Origin::ComponentEnv("DDO_TRANSFORMER_PREFETCH_DEPTH".into())
     );
     // The component variable of another component does not apply.
-    let other = Request {
-        environment: env(&[("DDO_VAE_PREFETCH_DEPTH", "7")]),
-        ..req("transformer")
-    };
+    let other =
+        Request { environment: env(&[("DDO_VAE_PREFETCH_DEPTH", "7")]), ..req("transformer") };
     assert_eq!(plan(&other).settings.prefetch_depth, 2);
 }
 
 #[test]
 fn global_variable_beats_preset_value() {
-    let r = Request {
-        environment: env(&[("DDO_PIN_CPU_MEMORY", "0")]),
-        ..req("transformer")
-    };
+    let r = Request { environment: env(&[("DDO_PIN_CPU_MEMORY", "0")]), ..req("transformer") };
     let p = plan(&r);
     assert!(!p.settings.pin_cpu_memory);
-    assert_eq!(
-        p.origins["pin_cpu_memory"],
-        Origin::Env("DDO_PIN_CPU_MEMORY".into())
-    );
+    assert_eq!(p.origins["pin_cpu_memory"], Origin::Env("DDO_PIN_CPU_MEMORY".into()));
 }
 
 #[test]
 fn preset_value_beats_default() {
     let p = plan(&req("transformer"));
     assert!(p.settings.pin_cpu_memory);
-    assert_eq!(
-        p.origins["pin_cpu_memory"],
-        Origin::Preset("one_shot_fast".into())
-    );
+    assert_eq!(p.origins["pin_cpu_memory"], Origin::Preset("one_shot_fast".into()));
     assert!(!p.settings.verbose);
     assert_eq!(p.origins["verbose"], Origin::Default);
 }
 
 #[test]
 fn variable_aliases_are_read() {
-    let r = Request {
-        environment: env(&[("DDO_SAFETENSORS_BACKEND", "pread")]),
-        ..req("transformer")
-    };
-    assert_eq!(
-        plan(&r).settings.load_safetensors_backend,
-        ddo_policy::ReadBackend::Pread
-    );
+    let r =
+        Request { environment: env(&[("DDO_SAFETENSORS_BACKEND", "pread")]), ..req("transformer") };
+    assert_eq!(plan(&r).settings.load_safetensors_backend, ddo_policy::ReadBackend::Pread);
 }
 
 #[test]
 fn an_explicit_route_is_never_replaced_by_the_vae_default() {
-    let r = Request {
-        arguments: args(|c| c.route = Some("dynamic".into())),
-        ..req("vae")
-    };
+    let r = Request { arguments: args(|c| c.route = Some("dynamic".into())), ..req("vae") };
     assert_eq!(plan(&r).route, Route::LinearRuntime);
     let r = Request {
         arguments: args(|c| c.route = Some("none".into())),
         environment: env(&[("DDO_PRESET", "off")]),
         ..req("vae")
     };
-    assert_eq!(
-        plan(&r).route,
-        Route::None {
-            placement: Placement::Resident
-        }
-    );
+    assert_eq!(plan(&r).route, Route::None { placement: Placement::Resident });
 }
 
 #[test]
 fn an_explicit_config_is_never_replaced_by_the_vae_default() {
     // With a config, the VAE rule is skipped and the generic auto rule streams it.
-    let r = Request {
-        config: Some(args(|c| c.pin_cpu_memory = Some(true))),
-        ..req("vae")
-    };
+    let r = Request { config: Some(args(|c| c.pin_cpu_memory = Some(true))), ..req("vae") };
     assert_eq!(plan(&r).route, Route::LinearRuntime);
     // Explicit overrides too.
-    let r = Request {
-        arguments: args(|c| c.prefetch_depth = Some(1)),
-        ..req("vae")
-    };
+    let r = Request { arguments: args(|c| c.prefetch_depth = Some(1)), ..req("vae") };
     assert_eq!(plan(&r).route, Route::LinearRuntime);
 }
 
 #[test]
 fn explicit_dynamic_under_preset_off_runs_the_linear_runtime() {
     let r = Request {
-        group: ComponentPolicy {
-            dynamic_offload: Some(true),
-            ..Default::default()
-        },
+        group: ComponentPolicy { dynamic_offload: Some(true), ..Default::default() },
         environment: env(&[("DDO_PRESET", "off")]),
         ..req("transformer")
     };
@@ -441,10 +328,7 @@ fn explicit_dynamic_under_preset_off_runs_the_linear_runtime() {
 
 #[test]
 fn empty_environment_means_presets_and_defaults_only() {
-    let with_env = Request {
-        environment: env(&[("DDO_PRESET", "off")]),
-        ..req("transformer")
-    };
+    let with_env = Request { environment: env(&[("DDO_PRESET", "off")]), ..req("transformer") };
     let without = req("transformer");
     assert_eq!(plan(&with_env).effective_preset, Preset::Off);
     assert_eq!(plan(&without).effective_preset, Preset::OneShotFast);
@@ -454,10 +338,7 @@ fn empty_environment_means_presets_and_defaults_only() {
 
 #[test]
 fn unknown_preset_lists_the_valid_ones() {
-    let r = Request {
-        arguments: args(|c| c.preset = Some("turbo".into())),
-        ..req("transformer")
-    };
+    let r = Request { arguments: args(|c| c.preset = Some("turbo".into())), ..req("transformer") };
     assert_eq!(
         err(&r),
         "unknown preset \"turbo\" (from argument); valid presets: auto, one_shot_fast, low_ram_safe, wsl_compat, warm_process, nvme_baseline, vmm_fast, off, diffusers_offload_compat, diffusers_leaf_offload_compat"
@@ -466,18 +347,9 @@ fn unknown_preset_lists_the_valid_ones() {
 
 #[test]
 fn unknown_backend_and_route() {
-    let r = Request {
-        environment: env(&[("DDO_BACKEND", "rocm")]),
-        ..req("transformer")
-    };
-    assert_eq!(
-        err(&r),
-        "backend = \"rocm\" (from DDO_BACKEND) is not valid; allowed: linear, vmm"
-    );
-    let r = Request {
-        environment: env(&[("DDO_VAE_ROUTE", "tiled")]),
-        ..req("vae")
-    };
+    let r = Request { environment: env(&[("DDO_BACKEND", "rocm")]), ..req("transformer") };
+    assert_eq!(err(&r), "backend = \"rocm\" (from DDO_BACKEND) is not valid; allowed: linear, vmm");
+    let r = Request { environment: env(&[("DDO_VAE_ROUTE", "tiled")]), ..req("vae") };
     assert_eq!(
         err(&r),
         "route = \"tiled\" (from DDO_VAE_ROUTE) is not valid; allowed: auto, dynamic_offload, diffusers_group_offload, none"
@@ -512,10 +384,8 @@ fn vmm_backend_refuses_linear_presets_and_linear_refuses_native_ones() {
 
 #[test]
 fn negative_nan_and_infinite_sizes() {
-    let r = Request {
-        arguments: args(|c| c.vmm_source_cache_gb = Some(-1.0)),
-        ..req("transformer")
-    };
+    let r =
+        Request { arguments: args(|c| c.vmm_source_cache_gb = Some(-1.0)), ..req("transformer") };
     assert_eq!(
         err(&r),
         "vmm_source_cache_gb = -1 (from argument) must be a finite number >= 0 (GiB)"
@@ -528,10 +398,8 @@ fn negative_nan_and_infinite_sizes() {
         err(&r),
         "resident_module_budget_gb = NaN (from config) must be a finite number >= 0 (GiB)"
     );
-    let r = Request {
-        environment: env(&[("DDO_VMM_STAGING_BUFFER_GB", "inf")]),
-        ..req("transformer")
-    };
+    let r =
+        Request { environment: env(&[("DDO_VMM_STAGING_BUFFER_GB", "inf")]), ..req("transformer") };
     assert_eq!(
         err(&r),
         "vmm_staging_buffer_gb = inf (from DDO_VMM_STAGING_BUFFER_GB) must be a finite number >= 0 (GiB)"
@@ -540,10 +408,8 @@ fn negative_nan_and_infinite_sizes() {
 
 #[test]
 fn ranges() {
-    let r = Request {
-        arguments: args(|c| c.vmm_source_cache_gb = Some(40.0)),
-        ..req("transformer")
-    };
+    let r =
+        Request { arguments: args(|c| c.vmm_source_cache_gb = Some(40.0)), ..req("transformer") };
     assert_eq!(
         err(&r),
         "vmm_source_cache_gb = 40 (from argument) is out of range; allowed: 0 to 32 GiB"
@@ -556,27 +422,18 @@ fn ranges() {
         err(&r),
         "pin_weight_budget_ratio = 1.5 (from argument) is out of range; allowed: 0 to 1"
     );
-    let r = Request {
-        environment: env(&[("DDO_PREFETCH_DEPTH", "99")]),
-        ..req("transformer")
-    };
+    let r = Request { environment: env(&[("DDO_PREFETCH_DEPTH", "99")]), ..req("transformer") };
     assert_eq!(
         err(&r),
         "prefetch_depth = 99 (from DDO_PREFETCH_DEPTH) is out of range; allowed: 0 to 16 units"
     );
-    let r = Request {
-        arguments: args(|c| c.pin_cpu_workers = Some(0)),
-        ..req("transformer")
-    };
+    let r = Request { arguments: args(|c| c.pin_cpu_workers = Some(0)), ..req("transformer") };
     assert_eq!(
         err(&r),
         "pin_cpu_workers = 0 (from argument) is out of range; allowed: 1 to 64 threads"
     );
     let r = Request {
-        group: ComponentPolicy {
-            num_blocks_per_group: Some(0),
-            ..Default::default()
-        },
+        group: ComponentPolicy { num_blocks_per_group: Some(0), ..Default::default() },
         arguments: args(|c| c.route = Some("group".into())),
         ..req("transformer")
     };
@@ -623,10 +480,8 @@ fn registration_in_whole_segments() {
     };
     assert_eq!(plan(&ok).settings.vmm_source_registered_gb, 1.0625);
     // 0 means "same as storage" and is always accepted.
-    let zero = Request {
-        arguments: args(|c| c.vmm_source_cache_gb = Some(8.0)),
-        ..req("transformer")
-    };
+    let zero =
+        Request { arguments: args(|c| c.vmm_source_cache_gb = Some(8.0)), ..req("transformer") };
     assert_eq!(plan(&zero).settings.vmm_source_registered_gb, 0.0);
 }
 
@@ -697,24 +552,11 @@ fn native_routes_need_a_budget_and_staging() {
 #[test]
 fn unknown_config_fields_are_refused() {
     let e = serde_json::from_str::<DynamicOffloadConfig>(r#"{"prefetch_dept": 2}"#).unwrap_err();
-    assert!(
-        e.to_string()
-            .starts_with("unknown field `prefetch_dept`, expected one of"),
-        "{e}"
-    );
+    assert!(e.to_string().starts_with("unknown field `prefetch_dept`, expected one of"), "{e}");
 }
 
 #[test]
 fn config_error_is_a_closed_enum_with_origins() {
-    let r = Request {
-        environment: env(&[("DDO_PRESET", "x")]),
-        ..req("transformer")
-    };
-    assert!(matches!(
-        resolve(&r),
-        Err(ConfigError::UnknownPreset {
-            origin: Origin::Env(_),
-            ..
-        })
-    ));
+    let r = Request { environment: env(&[("DDO_PRESET", "x")]), ..req("transformer") };
+    assert!(matches!(resolve(&r), Err(ConfigError::UnknownPreset { origin: Origin::Env(_), .. })));
 }

@@ -41,10 +41,7 @@ impl LinuxAdmissionProbe {
 
     /// A probe reading every file under `root` (a fixture tree in tests).
     pub fn with_root(root: impl Into<PathBuf>) -> Self {
-        LinuxAdmissionProbe {
-            root: root.into(),
-            margin: DEFAULT_SAFETY_MARGIN,
-        }
+        LinuxAdmissionProbe { root: root.into(), margin: DEFAULT_SAFETY_MARGIN }
     }
 
     /// Sets the bytes kept free under every memory bound.
@@ -109,14 +106,8 @@ impl LinuxAdmissionProbe {
                 let commit_limit = field("CommitLimit")?;
                 let committed = field("Committed_AS")?;
                 bounds.push((
-                    commit_limit
-                        .saturating_sub(committed)
-                        .saturating_sub(margin),
-                    RefusalReason::Commit {
-                        commit_limit,
-                        committed,
-                        margin,
-                    },
+                    commit_limit.saturating_sub(committed).saturating_sub(margin),
+                    RefusalReason::Commit { commit_limit, committed, margin },
                 ));
             }
             for level in memory_levels(&self.root)? {
@@ -135,10 +126,7 @@ impl LinuxAdmissionProbe {
             }
             if let Some(limit) = self.limits()?.address_space {
                 let vm_size = self.status()?.vm_size.ok_or_else(|| {
-                    (
-                        "/proc/self/status VmSize".to_owned(),
-                        "field missing".to_owned(),
-                    )
+                    ("/proc/self/status VmSize".to_owned(), "field missing".to_owned())
                 })?;
                 bounds.push((
                     limit.saturating_sub(vm_size),
@@ -146,22 +134,17 @@ impl LinuxAdmissionProbe {
                 ));
             }
         }
-        if request.kind.locks() {
-            if let Some(limit) = self.limits()?.locked_memory {
-                let status = self.status()?;
-                if !status.can_lock_without_limit() {
-                    let vm_lck = status.vm_lck.ok_or_else(|| {
-                        (
-                            "/proc/self/status VmLck".to_owned(),
-                            "field missing".to_owned(),
-                        )
-                    })?;
-                    let locked = vm_lck.saturating_add(request.registered_bytes);
-                    bounds.push((
-                        limit.saturating_sub(locked),
-                        RefusalReason::Memlock { limit, locked },
-                    ));
-                }
+        if request.kind.locks()
+            && let Some(limit) = self.limits()?.locked_memory
+        {
+            let status = self.status()?;
+            if !status.can_lock_without_limit() {
+                let vm_lck = status.vm_lck.ok_or_else(|| {
+                    ("/proc/self/status VmLck".to_owned(), "field missing".to_owned())
+                })?;
+                let locked = vm_lck.saturating_add(request.registered_bytes);
+                bounds
+                    .push((limit.saturating_sub(locked), RefusalReason::Memlock { limit, locked }));
             }
         }
         Ok(bounds)
@@ -170,23 +153,15 @@ impl LinuxAdmissionProbe {
 
 impl AdmissionProbe for LinuxAdmissionProbe {
     fn admit(&self, request: &GrowthRequest) -> Admission {
-        let refuse = |reason| {
-            Admission::Refused(Refusal {
-                request: *request,
-                reason,
-            })
-        };
+        let refuse = |reason| Admission::Refused(Refusal { request: *request, reason });
         match self.bounds(request) {
             Err((what, error)) => refuse(RefusalReason::ObservationUnavailable { what, error }),
             Ok(bounds) => {
                 if let Some((_, reason)) = bounds.iter().find(|(room, _)| *room < request.bytes) {
                     return refuse(reason.clone());
                 }
-                let headroom = bounds
-                    .iter()
-                    .map(|(room, _)| room - request.bytes)
-                    .min()
-                    .unwrap_or(u64::MAX);
+                let headroom =
+                    bounds.iter().map(|(room, _)| room - request.bytes).min().unwrap_or(u64::MAX);
                 Admission::Granted { headroom }
             }
         }

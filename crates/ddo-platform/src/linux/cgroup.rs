@@ -71,25 +71,15 @@ fn read_level(dir: &Path, name: &str) -> Result<Option<CgroupMemory>, (String, S
     let current = read("memory.current")
         .map_err(|e| e.to_string())
         .and_then(|t| {
-            t.trim()
-                .parse::<u64>()
-                .map_err(|_| format!("unexpected value {:?}", t.trim()))
+            t.trim().parse::<u64>().map_err(|_| format!("unexpected value {:?}", t.trim()))
         })
         .map_err(|e| (format!("{name}/memory.current"), e))?;
-    Ok(Some(CgroupMemory {
-        path: name.to_owned(),
-        max,
-        high,
-        current,
-    }))
+    Ok(Some(CgroupMemory { path: name.to_owned(), max, high, current }))
 }
 
 fn parse_limit(text: &str) -> Result<Option<u64>, String> {
     match text.trim() {
         "max" => Ok(None),
-        v => v
-            .parse()
-            .map(Some)
-            .map_err(|_| format!("unexpected value {v:?}")),
+        v => v.parse().map(Some).map_err(|_| format!("unexpected value {v:?}")),
     }
 }

@@ -115,13 +115,7 @@ mod tests {
             "Limit                     Soft Limit           Hard Limit           Units\nMax address space         unlimited            unlimited            bytes\nMax locked memory         8388608              8388608              bytes\n",
         )
         .unwrap();
-        assert_eq!(
-            l,
-            Limits {
-                address_space: None,
-                locked_memory: Some(8388608)
-            }
-        );
+        assert_eq!(l, Limits { address_space: None, locked_memory: Some(8388608) });
         assert!(
             parse_limits("Max address space  x  y bytes\nMax locked memory 1 1 bytes").is_err()
         );
