@@ -113,6 +113,38 @@ pub enum SourceError {
         /// The buffer's length.
         got: u64,
     },
+    /// A tensor index outside the source.
+    #[error("tensor index {index} is out of range; the source has {count} tensors")]
+    NoSuchTensor {
+        /// The index asked for.
+        index: usize,
+        /// Tensors in the source.
+        count: usize,
+    },
+    /// A batch whose destination ranges overlap or leave the buffer.
+    #[error("invalid read batch: {0}")]
+    InvalidBatch(String),
+    /// A host ceiling would be exceeded.
+    #[error(
+        "{what} ceiling of {} would be exceeded: {} in use, {} requested; raise the ceiling or lower what is kept",
+        crate::ByteSize(*ceiling), crate::ByteSize(*used), crate::ByteSize(*requested)
+    )]
+    CeilingExceeded {
+        /// Which ceiling (`retained storage`, `registration`).
+        what: &'static str,
+        /// The ceiling in bytes.
+        ceiling: u64,
+        /// Bytes in use.
+        used: u64,
+        /// Bytes requested.
+        requested: u64,
+    },
+    /// The read path is not available here (O_DIRECT on a filesystem without it).
+    #[error("{0}")]
+    Unsupported(String),
+    /// A device call failed (host registration).
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     /// Host growth refused by admission.
     #[error("host memory growth refused: {0}")]
     Refused(#[from] crate::Refusal),

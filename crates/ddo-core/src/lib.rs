@@ -41,7 +41,7 @@ pub use fence::{Fence, FenceValue};
 pub use host::{HostRegion, HostSlice, Registration};
 pub use platform::Platform;
 pub use residency::Residency;
-pub use source::WeightSource;
+pub use source::{ReadRequest, WeightSource};
 pub use tensor::{CheckpointFileId, FileIdentity, TensorSlice};
 pub use unit::{ExecutionUnit, SlotId, UnitId, UnitTensor};
 

@@ -2,6 +2,15 @@
 
 use crate::{HostSlice, SourceError, TensorSlice};
 
+/// One tensor of a batch read: tensor `slice` lands at `dst_offset` of the batch's buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReadRequest {
+    /// Index of the tensor in [`WeightSource::slices`].
+    pub slice: usize,
+    /// Where its bytes go in the destination buffer.
+    pub dst_offset: u64,
+}
+
 /// A checkpoint's tensors and a way to get their bytes.
 ///
 /// Contract:
@@ -14,6 +23,9 @@ use crate::{HostSlice, SourceError, TensorSlice};
 ///   (a mapping or a retained buffer) when the source has them, without copying; they stay valid
 ///   while the returned slice lives.
 /// - [`read`](WeightSource::read) fills `dst` (exactly the slice's length) with the bytes.
+/// - [`read_batch`](WeightSource::read_batch) fills several tensors into one buffer; destination
+///   ranges must lie inside `dst` and not overlap. Sources override it to coalesce adjacent
+///   tensors into large reads.
 #[cfg_attr(feature = "mocks", mockall::automock)]
 pub trait WeightSource: Send + Sync {
     /// All tensors of the source.
@@ -24,4 +36,24 @@ pub trait WeightSource: Send + Sync {
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError>;
     /// The tensor's bytes in host memory, when the source holds them there.
     fn host_bytes(&self, slice: usize) -> Option<HostSlice>;
+    /// Reads several tensors into `dst` at their requested offsets.
+    fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
+        for r in requests {
+            let slice = self.slices().get(r.slice).ok_or_else(|| SourceError::NoSuchTensor {
+                index: r.slice,
+                count: self.slices().len(),
+            })?;
+            let start = usize::try_from(r.dst_offset).unwrap_or(usize::MAX);
+            let end = start.saturating_add(usize::try_from(slice.len).unwrap_or(usize::MAX));
+            let dst_len = dst.len();
+            let piece = dst.get_mut(start..end).ok_or_else(|| {
+                SourceError::InvalidBatch(format!(
+                    "tensor {:?} at offset {} needs {} bytes, the buffer has {dst_len}",
+                    slice.name, r.dst_offset, slice.len
+                ))
+            })?;
+            self.read(r.slice, piece)?;
+        }
+        Ok(())
+    }
 }

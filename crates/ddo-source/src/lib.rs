@@ -1,8 +1,32 @@
-//! Checkpoint sources: safetensors files opened as immutable tensor slices whose bytes reach the
-//! arena through mmap, `pread` or O_DIRECT reads, within separate retained-storage and
-//! registration ceilings.
+//! Checkpoint sources: safetensors files opened as immutable tensor slices whose bytes reach
+//! the arena at full disk and link speed, within separate host ceilings.
 //!
-//! The readers are not written yet; until they are, the crate only names its place in the
-//! workspace.
+//! - [`Checkpoint`] validates one file, several, or a Diffusers model folder (with or without a
+//!   `*.safetensors.index.json`) before anything is read, and records each file's identity.
+//! - [`CheckpointSource`] implements [`ddo_core::WeightSource`] with three read paths:
+//!   `pread` with a worker pool, O_DIRECT through aligned bounce buffers, and copies out of a
+//!   memory mapping. Adjacent tensors coalesce into large reads that land in caller buffers.
+//!   Mapping is an `unsafe` constructor: the caller promises the files do not change while
+//!   mapped; the safe default reads.
+//! - [`RetainedStore`] keeps host copies under a storage ceiling, admitted by the host first;
+//!   [`Registrar`] page-locks host ranges under a separate ceiling of whole segments.
+//!
+//! Every failure is a [`ddo_core::SourceError`] naming the file, the tensor and the reason; no
+//! input makes parsing panic.
 
-pub use ddo_core::{TensorSlice, WeightSource};
+mod checkpoint;
+mod header;
+mod mapping;
+mod plan;
+mod read;
+mod registration;
+mod retained;
+mod source;
+
+pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
+pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
+pub use mapping::MappedFile;
+pub use read::{DIRECT_ALIGN, ReadMethod, ReadOptions};
+pub use registration::{REGISTRATION_SEGMENT, RegisteredRange, Registrar};
+pub use retained::{RetainedBuffer, RetainedStore};
+pub use source::CheckpointSource;

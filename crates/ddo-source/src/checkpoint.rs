@@ -1,0 +1,279 @@
+//! Checkpoints: one or more safetensors files, validated and turned into immutable tensor slices.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use ddo_core::{CheckpointFileId, FileIdentity, SourceError, TensorSlice};
+
+use crate::header::{MAX_HEADER_LEN, header_len, parse_header};
+
+/// One file of a checkpoint, with the identity recorded when it was opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointFile {
+    /// The file's path.
+    pub path: PathBuf,
+    /// Its identity at open.
+    pub identity: FileIdentity,
+    /// Absolute offset of its data section.
+    pub data_start: u64,
+}
+
+/// A validated checkpoint: its files and every tensor's immutable slice.
+///
+/// Every tensor name is unique across the files, every range lies inside its file, ranges do not
+/// overlap, and each length equals shape x dtype size. Opening reads only headers.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    files: Vec<CheckpointFile>,
+    slices: Vec<TensorSlice>,
+    by_name: HashMap<String, usize>,
+}
+
+fn invalid(path: &Path, tensor: Option<&str>, reason: impl Into<String>) -> SourceError {
+    SourceError::InvalidCheckpoint {
+        file: path.to_owned(),
+        tensor: tensor.map(str::to_owned),
+        reason: reason.into(),
+    }
+}
+
+fn io(path: &Path, source: std::io::Error) -> SourceError {
+    SourceError::Io { file: path.to_owned(), source }
+}
+
+/// The identity of the file at `path` now.
+pub fn file_identity(path: &Path) -> Result<FileIdentity, std::io::Error> {
+    identity_of(&std::fs::metadata(path)?)
+}
+
+fn identity_of(m: &std::fs::Metadata) -> Result<FileIdentity, std::io::Error> {
+    Ok(FileIdentity {
+        device: m.dev(),
+        inode: m.ino(),
+        size: m.len(),
+        mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+    })
+}
+
+impl Checkpoint {
+    /// Opens a safetensors file, or a directory: with exactly one `*.safetensors.index.json`
+    /// the files it names, otherwise every `*.safetensors` file in it (a Diffusers model folder
+    /// or its `transformer/` subfolder).
+    pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint, SourceError> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| io(path, e))?;
+        if !meta.is_dir() {
+            return Checkpoint::open_files(&[path]);
+        }
+        let mut indexes = Vec::new();
+        let mut shards = Vec::new();
+        for entry in std::fs::read_dir(path).map_err(|e| io(path, e))? {
+            let p = entry.map_err(|e| io(path, e))?.path();
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if name.ends_with(".safetensors.index.json") {
+                indexes.push(p);
+            } else if name.ends_with(".safetensors") {
+                shards.push(p);
+            }
+        }
+        indexes.sort();
+        shards.sort();
+        match indexes.as_slice() {
+            [index] => Checkpoint::open_index(index),
+            [] if shards.is_empty() => Err(invalid(
+                path,
+                None,
+                "the folder has no .safetensors files; pass a safetensors file or a model folder",
+            )),
+            [] => Checkpoint::open_files(&shards),
+            many => Err(invalid(
+                path,
+                None,
+                format!(
+                    "the folder has {} index files ({}); pass the one to use",
+                    many.len(),
+                    many.iter()
+                        .filter_map(|p| p.file_name()?.to_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        }
+    }
+
+    /// Opens a sharded checkpoint through its `*.safetensors.index.json`; every index entry must
+    /// name an existing file that holds the tensor, and every tensor of those files must be in
+    /// the index.
+    pub fn open_index(index: impl AsRef<Path>) -> Result<Checkpoint, SourceError> {
+        let index = index.as_ref();
+        let text = std::fs::read_to_string(index).map_err(|e| io(index, e))?;
+        let weight_map = parse_index(&text, index)?;
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let mut files: Vec<&str> = weight_map.values().map(String::as_str).collect();
+        files.sort();
+        files.dedup();
+        let mut paths = Vec::with_capacity(files.len());
+        for f in &files {
+            if Path::new(f).components().count() != 1 {
+                return Err(invalid(index, None, format!("index names {f:?}, not a file name")));
+            }
+            let p = dir.join(f);
+            if !p.is_file() {
+                let tensor = weight_map.iter().find(|(_, v)| v == f).map(|(k, _)| k.as_str());
+                return Err(invalid(index, tensor, format!("index points to missing file {f:?}")));
+            }
+            paths.push(p);
+        }
+        let checkpoint = Checkpoint::open_files(&paths)?;
+        for (tensor, file) in &weight_map {
+            let found = checkpoint.by_name.get(tensor).map(|&i| &checkpoint.slices[i]);
+            match found {
+                Some(s) if s.path.file_name().and_then(|n| n.to_str()) == Some(file.as_str()) => {}
+                Some(s) => {
+                    return Err(invalid(
+                        index,
+                        Some(tensor),
+                        format!("index maps it to {file:?} but it is in {}", s.path.display()),
+                    ));
+                }
+                None => {
+                    return Err(invalid(
+                        index,
+                        Some(tensor),
+                        format!("index maps it to {file:?}, which has no such tensor"),
+                    ));
+                }
+            }
+        }
+        if let Some(s) = checkpoint.slices.iter().find(|s| !weight_map.contains_key(&s.name)) {
+            return Err(invalid(
+                &s.path,
+                Some(&s.name),
+                format!("tensor is missing from the index {}", index.display()),
+            ));
+        }
+        Ok(checkpoint)
+    }
+
+    /// Opens the given safetensors files as one checkpoint.
+    pub fn open_files<P: AsRef<Path>>(paths: &[P]) -> Result<Checkpoint, SourceError> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut slices = Vec::new();
+        let mut by_name: HashMap<String, usize> = HashMap::new();
+        for (i, path) in paths.iter().enumerate() {
+            let path = path.as_ref();
+            let mut file = File::open(path).map_err(|e| io(path, e))?;
+            let meta = file.metadata().map_err(|e| io(path, e))?;
+            if !meta.is_file() {
+                return Err(invalid(path, None, "not a regular file"));
+            }
+            let identity = identity_of(&meta).map_err(|e| io(path, e))?;
+            let mut prefix = [0u8; 8];
+            let got = read_up_to(&mut file, &mut prefix).map_err(|e| io(path, e))?;
+            let n = header_len(&prefix[..got], identity.size, path)?;
+            debug_assert!(n <= MAX_HEADER_LEN);
+            let mut bytes = prefix.to_vec();
+            bytes.resize(8 + n as usize, 0);
+            file.read_exact(&mut bytes[8..]).map_err(|e| io(path, e))?;
+            let header = parse_header(&bytes, identity.size, path)?;
+            let id = CheckpointFileId(u32::try_from(i).expect("fewer than 2^32 files"));
+            for e in header.entries {
+                if let Some(&other) = by_name.get(&e.name) {
+                    let first: &TensorSlice = &slices[other];
+                    return Err(invalid(
+                        path,
+                        Some(&e.name),
+                        format!("duplicate tensor name: also in {}", first.path.display()),
+                    ));
+                }
+                by_name.insert(e.name.clone(), slices.len());
+                slices.push(TensorSlice {
+                    name: e.name,
+                    dtype: e.dtype,
+                    shape: e.shape,
+                    file: id,
+                    path: path.to_owned(),
+                    offset: e.offset,
+                    len: e.len,
+                });
+            }
+            files.push(CheckpointFile {
+                path: path.to_owned(),
+                identity,
+                data_start: header.data_start,
+            });
+        }
+        Ok(Checkpoint { files, slices, by_name })
+    }
+
+    /// The files.
+    pub fn files(&self) -> &[CheckpointFile] {
+        &self.files
+    }
+
+    /// Every tensor, file by file in offset order.
+    pub fn slices(&self) -> &[TensorSlice] {
+        &self.slices
+    }
+
+    /// The index of the tensor called `name`.
+    pub fn find(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    /// Bytes of all tensors.
+    pub fn total_bytes(&self) -> u64 {
+        self.slices.iter().map(|s| s.len).sum()
+    }
+
+    /// Checks every file's identity against the one recorded at open.
+    pub fn check_unchanged(&self) -> Result<(), SourceError> {
+        for f in &self.files {
+            let changed =
+                |what: String| SourceError::CheckpointChanged { file: f.path.clone(), what };
+            let now =
+                file_identity(&f.path).map_err(|e| changed(format!("it cannot be read: {e}")))?;
+            let was = f.identity;
+            if now.device != was.device || now.inode != was.inode {
+                return Err(changed("the file was replaced".into()));
+            }
+            if now.size != was.size {
+                return Err(changed(format!("size {} -> {}", was.size, now.size)));
+            }
+            if now.mtime_ns != was.mtime_ns {
+                return Err(changed("modification time changed".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read(&mut buf[got..])? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    Ok(got)
+}
+
+/// Parses a `*.safetensors.index.json`: its `weight_map` of tensor name to file name.
+pub fn parse_index(text: &str, path: &Path) -> Result<BTreeMap<String, String>, SourceError> {
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| invalid(path, None, format!("index is not valid JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| invalid(path, None, "index has no weight_map object"))?;
+    map.iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(f) => Ok((k.clone(), f.to_owned())),
+            None => Err(invalid(path, Some(k), "weight_map value is not a file name")),
+        })
+        .collect()
+}

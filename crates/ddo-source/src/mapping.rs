@@ -1,0 +1,48 @@
+//! Memory mappings of checkpoint files.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use ddo_core::{HostRegion, SourceError};
+
+/// A read-only mapping of a whole checkpoint file; a [`HostRegion`] so device copies and
+/// registrations can hold it alive.
+#[derive(Debug)]
+pub struct MappedFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
+
+impl MappedFile {
+    /// Maps the file at `path`.
+    ///
+    /// # Safety
+    ///
+    /// The file must not be modified or truncated while the mapping (or any `Arc` of it) lives:
+    /// changed bytes would be read silently, and truncation makes reads of the lost range fault
+    /// (SIGBUS). ddo checks the file's identity before each read batch, which catches a changed
+    /// file between batches but cannot make concurrent modification safe.
+    pub unsafe fn map(path: &Path) -> Result<MappedFile, SourceError> {
+        let io = |source| SourceError::Io { file: path.to_owned(), source };
+        let file = File::open(path).map_err(io)?;
+        // SAFETY: the caller promises the file is not modified or truncated while mapped.
+        let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
+        Ok(MappedFile { path: path.to_owned(), map })
+    }
+
+    /// The mapped bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl HostRegion for MappedFile {
+    fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+}

@@ -1,0 +1,108 @@
+//! The retained store: host copies of tensor bytes kept independently of any loader tensor,
+//! under a storage ceiling, with growth admitted by the host first.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ddo_core::{
+    AdmissionProbe, GrowthKind, GrowthRequest, HostRegion, ReadRequest, SourceError, WeightSource,
+};
+
+/// Retained host storage under a ceiling. Bytes count from [`RetainedStore::retain`] until the
+/// last `Arc` of the returned buffer is dropped (so a buffer still referenced by a copy in
+/// flight still counts).
+pub struct RetainedStore {
+    ceiling: u64,
+    used: Arc<AtomicU64>,
+    probe: Arc<dyn AdmissionProbe>,
+}
+
+impl std::fmt::Debug for RetainedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RetainedStore")
+            .field("ceiling", &self.ceiling)
+            .field("used", &self.used())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Retained bytes: a [`HostRegion`] the arena can copy from and register.
+#[derive(Debug)]
+pub struct RetainedBuffer {
+    bytes: Vec<u8>,
+    used: Arc<AtomicU64>,
+}
+
+impl HostRegion for RetainedBuffer {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for RetainedBuffer {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes.len() as u64, Ordering::AcqRel);
+    }
+}
+
+impl RetainedStore {
+    /// A store that may hold up to `ceiling` bytes; growth is asked of `probe` first.
+    pub fn new(ceiling: u64, probe: Arc<dyn AdmissionProbe>) -> Self {
+        RetainedStore { ceiling, used: Arc::new(AtomicU64::new(0)), probe }
+    }
+
+    /// The ceiling in bytes.
+    pub fn ceiling(&self) -> u64 {
+        self.ceiling
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// Reads `requests` from `source` into a new retained buffer of `len` bytes.
+    ///
+    /// Refused, with nothing changed, when the ceiling would be exceeded
+    /// ([`SourceError::CeilingExceeded`]) or the host refuses the growth
+    /// ([`SourceError::Refused`], carrying the probe's reason). A failed read releases the bytes.
+    pub fn retain(
+        &self,
+        source: &dyn WeightSource,
+        requests: &[ReadRequest],
+        len: u64,
+    ) -> Result<Arc<RetainedBuffer>, SourceError> {
+        // Reserve under the ceiling first so concurrent retains cannot overshoot it.
+        let reserved = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            used.checked_add(len).filter(|total| *total <= self.ceiling)
+        });
+        if let Err(used) = reserved {
+            return Err(SourceError::CeilingExceeded {
+                what: "retained storage",
+                ceiling: self.ceiling,
+                used,
+                requested: len,
+            });
+        }
+        let release = || self.used.fetch_sub(len, Ordering::AcqRel);
+        let request = GrowthRequest { kind: GrowthKind::Retained, bytes: len, registered_bytes: 0 };
+        if let Err(refusal) = self.probe.admit(&request).into_result() {
+            release();
+            return Err(SourceError::Refused(refusal));
+        }
+        let Ok(size) = usize::try_from(len) else {
+            release();
+            return Err(SourceError::InvalidBatch(format!("{len} bytes do not fit in memory")));
+        };
+        let mut bytes = Vec::new();
+        if bytes.try_reserve_exact(size).is_err() {
+            release();
+            return Err(SourceError::InvalidBatch(format!("allocating {len} host bytes failed")));
+        }
+        bytes.resize(size, 0);
+        // From here the buffer owns the reservation: dropping it (on a failed read) releases it.
+        let mut buffer = RetainedBuffer { bytes, used: self.used.clone() };
+        source.read_batch(requests, &mut buffer.bytes)?;
+        Ok(Arc::new(buffer))
+    }
+}

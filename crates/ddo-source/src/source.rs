@@ -1,0 +1,113 @@
+//! [`CheckpointSource`]: a checkpoint as a [`WeightSource`].
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ddo_core::{HostRegion, HostSlice, ReadRequest, SourceError, TensorSlice, WeightSource};
+
+use crate::Checkpoint;
+use crate::mapping::MappedFile;
+use crate::plan::{carve, plan};
+use crate::read::{ReadMethod, ReadOptions, execute};
+
+/// A checkpoint whose bytes are read through one of the read paths.
+///
+/// Every read batch first checks that no file changed since the checkpoint was opened; a changed
+/// file fails the batch with [`SourceError::CheckpointChanged`].
+#[derive(Debug, Clone)]
+pub struct CheckpointSource {
+    checkpoint: Arc<Checkpoint>,
+    maps: Option<Vec<Arc<MappedFile>>>,
+    options: ReadOptions,
+}
+
+impl CheckpointSource {
+    /// A source reading with `options` (pread or O_DIRECT; the safe default). Asking for
+    /// [`ReadMethod::Mmap`] here is an error: mapping is [`CheckpointSource::with_mmap`]'s
+    /// promise to make.
+    pub fn new(checkpoint: Arc<Checkpoint>, options: ReadOptions) -> Result<Self, SourceError> {
+        if options.method == ReadMethod::Mmap {
+            return Err(SourceError::Unsupported(
+                "the mmap read path needs CheckpointSource::with_mmap".into(),
+            ));
+        }
+        Ok(CheckpointSource { checkpoint, maps: None, options })
+    }
+
+    /// A source that maps every file: [`WeightSource::host_bytes`] returns slices of the mappings
+    /// (zero copy) and reads copy out of them.
+    ///
+    /// # Safety
+    ///
+    /// The checkpoint's files must not be modified or truncated while the source or any slice of
+    /// its mappings lives (see [`MappedFile::map`]).
+    pub unsafe fn with_mmap(
+        checkpoint: Arc<Checkpoint>,
+        workers: usize,
+    ) -> Result<Self, SourceError> {
+        checkpoint.check_unchanged()?;
+        let maps = checkpoint
+            .files()
+            .iter()
+            // SAFETY: forwarded from this function's contract.
+            .map(|f| unsafe { MappedFile::map(&f.path) }.map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let options = ReadOptions { method: ReadMethod::Mmap, workers, ..ReadOptions::default() };
+        Ok(CheckpointSource { checkpoint, maps: Some(maps), options })
+    }
+
+    /// The checkpoint.
+    pub fn checkpoint(&self) -> &Arc<Checkpoint> {
+        &self.checkpoint
+    }
+
+    /// The read options.
+    pub fn options(&self) -> ReadOptions {
+        self.options
+    }
+
+    /// The mapping of file `index`, for sources built with [`CheckpointSource::with_mmap`].
+    pub fn mapping(&self, index: usize) -> Option<&Arc<MappedFile>> {
+        self.maps.as_ref()?.get(index)
+    }
+}
+
+impl WeightSource for CheckpointSource {
+    fn slices(&self) -> &[TensorSlice] {
+        self.checkpoint.slices()
+    }
+
+    fn check_unchanged(&self) -> Result<(), SourceError> {
+        self.checkpoint.check_unchanged()
+    }
+
+    fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
+        let s = self
+            .slices()
+            .get(slice)
+            .ok_or(SourceError::NoSuchTensor { index: slice, count: self.slices().len() })?;
+        if s.len != dst.len() as u64 {
+            return Err(SourceError::LengthMismatch {
+                tensor: s.name.clone(),
+                expected: s.len,
+                got: dst.len() as u64,
+            });
+        }
+        self.read_batch(&[ReadRequest { slice, dst_offset: 0 }], dst)
+    }
+
+    fn host_bytes(&self, slice: usize) -> Option<HostSlice> {
+        let s = self.slices().get(slice)?;
+        let map = self.maps.as_ref()?.get(s.file.0 as usize)?.clone();
+        let region: Arc<dyn HostRegion> = map;
+        HostSlice::new(region, usize::try_from(s.offset).ok()?, usize::try_from(s.len).ok()?)
+    }
+
+    fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
+        self.checkpoint.check_unchanged()?;
+        let runs = plan(self.slices(), requests, dst.len(), self.options.chunk_bytes)?;
+        let dsts = carve(&runs, dst);
+        let paths: Vec<&Path> = self.checkpoint.files().iter().map(|f| f.path.as_path()).collect();
+        execute(&paths, self.maps.as_deref(), self.options, runs, dsts)
+    }
+}

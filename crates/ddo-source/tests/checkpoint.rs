@@ -1,0 +1,218 @@
+//! Opening and validating checkpoints: files, folders, indexes, and every corruption.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use ddo_core::SourceError;
+use ddo_source::Checkpoint;
+
+fn open_err(path: &Path) -> String {
+    Checkpoint::open(path).expect_err("open should fail").to_string()
+}
+
+#[test]
+fn a_file_lists_every_tensor_with_its_slice() {
+    let dir = scratch();
+    let path = write(&dir.path().join("m.safetensors"), &[("a", vec![4, 4]), ("b", vec![3])]);
+    let c = Checkpoint::open(&path).unwrap();
+    let a = &c.slices()[c.find("a").unwrap()];
+    assert_eq!((a.dtype, a.shape.clone(), a.len), (ddo_core::Dtype::BF16, vec![4, 4], 32));
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(&bytes[a.offset as usize..(a.offset + a.len) as usize], pattern("a", 32).as_slice());
+    assert_eq!(c.total_bytes(), 38);
+    assert_eq!(c.files()[0].identity.size, bytes.len() as u64);
+}
+
+#[test]
+fn a_diffusers_folder_with_and_without_index() {
+    let dir = scratch();
+    write(&dir.path().join("diffusion_pytorch_model.safetensors"), &[("x", vec![2])]);
+    std::fs::write(dir.path().join("config.json"), "{}").unwrap();
+    assert_eq!(Checkpoint::open(dir.path()).unwrap().slices().len(), 1);
+
+    let sharded = scratch();
+    let d = sharded.path();
+    write(
+        &d.join("diffusion_pytorch_model-00001-of-00002.safetensors"),
+        &[("a", vec![2]), ("b", vec![2])],
+    );
+    write(&d.join("diffusion_pytorch_model-00002-of-00002.safetensors"), &[("c", vec![2])]);
+    std::fs::write(
+        d.join("diffusion_pytorch_model.safetensors.index.json"),
+        r#"{"metadata":{"total_size":12},"weight_map":{"a":"diffusion_pytorch_model-00001-of-00002.safetensors","b":"diffusion_pytorch_model-00001-of-00002.safetensors","c":"diffusion_pytorch_model-00002-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
+    let c = Checkpoint::open(d).unwrap();
+    assert_eq!(c.files().len(), 2);
+    assert_eq!(c.slices()[c.find("c").unwrap()].file.0, 1);
+}
+
+fn index_folder(weight_map: &str) -> tempfile::TempDir {
+    let dir = scratch();
+    write(&dir.path().join("s1.safetensors"), &[("a", vec![2])]);
+    write(&dir.path().join("s2.safetensors"), &[("b", vec![2])]);
+    std::fs::write(
+        dir.path().join("m.safetensors.index.json"),
+        format!(r#"{{"weight_map":{weight_map}}}"#),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn an_index_pointing_nowhere() {
+    let d = index_folder(r#"{"a":"s1.safetensors","b":"gone.safetensors"}"#);
+    assert_eq!(
+        open_err(d.path()),
+        format!(
+            "invalid checkpoint {}: tensor \"b\": index points to missing file \"gone.safetensors\"",
+            d.path().join("m.safetensors.index.json").display()
+        )
+    );
+    let d = index_folder(r#"{"a":"s1.safetensors","b":"s2.safetensors","z":"s2.safetensors"}"#);
+    assert!(
+        open_err(d.path()).ends_with(
+            "tensor \"z\": index maps it to \"s2.safetensors\", which has no such tensor"
+        )
+    );
+    let d = index_folder(r#"{"a":"s2.safetensors","b":"s2.safetensors"}"#);
+    assert!(
+        open_err(d.path()).ends_with(
+            "tensor \"a\": index maps it to \"s2.safetensors\", which has no such tensor"
+        )
+    );
+    // The index defines the checkpoint: a file it does not name is not part of it.
+    let d = index_folder(r#"{"a":"s1.safetensors"}"#);
+    assert_eq!(Checkpoint::open(d.path()).unwrap().slices().len(), 1);
+    let d = index_folder(r#"{"a":"../s1.safetensors","b":"s2.safetensors"}"#);
+    assert!(open_err(d.path()).contains("index names \"../s1.safetensors\", not a file name"));
+    let d = index_folder(r#"[1]"#);
+    assert!(open_err(d.path()).ends_with("index has no weight_map object"));
+}
+
+#[test]
+fn folders_without_files_or_with_several_indexes() {
+    let d = scratch();
+    assert!(open_err(d.path()).ends_with(
+        "the folder has no .safetensors files; pass a safetensors file or a model folder"
+    ));
+    let d = index_folder(r#"{"a":"s1.safetensors","b":"s2.safetensors"}"#);
+    std::fs::write(d.path().join("other.safetensors.index.json"), "{}").unwrap();
+    assert!(open_err(d.path()).contains("the folder has 2 index files (m.safetensors.index.json, other.safetensors.index.json); pass the one to use"));
+    assert!(open_err(&d.path().join("missing.safetensors")).starts_with("reading"));
+}
+
+#[test]
+fn a_truncated_file() {
+    let d = scratch();
+    let p = write(&d.path().join("m.safetensors"), &[("a", vec![8])]);
+    let len = std::fs::metadata(&p).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_len(len - 4).unwrap();
+    assert!(
+        open_err(&p)
+            .ends_with("tensor \"a\": data range [0, 16) goes beyond the data section (12 bytes)"),
+        "{}",
+        open_err(&p)
+    );
+    f.set_len(5).unwrap();
+    assert!(open_err(&p).ends_with("file is 5 bytes, shorter than the 8-byte header length"));
+}
+
+#[test]
+fn header_length_beyond_the_file() {
+    let d = scratch();
+    let p = raw(&d.path().join("m.safetensors"), b"{}", 4096, 0);
+    assert_eq!(
+        open_err(&p),
+        format!(
+            "invalid checkpoint {}: header length 4096 goes beyond the end of the file (10 bytes)",
+            p.display()
+        )
+    );
+}
+
+#[test]
+fn overlapping_tensors() {
+    let d = scratch();
+    let h = br#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[8],"data_offsets":[4,12]}}"#;
+    let p = raw(&d.path().join("m.safetensors"), h, h.len() as u64, 12);
+    assert!(
+        open_err(&p).ends_with("tensor \"b\": data range [4, 12) overlaps tensor \"a\" at [0, 8)")
+    );
+}
+
+#[test]
+fn unknown_dtype_shape_mismatch_and_non_utf8() {
+    let d = scratch();
+    let h = br#"{"a":{"dtype":"Q4","shape":[8],"data_offsets":[0,8]}}"#;
+    let p = raw(&d.path().join("m.safetensors"), h, h.len() as u64, 8);
+    assert!(open_err(&p).contains("tensor \"a\": unknown dtype \"Q4\""));
+    let h = br#"{"a":{"dtype":"F16","shape":[8],"data_offsets":[0,8]}}"#;
+    let p = raw(&d.path().join("m.safetensors"), h, h.len() as u64, 8);
+    assert!(
+        open_err(&p)
+            .ends_with("tensor \"a\": shape [8] of F16 needs 16 bytes but data_offsets give 8")
+    );
+    let mut h = br#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#.to_vec();
+    h[3] = 0xC3;
+    h[4] = 0x28;
+    let p = raw(&d.path().join("m.safetensors"), &h, h.len() as u64, 8);
+    assert!(open_err(&p).ends_with("header is not UTF-8 (invalid byte at 3)"), "{}", open_err(&p));
+}
+
+#[test]
+fn duplicate_names_in_a_file_and_across_files() {
+    let d = scratch();
+    let h = br#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
+    let p = raw(&d.path().join("m.safetensors"), h, h.len() as u64, 2);
+    assert!(open_err(&p).contains("duplicate tensor name \"a\""));
+    let a = write(&d.path().join("a.safetensors"), &[("w", vec![2])]);
+    let b = write(&d.path().join("b.safetensors"), &[("w", vec![2])]);
+    let e = Checkpoint::open_files(&[a.clone(), b.clone()]).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        format!(
+            "invalid checkpoint {}: tensor \"w\": duplicate tensor name: also in {}",
+            b.display(),
+            a.display()
+        )
+    );
+}
+
+#[test]
+fn a_file_modified_during_use() {
+    let d = scratch();
+    let p = write(&d.path().join("m.safetensors"), &[("a", vec![8])]);
+    let c = Checkpoint::open(&p).unwrap();
+    c.check_unchanged().unwrap();
+    // Rewrite with the same size: the modification time (or inode) changes.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes).unwrap();
+    let e = c.check_unchanged().unwrap_err();
+    assert!(matches!(e, SourceError::CheckpointChanged { .. }));
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "checkpoint file {} changed while in use (modification time changed); checkpoint files must not be modified while ddo reads them: reload the model",
+            p.display()
+        )
+    );
+    // Replacing the file (a new inode) and truncation are caught too.
+    let c = Checkpoint::open(&p).unwrap();
+    let tmp = d.path().join("new");
+    std::fs::write(&tmp, &bytes).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
+    assert!(c.check_unchanged().unwrap_err().to_string().contains("(the file was replaced)"));
+    let c = Checkpoint::open(&p).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(9).unwrap();
+    assert!(
+        c.check_unchanged()
+            .unwrap_err()
+            .to_string()
+            .contains(&format!("(size {} -> 9)", bytes.len()))
+    );
+}
