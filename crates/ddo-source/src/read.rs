@@ -37,12 +37,15 @@ pub struct ReadOptions {
 
 impl Default for ReadOptions {
     fn default() -> Self {
-        ReadOptions { method: ReadMethod::Pread, workers: 4, chunk_bytes: 16 << 20 }
+        ReadOptions { method: ReadMethod::Pread, workers: 16, chunk_bytes: 8 << 20 }
     }
 }
 
 /// Alignment of O_DIRECT offsets, lengths and buffers.
 pub const DIRECT_ALIGN: usize = 4096;
+
+/// A run and the destination slices of its pieces.
+type Job<'a> = (Run, Vec<&'a mut [u8]>);
 
 /// Executes `runs` with their carved destinations on `workers` threads.
 pub(crate) fn execute(
@@ -52,8 +55,7 @@ pub(crate) fn execute(
     runs: Vec<Run>,
     dsts: Vec<Vec<&mut [u8]>>,
 ) -> Result<(), SourceError> {
-    let queue: Mutex<Vec<(Run, Vec<&mut [u8]>)>> =
-        Mutex::new(runs.into_iter().zip(dsts).rev().collect());
+    let queue: Mutex<Vec<Job<'_>>> = Mutex::new(runs.into_iter().zip(dsts).rev().collect());
     let workers = options.workers.max(1).min(queue.lock().expect("queue").len().max(1));
     let first_error: Mutex<Option<SourceError>> = Mutex::new(None);
     std::thread::scope(|scope| {
