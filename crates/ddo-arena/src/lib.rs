@@ -1,8 +1,31 @@
-//! The bounded GPU weight arena: execution units packed into stable device ranges, resident units
-//! kept under a budget, streamed units cycled through execution slots, and reuse gated on fences.
+//! The bounded GPU weight arena: a component's execution units packed into stable device
+//! ranges, as many kept resident as the budget allows, the rest streamed through execution slots
+//! with uploads overlapped with compute, and memory reused only when a fence proves it free.
 //!
-//! This crate is generic over the ports of [`ddo_core`] and forbids `unsafe`. Its state machine
-//! is not written yet; until it is, the crate only names its place in the workspace.
+//! The crate is generic over the ports of [`ddo_core`] (a [`ddo_core::Platform`] value) and
+//! forbids `unsafe`. The same code runs on CUDA, on the host backend, and on mocks.
+//!
+//! ```text
+//! layout   units -> contiguous, aligned ranges; adjacent tensors upload in one copy
+//! plan     budget -> resident units + N slots (N >= 2, prefetch depth + 1 when it fits)
+//! arena    acquire(unit, stream) -> Lease   (upload if needed; stream waits on the upload)
+//!          release(lease, stream)           (records the fence that gates reuse)
+//!          reclaim_idle(), close()          (free only what a fence proves idle)
+//! ```
 #![forbid(unsafe_code)]
+
+mod arena;
+mod error;
+mod layout;
+mod plan;
+mod stats;
+
+pub use arena::{Arena, Lease, ReclaimReport};
+pub use error::ArenaError;
+pub use layout::{
+    EXTENT_ALIGN, Extent, Layout, MIN_TENSOR_ALIGN, TensorPlacement, UnitLayout, UnitSpec,
+};
+pub use plan::{Budget, ResidencyPlan};
+pub use stats::ArenaStats;
 
 pub use ddo_core::{ExecutionUnit, SlotId, UnitId};

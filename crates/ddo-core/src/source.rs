@@ -1,6 +1,6 @@
 //! The weight-source port: immutable tensor slices and their bytes.
 
-use crate::{HostSlice, SourceError, TensorSlice};
+use crate::{CheckpointFileId, HostSlice, SourceError, TensorSlice};
 
 /// One tensor of a batch read: tensor `slice` lands at `dst_offset` of the batch's buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -36,6 +36,12 @@ pub trait WeightSource: Send + Sync {
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError>;
     /// The tensor's bytes in host memory, when the source holds them there.
     fn host_bytes(&self, slice: usize) -> Option<HostSlice>;
+    /// `len` bytes at absolute `offset` of `file` in host memory, when the source holds the
+    /// whole range there (a mapping), so several adjacent tensors upload in one copy.
+    fn host_range(&self, file: CheckpointFileId, offset: u64, len: u64) -> Option<HostSlice> {
+        let _ = (file, offset, len);
+        None
+    }
     /// Reads several tensors into `dst` at their requested offsets.
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
         for r in requests {

@@ -1,11 +1,45 @@
 //! Adapters of ddo's ports to real platforms.
 //!
+//! - [`cuda`]: NVIDIA GPUs through the CUDA driver, loaded at run time (no toolkit is needed to
+//!   build; a machine without a driver gets [`ddo_core::DeviceError::DriverNotFound`]).
+//! - [`host`]: the host backend, real host memory with the same virtual-memory semantics, for
+//!   machines without a GPU and for tests.
 //! - [`linux`]: host-memory observation and admission from `/proc`, cgroup v2 and rlimits, read
 //!   under an injectable root directory so every decision is testable on fixture trees.
 //!
-//! Adapters are values: a host builds them once and puts them in a [`ddo_core::Platform`].
-#![forbid(unsafe_code)]
+//! Adapters are values: a host builds them once and puts them in a [`ddo_core::Platform`]
+//! ([`host_platform`], [`cuda_platform`]). `unsafe` here is confined to FFI and raw memory, each
+//! block with its `SAFETY` reasoning.
 
+pub mod cuda;
+pub mod host;
 pub mod linux;
 
+use std::sync::Arc;
+
+use ddo_core::{DeviceError, Platform};
+
 pub use linux::{DEFAULT_SAFETY_MARGIN, LinuxAdmissionProbe};
+
+/// The host backend as a [`Platform`], with the Linux admission probe.
+pub fn host_platform(device: Arc<host::HostDevice>) -> Platform {
+    Platform {
+        name: "host",
+        residency: device.clone(),
+        fences: device,
+        admission: Arc::new(LinuxAdmissionProbe::system()),
+    }
+}
+
+/// The CUDA device `ordinal` as a [`Platform`] (primary context), with the Linux admission
+/// probe. Fails with [`DeviceError::DriverNotFound`] where no driver is installed.
+pub fn cuda_platform(ordinal: u32) -> Result<(Platform, Arc<cuda::CudaDevice>), DeviceError> {
+    let device = cuda::CudaDevice::new(ordinal)?;
+    let platform = Platform {
+        name: "cuda",
+        residency: device.clone(),
+        fences: device.clone(),
+        admission: Arc::new(LinuxAdmissionProbe::system()),
+    };
+    Ok((platform, device))
+}

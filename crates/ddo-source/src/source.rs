@@ -3,7 +3,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ddo_core::{HostRegion, HostSlice, ReadRequest, SourceError, TensorSlice, WeightSource};
+use ddo_core::{
+    CheckpointFileId, HostRegion, HostSlice, ReadRequest, SourceError, TensorSlice, WeightSource,
+};
 
 use crate::Checkpoint;
 use crate::mapping::MappedFile;
@@ -98,9 +100,13 @@ impl WeightSource for CheckpointSource {
 
     fn host_bytes(&self, slice: usize) -> Option<HostSlice> {
         let s = self.slices().get(slice)?;
-        let map = self.maps.as_ref()?.get(s.file.0 as usize)?.clone();
+        self.host_range(s.file, s.offset, s.len)
+    }
+
+    fn host_range(&self, file: CheckpointFileId, offset: u64, len: u64) -> Option<HostSlice> {
+        let map = self.maps.as_ref()?.get(file.0 as usize)?.clone();
         let region: Arc<dyn HostRegion> = map;
-        HostSlice::new(region, usize::try_from(s.offset).ok()?, usize::try_from(s.len).ok()?)
+        HostSlice::new(region, usize::try_from(offset).ok()?, usize::try_from(len).ok()?)
     }
 
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {

@@ -1,0 +1,814 @@
+//! The arena: stable device ranges for every unit, resident units under the budget, streamed
+//! units cycled through fenced slots, prefetch in the learned order.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use ddo_core::{
+    BackingId, DeviceRange, FenceValue, HostRegion, HostSlice, Platform, ReadRequest, Reservation,
+    SlotId, StreamId, UnitId, WeightSource,
+};
+
+use crate::error::device;
+use crate::{ArenaError, ArenaStats, Budget, Layout, ResidencyPlan, UnitSpec};
+
+/// Proof that a unit's bytes are on the device for a consumer stream. Give it back with
+/// [`Arena::release`]; a lease that is never released keeps its memory from reuse forever.
+#[derive(Debug)]
+#[must_use = "a lease must be released, or its slot is never reused"]
+pub struct Lease {
+    unit: UnitId,
+    range: DeviceRange,
+}
+
+impl Lease {
+    /// The unit.
+    pub fn unit(&self) -> UnitId {
+        self.unit
+    }
+
+    /// The unit's device range (the same on every acquisition).
+    pub fn range(&self) -> DeviceRange {
+        self.range
+    }
+}
+
+/// What [`Arena::reclaim_idle`] released.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReclaimReport {
+    /// Slots whose backing was released.
+    pub slots: u32,
+    /// Device bytes released.
+    pub bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Holder {
+    /// Upload of the bytes now held (device-side completion).
+    upload: Option<FenceValue>,
+    /// Fences recorded by consumers since the upload; reuse waits for all of them.
+    releases: Vec<FenceValue>,
+    leases: u32,
+    /// Retained after a failed release: never reused, close refuses.
+    unsafe_: bool,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    holder: Holder,
+    backing: Option<BackingId>,
+    /// Unit whose bytes the slot holds (or is receiving).
+    occupant: Option<UnitId>,
+    /// The occupant came from prefetch and has not been acquired yet.
+    prefetched: bool,
+    /// Unit ranges the backing is mapped at now.
+    mapped: Vec<UnitId>,
+}
+
+#[derive(Debug, Default)]
+struct Resident {
+    holder: Holder,
+    backing: Option<BackingId>,
+    mapped: bool,
+}
+
+#[derive(Debug, Default)]
+struct Order {
+    learned: Option<Vec<UnitId>>,
+    current: Vec<UnitId>,
+    position: usize,
+    lookahead: bool,
+}
+
+#[derive(Debug)]
+struct State {
+    residents: Vec<Resident>,
+    slots: Vec<Slot>,
+    order: Order,
+    stats: ArenaStats,
+    closed: bool,
+}
+
+/// A bounded GPU weight arena for one component.
+///
+/// Every unit owns a fixed device range inside one address reservation for the arena's life, so
+/// tensor views are built once. Resident units keep their own physical backing; each streamed
+/// unit is assigned one execution slot, whose backing is mapped at the ranges of all units
+/// assigned to it, and uploads land there when the unit's turn comes. Reuse of a slot waits, on
+/// the device, for every consumer fence recorded since its last upload; freeing or unmapping
+/// waits for a host-observed fence; a failure on any release path retains the memory as unsafe.
+pub struct Arena {
+    platform: Platform,
+    source: Arc<dyn WeightSource>,
+    layout: Layout,
+    plan: ResidencyPlan,
+    reservation: Reservation,
+    copy_stream: StreamId,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("platform", &self.platform.name)
+            .field("units", &self.layout.units.len())
+            .field("plan", &self.plan)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Arena {
+    /// Builds an arena over `source` for `units` under `budget`: lays the units out, plans
+    /// residency, reserves one address range, creates resident and slot backings and maps them.
+    /// Nothing is uploaded yet (the first acquisition or prefetch does it).
+    ///
+    /// On failure everything created is released once, and the original error is returned with
+    /// any cleanup error attached.
+    pub fn new(
+        platform: &Platform,
+        source: Arc<dyn WeightSource>,
+        units: &[UnitSpec],
+        budget: Budget,
+    ) -> Result<Arena, ArenaError> {
+        let residency = &platform.residency;
+        let granularity =
+            residency.granularity().map_err(device("query the mapping granularity"))?;
+        let mut layout = Layout::build(source.slices(), units, granularity)?;
+        let plan = ResidencyPlan::new(&layout, budget)?;
+        let streamed: Vec<bool> = plan.resident.iter().map(|r| !r).collect();
+        layout.place(plan.slot_len, &streamed);
+        let reservation =
+            residency.reserve(layout.reserved).map_err(device("reserve device addresses"))?;
+        let mut state = State {
+            residents: layout.units.iter().map(|_| Resident::default()).collect(),
+            slots: (0..plan.slots).map(|_| Slot::default()).collect(),
+            order: Order { lookahead: true, ..Order::default() },
+            stats: ArenaStats::default(),
+            closed: false,
+        };
+        let arena_parts = (platform.clone(), source, layout, plan, reservation);
+        let setup = Self::setup(&arena_parts, &mut state);
+        let (platform, source, layout, plan, reservation) = arena_parts;
+        let copy_stream = match setup {
+            Ok(stream) => stream,
+            Err(error) => {
+                let cleanup =
+                    Self::teardown(&platform, &layout, plan.slot_len, reservation, &mut state);
+                return Err(match cleanup {
+                    Ok(()) => error,
+                    Err(c) => {
+                        ArenaError::WithCleanup { error: Box::new(error), cleanup: Box::new(c) }
+                    }
+                });
+            }
+        };
+        Ok(Arena {
+            platform,
+            source,
+            layout,
+            plan,
+            reservation,
+            copy_stream,
+            state: Mutex::new(state),
+        })
+    }
+
+    fn setup(
+        (platform, _, layout, plan, reservation): &(
+            Platform,
+            Arc<dyn WeightSource>,
+            Layout,
+            ResidencyPlan,
+            Reservation,
+        ),
+        state: &mut State,
+    ) -> Result<StreamId, ArenaError> {
+        let residency = &platform.residency;
+        let range_of = |u: &crate::UnitLayout| DeviceRange {
+            start: reservation.range.start.offset(u.offset),
+            len: u.len,
+        };
+        for (i, u) in layout.units.iter().enumerate() {
+            if !plan.resident[i] {
+                continue;
+            }
+            let b =
+                residency.create_backing(u.len).map_err(device("create resident unit memory"))?;
+            state.residents[i].backing = Some(b);
+            residency.map(range_of(u), b).map_err(device("map resident unit memory"))?;
+            state.residents[i].mapped = true;
+            state.stats.resident_bytes += u.len;
+        }
+        for s in 0..plan.slots as usize {
+            Self::create_slot_backing(platform, layout, plan, reservation, state, s)?;
+        }
+        state.stats.peak_bytes = state.stats.resident_bytes + state.stats.slot_bytes;
+        residency.create_stream().map_err(device("create the copy stream"))
+    }
+
+    fn create_slot_backing(
+        platform: &Platform,
+        layout: &Layout,
+        plan: &ResidencyPlan,
+        reservation: &Reservation,
+        state: &mut State,
+        s: usize,
+    ) -> Result<(), ArenaError> {
+        let residency = &platform.residency;
+        let b = residency.create_backing(plan.slot_len).map_err(device("create slot memory"))?;
+        state.slots[s].backing = Some(b);
+        state.stats.slot_bytes += plan.slot_len;
+        state.stats.peak_bytes =
+            state.stats.peak_bytes.max(state.stats.resident_bytes + state.stats.slot_bytes);
+        for (i, u) in layout.units.iter().enumerate() {
+            if plan.slot_of[i] != Some(SlotId(s as u32)) {
+                continue;
+            }
+            let range =
+                DeviceRange { start: reservation.range.start.offset(u.offset), len: plan.slot_len };
+            residency.map(range, b).map_err(device("map slot memory"))?;
+            state.slots[s].mapped.push(ddo_core::UnitId(i as u32));
+        }
+        Ok(())
+    }
+
+    /// Releases everything in `state`, in reverse order of creation. Stops at the first failure
+    /// and marks what is left unsafe (kept, never freed).
+    fn teardown(
+        platform: &Platform,
+        layout: &Layout,
+        slot_len: u64,
+        reservation: Reservation,
+        state: &mut State,
+    ) -> Result<(), ArenaError> {
+        let residency = &platform.residency;
+        let start = reservation.range.start;
+        for s in state.slots.iter_mut() {
+            let Some(b) = s.backing else { continue };
+            while let Some(&u) = s.mapped.last() {
+                let unit = &layout.units[u.0 as usize];
+                if let Err(e) =
+                    residency.unmap(DeviceRange { start: start.offset(unit.offset), len: slot_len })
+                {
+                    s.holder.unsafe_ = true;
+                    return Err(device("unmap slot memory")(e));
+                }
+                s.mapped.pop();
+            }
+            if let Err(e) = residency.release_backing(b) {
+                s.holder.unsafe_ = true;
+                return Err(device("release slot memory")(e));
+            }
+            s.backing = None;
+        }
+        for (i, r) in state.residents.iter_mut().enumerate() {
+            let unit = &layout.units[i];
+            if r.mapped {
+                if let Err(e) =
+                    residency.unmap(DeviceRange { start: start.offset(unit.offset), len: unit.len })
+                {
+                    r.holder.unsafe_ = true;
+                    return Err(device("unmap resident unit memory")(e));
+                }
+                r.mapped = false;
+            }
+            if let Some(b) = r.backing {
+                if let Err(e) = residency.release_backing(b) {
+                    r.holder.unsafe_ = true;
+                    return Err(device("release resident unit memory")(e));
+                }
+                r.backing = None;
+            }
+        }
+        residency.release_reservation(reservation).map_err(device("release device addresses"))
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The residency plan.
+    pub fn plan(&self) -> &ResidencyPlan {
+        &self.plan
+    }
+
+    /// The platform's name.
+    pub fn platform_name(&self) -> &'static str {
+        self.platform.name
+    }
+
+    /// The stream uploads run on.
+    pub fn copy_stream(&self) -> StreamId {
+        self.copy_stream
+    }
+
+    /// The fixed device range of `unit`.
+    pub fn unit_range(&self, unit: UnitId) -> Result<DeviceRange, ArenaError> {
+        let u = self.unit(unit)?;
+        Ok(DeviceRange { start: self.reservation.range.start.offset(u.offset), len: u.len })
+    }
+
+    /// The fixed device range of tensor `slice` (an index into the source), if a unit holds it.
+    pub fn tensor_range(&self, slice: usize) -> Option<(UnitId, DeviceRange)> {
+        self.layout.units.iter().find_map(|u| {
+            let t = u.tensors.iter().find(|t| t.slice == slice)?;
+            let start = self.reservation.range.start.offset(u.offset + t.offset);
+            Some((u.id, DeviceRange { start, len: t.len }))
+        })
+    }
+
+    /// A copy of the counters.
+    pub fn stats(&self) -> ArenaStats {
+        self.lock().stats
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn unit(&self, unit: UnitId) -> Result<&crate::UnitLayout, ArenaError> {
+        self.layout
+            .units
+            .get(unit.0 as usize)
+            .ok_or(ArenaError::NoSuchUnit { unit, count: self.layout.units.len() })
+    }
+
+    /// Marks a pass boundary (the component's forward starts): the first pass's order becomes
+    /// the learned order, and look-ahead is enabled again.
+    pub fn begin_pass(&self) {
+        let mut state = self.lock();
+        Self::start_pass(&mut state);
+    }
+
+    fn start_pass(state: &mut State) {
+        let o = &mut state.order;
+        if o.learned.is_none() && !o.current.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            if o.current.iter().all(|u| seen.insert(*u)) {
+                o.learned = Some(std::mem::take(&mut o.current));
+            }
+        }
+        o.current.clear();
+        o.position = 0;
+        o.lookahead = true;
+        state.stats.passes += 1;
+    }
+
+    /// Ensures `unit` is on the device for work enqueued on `consumer` after this call: uploads
+    /// it if needed (waiting on the device for the slot's previous consumers), makes `consumer`
+    /// wait for the upload, and prefetches the next units in the learned order.
+    pub fn acquire(&self, unit: UnitId, consumer: StreamId) -> Result<Lease, ArenaError> {
+        let t = Instant::now();
+        let range = self.unit_range(unit)?;
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ArenaError::Closed);
+        }
+        let on_track = self.observe(&mut state, unit);
+        let fence = self.ensure_loaded(&mut state, unit, false)?;
+        if let Some(f) = fence {
+            self.platform
+                .fences
+                .stream_wait(consumer, f)
+                .map_err(device("make the consumer wait for the upload"))?;
+        }
+        self.holder_mut(&mut state, unit).leases += 1;
+        if on_track
+            && state.order.lookahead
+            && let Err(e) = self.prefetch_after(&mut state, unit)
+        {
+            self.holder_mut(&mut state, unit).leases -= 1;
+            return Err(e);
+        }
+        state.stats.acquires += 1;
+        state.stats.acquire_seconds += t.elapsed().as_secs_f64();
+        Ok(Lease { unit, range })
+    }
+
+    /// Gives a lease back: records a fence on `consumer` after the work that used the unit; the
+    /// unit's memory is reused only after that fence. If recording fails, the memory is retained
+    /// as unsafe (never reused; close refuses) and the error is returned.
+    pub fn release(&self, lease: Lease, consumer: StreamId) -> Result<(), ArenaError> {
+        let t = Instant::now();
+        let mut state = self.lock();
+        let unit = lease.unit;
+        match self.platform.fences.record(consumer) {
+            Ok(f) => {
+                let h = self.holder_mut(&mut state, unit);
+                h.leases = h.leases.saturating_sub(1);
+                h.releases.push(f);
+            }
+            Err(e) => {
+                let retained = self.holder_len(unit);
+                self.holder_mut(&mut state, unit).unsafe_ = true;
+                state.stats.unsafe_retained_bytes += retained;
+                return Err(device("record the consumer's completion fence")(e));
+            }
+        }
+        state.stats.releases += 1;
+        state.stats.release_seconds += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn holder_len(&self, unit: UnitId) -> u64 {
+        match self.plan.slot_of[unit.0 as usize] {
+            Some(_) => self.plan.slot_len,
+            None => self.layout.units[unit.0 as usize].len,
+        }
+    }
+
+    fn holder_mut<'s>(&self, state: &'s mut State, unit: UnitId) -> &'s mut Holder {
+        match self.plan.slot_of[unit.0 as usize] {
+            Some(s) => &mut state.slots[s.0 as usize].holder,
+            None => &mut state.residents[unit.0 as usize].holder,
+        }
+    }
+
+    /// Tracks the execution order; returns whether `unit` follows the expected order.
+    fn observe(&self, state: &mut State, unit: UnitId) -> bool {
+        let learned_first = state.order.learned.as_ref().map(|l| l[0]);
+        let o = &mut state.order;
+        match &o.learned {
+            None => {
+                if o.current.first() == Some(&unit) {
+                    Self::start_pass(state);
+                    state.order.current.push(unit);
+                    return true;
+                }
+                let expected = o.current.len() as u32;
+                o.current.push(unit);
+                let on_track = unit.0 == expected;
+                if !on_track {
+                    self.cancel_lookahead(state);
+                }
+                on_track
+            }
+            Some(learned) => {
+                if o.position < learned.len() && learned[o.position] == unit {
+                    o.position += 1;
+                    return true;
+                }
+                if learned_first == Some(unit) {
+                    Self::start_pass(state);
+                    state.order.position = 1;
+                    return true;
+                }
+                state.stats.order_mismatches += 1;
+                self.cancel_lookahead(state);
+                false
+            }
+        }
+    }
+
+    /// Stops look-ahead for this pass. Uploads already enqueued complete and stay valid; they
+    /// are only no longer counted as prefetch.
+    fn cancel_lookahead(&self, state: &mut State) {
+        state.order.lookahead = false;
+        for s in &mut state.slots {
+            if s.prefetched {
+                s.prefetched = false;
+                state.stats.prefetch_cancels += 1;
+            }
+        }
+    }
+
+    /// The upload fence of `unit`'s bytes, uploading them first if they are not on the device.
+    fn ensure_loaded(
+        &self,
+        state: &mut State,
+        unit: UnitId,
+        prefetch: bool,
+    ) -> Result<Option<FenceValue>, ArenaError> {
+        let i = unit.0 as usize;
+        match self.plan.slot_of[i] {
+            None => {
+                let r = &state.residents[i];
+                if r.holder.unsafe_ {
+                    return Err(ArenaError::Unsafe {
+                        what: format!("unit {}", self.layout.units[i].name),
+                        retained: self.layout.units[i].len,
+                    });
+                }
+                if r.holder.upload.is_some() {
+                    return Ok(r.holder.upload);
+                }
+                let f = self.upload(state, unit)?;
+                state.residents[i].holder.upload = Some(f);
+                Ok(Some(f))
+            }
+            Some(slot) => {
+                let s = slot.0 as usize;
+                let st = &mut state.slots[s];
+                if st.holder.unsafe_ {
+                    return Err(ArenaError::Unsafe {
+                        what: format!("slot {s}"),
+                        retained: self.plan.slot_len,
+                    });
+                }
+                if st.occupant == Some(unit) && st.holder.upload.is_some() {
+                    if !prefetch {
+                        // Already on the device: uploaded ahead by prefetch or still there.
+                        st.prefetched = false;
+                        state.stats.prefetch_hits += 1;
+                    }
+                    return Ok(st.holder.upload);
+                }
+                if st.holder.leases > 0 {
+                    if prefetch {
+                        return Ok(None);
+                    }
+                    return Err(ArenaError::SlotBusy {
+                        unit,
+                        slot: slot.0,
+                        holder: st.occupant.map_or(u32::MAX, |u| u.0),
+                        slots: self.plan.slots,
+                    });
+                }
+                if !prefetch {
+                    state.stats.prefetch_misses += 1;
+                }
+                if st.backing.is_none() {
+                    Self::create_slot_backing(
+                        &self.platform,
+                        &self.layout,
+                        &self.plan,
+                        &self.reservation,
+                        state,
+                        s,
+                    )?;
+                    state.stats.backing_restores += 1;
+                }
+                let st = &mut state.slots[s];
+                if st.occupant.is_some_and(|o| o != unit) {
+                    state.stats.evictions += 1;
+                }
+                let st = &mut state.slots[s];
+                // Reuse only after every consumer since the last upload: the copy stream waits
+                // on the device for their fences.
+                for f in std::mem::take(&mut st.holder.releases) {
+                    if let Err(e) = self.platform.fences.stream_wait(self.copy_stream, f) {
+                        st.holder.releases.push(f);
+                        return Err(device("make the copy stream wait for the slot's consumers")(
+                            e,
+                        ));
+                    }
+                }
+                st.occupant = None;
+                st.holder.upload = None;
+                st.prefetched = false;
+                let f = self.upload(state, unit)?;
+                let st = &mut state.slots[s];
+                st.occupant = Some(unit);
+                st.holder.upload = Some(f);
+                st.prefetched = prefetch;
+                Ok(Some(f))
+            }
+        }
+    }
+
+    /// Enqueues the copies of `unit` on the copy stream and records their fence.
+    fn upload(&self, state: &mut State, unit: UnitId) -> Result<FenceValue, ArenaError> {
+        let t = Instant::now();
+        self.source.check_unchanged()?;
+        let u = &self.layout.units[unit.0 as usize];
+        let base = self.reservation.range.start.offset(u.offset);
+        for e in &u.extents {
+            let host = match self.source.host_range(e.file, e.file_offset, e.len) {
+                Some(h) => h,
+                None => self.read_extent(u, e)?,
+            };
+            let dst = DeviceRange { start: base.offset(e.offset), len: e.len };
+            self.platform
+                .residency
+                .copy_to_device(host, dst, self.copy_stream)
+                .map_err(device("enqueue a weight upload"))?;
+        }
+        let f = self
+            .platform
+            .fences
+            .record(self.copy_stream)
+            .map_err(device("record the upload fence"))?;
+        state.stats.uploads += 1;
+        state.stats.upload_bytes += u.payload;
+        state.stats.upload_seconds += t.elapsed().as_secs_f64();
+        Ok(f)
+    }
+
+    /// Reads an extent into a new host buffer (sources without host-resident bytes).
+    fn read_extent(
+        &self,
+        u: &crate::UnitLayout,
+        e: &crate::layout::Extent,
+    ) -> Result<HostSlice, ArenaError> {
+        let requests: Vec<ReadRequest> = u
+            .tensors
+            .iter()
+            .filter(|t| t.offset >= e.offset && t.offset + t.len <= e.offset + e.len)
+            .map(|t| ReadRequest { slice: t.slice, dst_offset: t.offset - e.offset })
+            .collect();
+        let mut buf = vec![0u8; e.len as usize];
+        self.source.read_batch(&requests, &mut buf)?;
+        Ok(HostSlice::whole(Arc::new(ReadBuffer(buf))))
+    }
+
+    /// Uploads the next streamed units in the expected order into free slots (at most
+    /// `min(prefetch_depth, slots - 1)`), and resident units met on the way.
+    fn prefetch_after(&self, state: &mut State, unit: UnitId) -> Result<(), ArenaError> {
+        let n = self.layout.units.len();
+        let depth = (self.plan.budget.prefetch_depth as usize)
+            .min((self.plan.slots as usize).saturating_sub(1));
+        let order: Vec<UnitId> = match &state.order.learned {
+            Some(l) => l.clone(),
+            None => (0..n as u32).map(UnitId).collect(),
+        };
+        let Some(pos) = order.iter().position(|&u| u == unit) else { return Ok(()) };
+        let mut streamed = 0;
+        for step in 1..order.len() {
+            if streamed >= depth && depth > 0 {
+                break;
+            }
+            let next = order[(pos + step) % order.len()];
+            let i = next.0 as usize;
+            if self.plan.slot_of[i].is_none() {
+                if state.residents[i].holder.upload.is_none() && !state.residents[i].holder.unsafe_
+                {
+                    let f = self.upload(state, next)?;
+                    state.residents[i].holder.upload = Some(f);
+                }
+                continue;
+            }
+            if depth == 0 {
+                break;
+            }
+            streamed += 1;
+            let s = self.plan.slot_of[i].expect("streamed").0 as usize;
+            let st = &state.slots[s];
+            let present = st.occupant == Some(next) && st.holder.upload.is_some();
+            if present || st.holder.unsafe_ || st.holder.leases > 0 {
+                continue;
+            }
+            if self.ensure_loaded(state, next, true)?.is_some() {
+                state.stats.prefetch_issued += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases the physical backing of every idle slot (no lease, every fence proven complete
+    /// on the host), keeping its addresses; the next acquisition recreates the backing and
+    /// uploads again before use. A fence that cannot be queried or an unmap/release that fails
+    /// retains the slot as unsafe.
+    pub fn reclaim_idle(&self) -> Result<ReclaimReport, ArenaError> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ArenaError::Closed);
+        }
+        let mut report = ReclaimReport::default();
+        let start = self.reservation.range.start;
+        for s in 0..state.slots.len() {
+            let slot = &state.slots[s];
+            if slot.backing.is_none() || slot.holder.leases > 0 || slot.holder.unsafe_ {
+                continue;
+            }
+            let fences: Vec<FenceValue> =
+                slot.holder.upload.iter().chain(&slot.holder.releases).copied().collect();
+            let mut idle = true;
+            for f in fences {
+                match self.platform.fences.query(f) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        idle = false;
+                        break;
+                    }
+                    Err(e) => {
+                        state.slots[s].holder.unsafe_ = true;
+                        state.stats.unsafe_retained_bytes += self.plan.slot_len;
+                        return Err(device("query a slot's fence before reclaim")(e));
+                    }
+                }
+            }
+            if !idle {
+                continue;
+            }
+            let slot = &mut state.slots[s];
+            while let Some(&u) = slot.mapped.last() {
+                let unit = &self.layout.units[u.0 as usize];
+                let range =
+                    DeviceRange { start: start.offset(unit.offset), len: self.plan.slot_len };
+                if let Err(e) = self.platform.residency.unmap(range) {
+                    slot.holder.unsafe_ = true;
+                    state.stats.unsafe_retained_bytes += self.plan.slot_len;
+                    return Err(device("unmap slot memory for reclaim")(e));
+                }
+                slot.mapped.pop();
+            }
+            let b = slot.backing.expect("backing");
+            if let Err(e) = self.platform.residency.release_backing(b) {
+                slot.holder.unsafe_ = true;
+                state.stats.unsafe_retained_bytes += self.plan.slot_len;
+                return Err(device("release slot memory for reclaim")(e));
+            }
+            slot.backing = None;
+            slot.occupant = None;
+            slot.prefetched = false;
+            slot.holder.upload = None;
+            slot.holder.releases.clear();
+            state.stats.slot_bytes -= self.plan.slot_len;
+            state.stats.reclaim_cycles += 1;
+            report.slots += 1;
+            report.bytes += self.plan.slot_len;
+        }
+        Ok(report)
+    }
+
+    /// Waits for every outstanding fence, then releases all memory and the reservation.
+    /// Refused (nothing freed) while leases are live or memory is retained unsafe.
+    pub fn close(&self) -> Result<(), ArenaError> {
+        let mut state = self.lock();
+        if state.closed {
+            return Ok(());
+        }
+        let live: u32 = state
+            .slots
+            .iter()
+            .map(|s| s.holder.leases)
+            .chain(state.residents.iter().map(|r| r.holder.leases))
+            .sum();
+        let retained = state.stats.unsafe_retained_bytes;
+        let any_unsafe = state.slots.iter().any(|s| s.holder.unsafe_)
+            || state.residents.iter().any(|r| r.holder.unsafe_);
+        if live > 0 || any_unsafe {
+            return Err(ArenaError::CloseRefused { live_leases: live, retained });
+        }
+        let t = Instant::now();
+        let holders: Vec<FenceValue> = state
+            .slots
+            .iter()
+            .map(|s| &s.holder)
+            .chain(state.residents.iter().map(|r| &r.holder))
+            .flat_map(|h| h.upload.iter().chain(&h.releases).copied())
+            .collect();
+        for f in holders {
+            if let Err(e) = self.platform.fences.wait(f) {
+                for s in &mut state.slots {
+                    s.holder.unsafe_ = true;
+                }
+                for r in &mut state.residents {
+                    r.holder.unsafe_ = true;
+                }
+                state.stats.unsafe_retained_bytes =
+                    state.stats.resident_bytes + state.stats.slot_bytes;
+                return Err(device("wait for outstanding work before close")(e));
+            }
+        }
+        state.stats.wait_seconds += t.elapsed().as_secs_f64();
+        let result = Self::teardown(
+            &self.platform,
+            &self.layout,
+            self.plan.slot_len,
+            self.reservation,
+            &mut state,
+        );
+        match result {
+            Ok(()) => {
+                state.closed = true;
+                state.stats.resident_bytes = 0;
+                state.stats.slot_bytes = 0;
+                Ok(())
+            }
+            Err(e) => {
+                state.stats.unsafe_retained_bytes = state
+                    .slots
+                    .iter()
+                    .filter(|s| s.backing.is_some())
+                    .map(|_| self.plan.slot_len)
+                    .sum::<u64>()
+                    + state
+                        .residents
+                        .iter()
+                        .zip(&self.layout.units)
+                        .filter(|(r, _)| r.backing.is_some())
+                        .map(|(_, u)| u.len)
+                        .sum::<u64>();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // Best effort; on failure everything stays owned (never force-freed).
+        let _ = self.close();
+    }
+}
+
+#[derive(Debug)]
+struct ReadBuffer(Vec<u8>);
+
+impl HostRegion for ReadBuffer {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}

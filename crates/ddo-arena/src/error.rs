@@ -1,0 +1,107 @@
+//! Arena errors.
+
+use ddo_core::{ByteSize, DeviceError, SourceError, UnitId};
+
+/// What went wrong in the arena. Every variant says what to change where the user can.
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaError {
+    /// The budget cannot hold the pinned units plus two execution slots.
+    #[error(
+        "GPU budget of {} ({} after {} of headroom) is too small: the resident units and two execution slots need at least {} (largest unit {}); raise the budget to {} or more",
+        ByteSize(*budget), ByteSize(budget.saturating_sub(*headroom)), ByteSize(*headroom), ByteSize(*needed), ByteSize(*largest_unit), ByteSize(needed + headroom)
+    )]
+    BudgetTooSmall {
+        /// The budget.
+        budget: u64,
+        /// Headroom declared inside it.
+        headroom: u64,
+        /// The smallest working set.
+        needed: u64,
+        /// The largest unit (mapped size).
+        largest_unit: u64,
+    },
+    /// A unit specification that cannot be laid out.
+    #[error("invalid units: {0}")]
+    InvalidUnits(String),
+    /// A unit id outside the arena.
+    #[error("unit {} does not exist; the arena has {count} units", .unit.0)]
+    NoSuchUnit {
+        /// The id.
+        unit: UnitId,
+        /// Units in the arena.
+        count: usize,
+    },
+    /// Every slot a unit can use holds a live lease.
+    #[error(
+        "unit {} needs slot {slot}, which is leased by unit {holder}; release leases in execution order (at most {slots} streamed units can be held at once)",
+        .unit.0
+    )]
+    SlotBusy {
+        /// The unit asked for.
+        unit: UnitId,
+        /// Its slot.
+        slot: u32,
+        /// The unit holding it.
+        holder: u32,
+        /// Slots in the arena.
+        slots: u32,
+    },
+    /// Memory whose release could not be proven safe; it is kept and never reused.
+    #[error("{what}: {} is retained unsafe after a failed release and cannot be used", ByteSize(*retained))]
+    Unsafe {
+        /// What is unsafe.
+        what: String,
+        /// Bytes retained.
+        retained: u64,
+    },
+    /// Close refused: live leases or unsafe memory.
+    #[error(
+        "close refused: {live_leases} live lease(s), {} retained unsafe; release every lease first (retained memory is never freed by force)",
+        ByteSize(*retained)
+    )]
+    CloseRefused {
+        /// Leases not released.
+        live_leases: u32,
+        /// Bytes retained unsafe.
+        retained: u64,
+    },
+    /// The arena is closed.
+    #[error("the arena is closed")]
+    Closed,
+    /// A device port failed during `op`.
+    #[error("{op}: {source}")]
+    Device {
+        /// What the arena was doing.
+        op: &'static str,
+        /// The port's error.
+        #[source]
+        source: DeviceError,
+    },
+    /// The weight source failed.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// An error whose cleanup also failed; the original error comes first and is the source.
+    #[error("{error} (cleanup also failed: {cleanup})")]
+    WithCleanup {
+        /// The original error.
+        #[source]
+        error: Box<ArenaError>,
+        /// The cleanup's error, attached.
+        cleanup: Box<ArenaError>,
+    },
+}
+
+impl ArenaError {
+    /// The original error (for [`ArenaError::WithCleanup`], the one before cleanup).
+    pub fn original(&self) -> &ArenaError {
+        match self {
+            ArenaError::WithCleanup { error, .. } => error.original(),
+            e => e,
+        }
+    }
+}
+
+/// Wraps a port error with what the arena was doing.
+pub(crate) fn device(op: &'static str) -> impl FnOnce(DeviceError) -> ArenaError {
+    move |source| ArenaError::Device { op, source }
+}

@@ -1,0 +1,313 @@
+//! Layout: each unit's tensors packed into one contiguous device range, so a unit uploads in a
+//! few large copies. Tensors adjacent in the checkpoint stay adjacent (one copy covers them);
+//! every tensor starts at least 16-byte aligned, and extents start congruent to their file
+//! offset modulo 256 so file-aligned tensors stay 256-byte aligned on the device.
+
+use ddo_core::{CheckpointFileId, TensorSlice, UnitId};
+
+use crate::ArenaError;
+
+/// Device alignment every tensor keeps.
+pub const MIN_TENSOR_ALIGN: u64 = 16;
+/// Alignment extents are placed at (modulo their file offset).
+pub const EXTENT_ALIGN: u64 = 256;
+
+/// What the caller asks for: the tensors of one unit, in any order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitSpec {
+    /// A readable name (`transformer_blocks.3`).
+    pub name: String,
+    /// Indices into the source's slices.
+    pub tensors: Vec<usize>,
+    /// Keep resident whatever the budget (small leftovers).
+    pub pinned: bool,
+}
+
+impl UnitSpec {
+    /// Groups `slices` into one unit per repeated block (`<prefix>.<N>.` with the most members),
+    /// in block order, plus one pinned unit of everything else, placed first.
+    pub fn by_block(slices: &[TensorSlice]) -> Vec<UnitSpec> {
+        use std::collections::BTreeMap;
+        let key = |name: &str| -> Option<(String, u64)> {
+            let parts: Vec<&str> = name.split('.').collect();
+            parts.iter().enumerate().find_map(|(i, p)| {
+                let n = p.parse::<u64>().ok()?;
+                (i > 0 && i + 1 < parts.len()).then(|| (parts[..i].join("."), n))
+            })
+        };
+        let mut counts: BTreeMap<String, std::collections::BTreeSet<u64>> = BTreeMap::new();
+        for s in slices {
+            if let Some((prefix, n)) = key(&s.name) {
+                counts.entry(prefix).or_default().insert(n);
+            }
+        }
+        let repeated: Vec<String> =
+            counts.iter().filter(|(_, ns)| ns.len() >= 2).map(|(p, _)| p.clone()).collect();
+        let mut blocks: BTreeMap<(usize, u64), Vec<usize>> = BTreeMap::new();
+        let mut rest = Vec::new();
+        let first_seen = |prefix: &str| {
+            slices.iter().position(|s| s.name.starts_with(&format!("{prefix}."))).unwrap_or(0)
+        };
+        for (i, s) in slices.iter().enumerate() {
+            match key(&s.name).filter(|(p, _)| repeated.contains(p)) {
+                Some((prefix, n)) => blocks.entry((first_seen(&prefix), n)).or_default().push(i),
+                None => rest.push(i),
+            }
+        }
+        let mut out = Vec::new();
+        if !rest.is_empty() {
+            out.push(UnitSpec { name: "resident".into(), tensors: rest, pinned: true });
+        }
+        for ((_, n), tensors) in blocks {
+            let prefix = key(&slices[tensors[0]].name).map(|(p, _)| p).unwrap_or_default();
+            out.push(UnitSpec { name: format!("{prefix}.{n}"), tensors, pinned: false });
+        }
+        out
+    }
+}
+
+/// Where one tensor lives inside its unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorPlacement {
+    /// Index in the source's slices.
+    pub slice: usize,
+    /// Offset inside the unit's range.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// One copy: `len` contiguous checkpoint bytes landing at `offset` of the unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// File.
+    pub file: CheckpointFileId,
+    /// Absolute offset in the file.
+    pub file_offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Offset inside the unit's range.
+    pub offset: u64,
+}
+
+/// One unit's layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitLayout {
+    /// Id (its index).
+    pub id: UnitId,
+    /// Name.
+    pub name: String,
+    /// Offset of its range inside the arena's reservation (granularity-aligned).
+    pub offset: u64,
+    /// Mapped length (a multiple of the granularity).
+    pub len: u64,
+    /// Payload bytes.
+    pub payload: u64,
+    /// Tensors.
+    pub tensors: Vec<TensorPlacement>,
+    /// Copies that upload it.
+    pub extents: Vec<Extent>,
+    /// Always resident.
+    pub pinned: bool,
+}
+
+/// The arena's layout: every unit at a fixed offset of one reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// Units in id order.
+    pub units: Vec<UnitLayout>,
+    /// Bytes of the reservation.
+    pub reserved: u64,
+    /// Mapping granularity used.
+    pub granularity: u64,
+}
+
+fn align_up(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+impl Layout {
+    /// Lays out `units` over `slices` with the device's mapping `granularity`. Every tensor must
+    /// belong to at most one unit; empty units are refused.
+    pub fn build(
+        slices: &[TensorSlice],
+        units: &[UnitSpec],
+        granularity: u64,
+    ) -> Result<Layout, ArenaError> {
+        let mut owner = vec![None::<usize>; slices.len()];
+        let mut out = Vec::with_capacity(units.len());
+        let mut offset = 0u64;
+        for (u, spec) in units.iter().enumerate() {
+            if spec.tensors.is_empty() {
+                return Err(ArenaError::InvalidUnits(format!(
+                    "unit {:?} has no tensors",
+                    spec.name
+                )));
+            }
+            let mut tensors: Vec<usize> = spec.tensors.clone();
+            for &t in &tensors {
+                let slot = owner.get_mut(t).ok_or_else(|| {
+                    ArenaError::InvalidUnits(format!(
+                        "unit {:?} names tensor {t}; the source has {}",
+                        spec.name,
+                        slices.len()
+                    ))
+                })?;
+                if let Some(other) = slot.replace(u) {
+                    return Err(ArenaError::InvalidUnits(format!(
+                        "tensor {:?} is in both unit {:?} and unit {:?}",
+                        slices[t].name, units[other].name, spec.name
+                    )));
+                }
+            }
+            tensors.sort_by_key(|&t| (slices[t].file, slices[t].offset));
+            let mut placements = Vec::with_capacity(tensors.len());
+            let mut extents: Vec<Extent> = Vec::new();
+            let mut cursor = 0u64;
+            for &t in &tensors {
+                let s = &slices[t];
+                let extend = extents.last().is_some_and(|e| {
+                    e.file == s.file
+                        && e.file_offset + e.len == s.offset
+                        && (e.offset + e.len).is_multiple_of(MIN_TENSOR_ALIGN)
+                });
+                let at = if extend {
+                    let e = extents.last_mut().expect("extent");
+                    let at = e.offset + e.len;
+                    e.len += s.len;
+                    at
+                } else {
+                    let start = if s.offset.is_multiple_of(MIN_TENSOR_ALIGN) {
+                        let base = align_up(cursor, EXTENT_ALIGN);
+                        base + s.offset % EXTENT_ALIGN
+                    } else {
+                        align_up(cursor, EXTENT_ALIGN)
+                    };
+                    extents.push(Extent {
+                        file: s.file,
+                        file_offset: s.offset,
+                        len: s.len,
+                        offset: start,
+                    });
+                    start
+                };
+                placements.push(TensorPlacement { slice: t, offset: at, len: s.len });
+                cursor = at + s.len;
+            }
+            let len = align_up(cursor.max(1), granularity);
+            out.push(UnitLayout {
+                id: UnitId(u as u32),
+                name: spec.name.clone(),
+                offset,
+                len,
+                payload: placements.iter().map(|p| p.len).sum(),
+                tensors: placements,
+                extents,
+                pinned: spec.pinned,
+            });
+            offset += len;
+        }
+        if out.is_empty() {
+            return Err(ArenaError::InvalidUnits("no units".into()));
+        }
+        Ok(Layout { units: out, reserved: offset, granularity })
+    }
+
+    /// Places the units in the reservation: a streamed unit's range spans a whole slot (so the
+    /// slot's backing maps there without touching its neighbour), a resident one its own length.
+    pub fn place(&mut self, slot_len: u64, streamed: &[bool]) {
+        let mut offset = 0;
+        for (u, &s) in self.units.iter_mut().zip(streamed) {
+            u.offset = offset;
+            offset += if s { slot_len.max(u.len) } else { u.len };
+        }
+        self.reserved = offset;
+    }
+
+    /// Payload bytes of all units.
+    pub fn payload(&self) -> u64 {
+        self.units.iter().map(|u| u.payload).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ddo_core::Dtype;
+
+    fn s(name: &str, offset: u64, len: u64) -> TensorSlice {
+        TensorSlice {
+            name: name.into(),
+            dtype: Dtype::U8,
+            shape: vec![len],
+            file: CheckpointFileId(0),
+            path: "m".into(),
+            offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn adjacent_tensors_share_one_extent_and_stay_aligned() {
+        // data starts at 96: offsets 96, 96+4096, then a gap, then an odd-sized tensor.
+        let slices =
+            [s("a", 96, 4096), s("b", 96 + 4096, 1000), s("c", 10_000, 33), s("d", 10_033, 64)];
+        let layout = Layout::build(
+            &slices,
+            &[UnitSpec { name: "u".into(), tensors: vec![3, 2, 1, 0], pinned: false }],
+            65536,
+        )
+        .unwrap();
+        let u = &layout.units[0];
+        assert_eq!(u.extents.len(), 3, "{:?}", u.extents);
+        assert_eq!(u.extents[0].len, 5096);
+        assert_eq!(u.extents[0].offset % 256, 96, "{:?}", u.extents);
+        for t in &u.tensors {
+            assert!(t.offset.is_multiple_of(MIN_TENSOR_ALIGN), "{t:?}");
+        }
+        assert_eq!(u.len, 65536);
+        assert_eq!(u.payload, 4096 + 1000 + 33 + 64);
+    }
+
+    #[test]
+    fn blocks_are_found_by_structure() {
+        let slices = [
+            s("proj_in.weight", 0, 8),
+            s("blocks.1.w", 8, 8),
+            s("blocks.0.w", 16, 8),
+            s("blocks.10.w", 24, 8),
+            s("blocks.0.b", 32, 8),
+            s("norm_out.weight", 40, 8),
+        ];
+        let units = UnitSpec::by_block(&slices);
+        let names: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(names, ["resident", "blocks.0", "blocks.1", "blocks.10"]);
+        assert_eq!(units[0].tensors, vec![0, 5]);
+        assert!(units[0].pinned);
+        assert_eq!(units[1].tensors, vec![2, 4]);
+    }
+
+    #[test]
+    fn bad_specs() {
+        let slices = [s("a", 0, 8)];
+        let one = |t: Vec<usize>| UnitSpec { name: "u".into(), tensors: t, pinned: false };
+        assert!(
+            Layout::build(&slices, &[one(vec![])], 4096)
+                .unwrap_err()
+                .to_string()
+                .contains("has no tensors")
+        );
+        assert!(
+            Layout::build(&slices, &[one(vec![3])], 4096)
+                .unwrap_err()
+                .to_string()
+                .contains("names tensor 3")
+        );
+        assert!(
+            Layout::build(&slices, &[one(vec![0]), one(vec![0])], 4096)
+                .unwrap_err()
+                .to_string()
+                .contains("is in both")
+        );
+    }
+}

@@ -1,0 +1,259 @@
+//! Residency planning: which units stay resident and how many execution slots stream the rest.
+
+use ddo_core::SlotId;
+
+use crate::{ArenaError, Layout};
+
+/// The budget an arena plans for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// GPU bytes the arena may use, headroom included.
+    pub total: u64,
+    /// Bytes of `total` kept free for activations.
+    pub headroom: u64,
+    /// Streamed units kept in flight ahead of execution; the planner wants `prefetch_depth + 1`
+    /// slots when the budget allows (never fewer than two).
+    pub prefetch_depth: u32,
+}
+
+/// The plan: resident units, slot count and size, and each streamed unit's slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResidencyPlan {
+    /// The budget planned for.
+    pub budget: Budget,
+    /// Per unit: kept resident.
+    pub resident: Vec<bool>,
+    /// Number of execution slots (0 when everything is resident).
+    pub slots: u32,
+    /// Bytes of one slot.
+    pub slot_len: u64,
+    /// Per unit: its slot, for streamed units (round-robin in unit order).
+    pub slot_of: Vec<Option<SlotId>>,
+    /// Device bytes of resident units.
+    pub resident_bytes: u64,
+    /// Payload bytes uploaded per pass (streamed units).
+    pub streamed_bytes: u64,
+}
+
+impl ResidencyPlan {
+    /// Device bytes the plan holds at most: resident units plus slots.
+    pub fn device_bytes(&self) -> u64 {
+        self.resident_bytes + u64::from(self.slots) * self.slot_len
+    }
+
+    /// Units streamed each pass.
+    pub fn streamed_units(&self) -> usize {
+        self.resident.iter().filter(|r| !**r).count()
+    }
+
+    /// Plans `layout` under `budget`: streams through `prefetch_depth + 1` slots (at least two,
+    /// fewer extra ones when the budget is tight), sized to the largest streamed unit, and keeps
+    /// as many whole units resident as fit in what is left. Pinned units are always resident.
+    pub fn new(layout: &Layout, budget: Budget) -> Result<ResidencyPlan, ArenaError> {
+        let usable = budget.total.saturating_sub(budget.headroom);
+        let units = &layout.units;
+        let pinned: u64 = units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
+        let candidates: Vec<usize> = (0..units.len()).filter(|&i| !units[i].pinned).collect();
+        let all: u64 = pinned + candidates.iter().map(|&i| units[i].len).sum::<u64>();
+        let largest = units.iter().map(|u| u.len).max().unwrap_or(0);
+        let desired_slots = budget.prefetch_depth.saturating_add(1).max(2);
+
+        if all <= usable {
+            let resident = vec![true; units.len()];
+            return Ok(Self::finish(layout, budget, resident, 0, 0));
+        }
+
+        let mut sizes: Vec<u64> = candidates.iter().map(|&i| units[i].len).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut best: Option<(u64, u32, Vec<bool>, u64)> = None;
+        let mut needed = u64::MAX;
+        for &slot in sizes.iter().rev() {
+            let mut resident: Vec<bool> = units.iter().map(|u| u.pinned).collect();
+            let mut cost = pinned + 2 * slot;
+            for &i in &candidates {
+                if units[i].len > slot {
+                    resident[i] = true;
+                    cost += units[i].len;
+                }
+            }
+            needed = needed.min(cost);
+            if cost > usable {
+                continue;
+            }
+            let mut left = usable - cost;
+            let extra = u32::try_from(left / slot).unwrap_or(u32::MAX).min(desired_slots - 2);
+            let slots = 2 + extra;
+            left -= u64::from(extra) * slot;
+            // Spread the extra resident units evenly through the execution order.
+            let small: Vec<usize> = candidates.iter().copied().filter(|&i| !resident[i]).collect();
+            for i in spread_order(small.len()) {
+                let u = small[i];
+                if units[u].len <= left && !all_but_none_streamed(&resident, &candidates, u) {
+                    resident[u] = true;
+                    left -= units[u].len;
+                }
+            }
+            let resident_bytes: u64 =
+                units.iter().zip(&resident).filter(|(_, r)| **r).map(|(u, _)| u.len).sum();
+            let better = match &best {
+                None => true,
+                Some((bytes, s, _, _)) => {
+                    resident_bytes > *bytes || (resident_bytes == *bytes && slots > *s)
+                }
+            };
+            if better {
+                best = Some((resident_bytes, slots, resident, slot));
+            }
+        }
+        let Some((_, slots, resident, slot)) = best else {
+            return Err(ArenaError::BudgetTooSmall {
+                budget: budget.total,
+                headroom: budget.headroom,
+                needed,
+                largest_unit: largest,
+            });
+        };
+        Ok(Self::finish(layout, budget, resident, slots, slot))
+    }
+
+    fn finish(
+        layout: &Layout,
+        budget: Budget,
+        resident: Vec<bool>,
+        slots: u32,
+        slot_len: u64,
+    ) -> ResidencyPlan {
+        let mut next = 0u32;
+        let slot_of = resident
+            .iter()
+            .map(|&r| {
+                (!r).then(|| {
+                    let s = SlotId(next % slots.max(1));
+                    next += 1;
+                    s
+                })
+            })
+            .collect();
+        let resident_bytes =
+            layout.units.iter().zip(&resident).filter(|(_, r)| **r).map(|(u, _)| u.len).sum();
+        let streamed_bytes =
+            layout.units.iter().zip(&resident).filter(|(_, r)| !**r).map(|(u, _)| u.payload).sum();
+        ResidencyPlan { budget, resident, slots, slot_len, slot_of, resident_bytes, streamed_bytes }
+    }
+}
+
+/// Keeps at least one unit streamed when slots exist (a plan with slots and nothing to stream
+/// would be the all-resident plan, handled before).
+fn all_but_none_streamed(resident: &[bool], candidates: &[usize], adding: usize) -> bool {
+    candidates.iter().all(|&i| i == adding || resident[i])
+}
+
+/// Indices `0..n` with evenly spaced ones first, then the rest in order.
+fn spread_order(n: usize) -> Vec<usize> {
+    let mut order = Vec::with_capacity(n);
+    let mut seen = vec![false; n];
+    let mut step = n;
+    while step > 0 {
+        let mut i = step / 2;
+        while i < n {
+            if !seen[i] {
+                seen[i] = true;
+                order.push(i);
+            }
+            i += step.max(1);
+        }
+        step /= 2;
+    }
+    order.extend((0..n).filter(|&i| !seen[i]));
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::UnitLayout;
+    use ddo_core::UnitId;
+
+    fn layout(lens: &[u64], pinned: &[bool]) -> Layout {
+        let mut offset = 0;
+        let units = lens
+            .iter()
+            .zip(pinned)
+            .enumerate()
+            .map(|(i, (&len, &p))| {
+                let u = UnitLayout {
+                    id: UnitId(i as u32),
+                    name: format!("u{i}"),
+                    offset,
+                    len,
+                    payload: len,
+                    tensors: vec![],
+                    extents: vec![],
+                    pinned: p,
+                };
+                offset += len;
+                u
+            })
+            .collect();
+        Layout { units, reserved: offset, granularity: 1 }
+    }
+
+    fn budget(total: u64, depth: u32) -> Budget {
+        Budget { total, headroom: 0, prefetch_depth: depth }
+    }
+
+    #[test]
+    fn everything_resident_when_it_fits() {
+        let p = ResidencyPlan::new(&layout(&[10, 10, 10], &[false; 3]), budget(30, 2)).unwrap();
+        assert_eq!((p.slots, p.streamed_units(), p.device_bytes()), (0, 0, 30));
+    }
+
+    #[test]
+    fn two_slots_then_resident_units_then_more_slots() {
+        let l = layout(&[10; 10], &[false; 10]);
+        let p = ResidencyPlan::new(&l, budget(20, 2)).unwrap();
+        assert_eq!((p.slots, p.slot_len, p.resident_bytes), (2, 10, 0));
+        let p = ResidencyPlan::new(&l, budget(45, 2)).unwrap();
+        assert_eq!((p.slots, p.resident_bytes), (3, 10));
+        let p = ResidencyPlan::new(&l, budget(45, 1)).unwrap();
+        assert_eq!((p.slots, p.resident_bytes), (2, 20));
+        assert!(p.device_bytes() <= 45);
+        // Round-robin slots in unit order over the streamed units.
+        let slots: Vec<u32> = p.slot_of.iter().flatten().map(|s| s.0).collect();
+        assert_eq!(slots, [0, 1, 0, 1, 0, 1, 0, 1]);
+        assert_eq!(p.streamed_bytes, 80);
+    }
+
+    #[test]
+    fn large_units_become_resident_to_shrink_slots() {
+        let l = layout(&[40, 10, 10, 10], &[false; 4]);
+        let p = ResidencyPlan::new(&l, budget(60, 1)).unwrap();
+        assert!(p.resident[0]);
+        assert_eq!(p.slot_len, 10);
+        assert!(p.device_bytes() <= 60);
+    }
+
+    #[test]
+    fn pinned_units_and_too_small_budgets() {
+        let l = layout(&[5, 10, 10, 10], &[true, false, false, false]);
+        let p = ResidencyPlan::new(&l, budget(25, 2)).unwrap();
+        assert!(p.resident[0]);
+        assert_eq!(p.slots, 2);
+        let e = ResidencyPlan::new(&l, Budget { total: 30, headroom: 6, prefetch_depth: 2 })
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "GPU budget of 30 B (24 B after 6 B of headroom) is too small: the resident units and two execution slots need at least 25 B (largest unit 10 B); raise the budget to 31 B or more"
+        );
+    }
+
+    #[test]
+    fn spread_order_is_a_permutation() {
+        for n in 0..20 {
+            let mut o = spread_order(n);
+            o.sort_unstable();
+            assert_eq!(o, (0..n).collect::<Vec<_>>());
+        }
+    }
+}

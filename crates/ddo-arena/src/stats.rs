@@ -1,0 +1,78 @@
+//! Arena counters.
+
+use ddo_metrics::RuntimeSection;
+
+/// What the arena did. Times are host wall time in seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ArenaStats {
+    /// Acquisitions.
+    pub acquires: u64,
+    /// Host time spent in `acquire` (prefetch work included).
+    pub acquire_seconds: f64,
+    /// Releases.
+    pub releases: u64,
+    /// Host time spent in `release`.
+    pub release_seconds: f64,
+    /// Unit uploads (demand and prefetch).
+    pub uploads: u64,
+    /// Bytes uploaded.
+    pub upload_bytes: u64,
+    /// Host time spent enqueuing uploads.
+    pub upload_seconds: f64,
+    /// Host time spent blocked on fences (reclaim, close).
+    pub wait_seconds: f64,
+    /// Streamed acquisitions whose unit was already uploaded by prefetch.
+    pub prefetch_hits: u64,
+    /// Streamed acquisitions that uploaded on demand.
+    pub prefetch_misses: u64,
+    /// Prefetched units dropped from look-ahead because the order changed.
+    pub prefetch_cancels: u64,
+    /// Prefetch uploads issued.
+    pub prefetch_issued: u64,
+    /// Slot contents replaced by another unit.
+    pub evictions: u64,
+    /// Slot backings released by reclaim.
+    pub reclaim_cycles: u64,
+    /// Slot backings recreated after reclaim.
+    pub backing_restores: u64,
+    /// Passes seen.
+    pub passes: u64,
+    /// Acquisitions out of the learned order.
+    pub order_mismatches: u64,
+    /// Device bytes of resident units.
+    pub resident_bytes: u64,
+    /// Device bytes of slot backings alive now.
+    pub slot_bytes: u64,
+    /// Highest device bytes (resident + slots) held.
+    pub peak_bytes: u64,
+    /// Bytes retained unsafe after a failed release.
+    pub unsafe_retained_bytes: u64,
+}
+
+impl ArenaStats {
+    /// The runtime section of metrics for a native route.
+    pub fn runtime_section(&self) -> RuntimeSection {
+        RuntimeSection {
+            passes: Some(self.passes),
+            uploads: Some(self.uploads),
+            upload_bytes: Some(self.upload_bytes),
+            upload_seconds: Some(self.upload_seconds),
+            wait_seconds: Some(self.wait_seconds),
+            prefetch_hits: Some(self.prefetch_hits),
+            prefetch_misses: Some(self.prefetch_misses),
+            prefetch_cancels: Some(self.prefetch_cancels),
+            evictions: Some(self.evictions),
+            reclaim_cycles: Some(self.reclaim_cycles),
+            resident_bytes: Some(self.resident_bytes),
+            slot_bytes: Some(self.slot_bytes),
+            peak_bytes: Some(self.peak_bytes),
+            unsafe_retained_bytes: Some(self.unsafe_retained_bytes),
+        }
+    }
+
+    /// Mean host microseconds per acquire + release pair.
+    pub fn host_us_per_pair(&self) -> f64 {
+        let pairs = self.acquires.min(self.releases).max(1) as f64;
+        (self.acquire_seconds + self.release_seconds) * 1e6 / pairs
+    }
+}

@@ -1,0 +1,240 @@
+//! One test body per backend: the host backend always, CUDA under `cargo xtask test-gpu`.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use ddo_arena::{Arena, ArenaError, Budget, UnitSpec};
+use ddo_core::{Platform, StreamId, UnitId, WeightSource};
+
+struct Env {
+    platform: Platform,
+    _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+fn host_env() -> Env {
+    let (platform, device) = host();
+    Env { platform, _keep: Some(device) }
+}
+
+fn cuda_env() -> Env {
+    let (platform, device) =
+        ddo_platform::cuda_platform(0).expect("a CUDA device (run with cargo xtask test-gpu)");
+    Env { platform, _keep: Some(device) }
+}
+
+macro_rules! backend_tests {
+    ($($name:ident),* $(,)?) => {
+        mod host_backend {
+            $( #[test] fn $name() { super::$name(&super::host_env()) } )*
+        }
+        mod cuda_backend {
+            $(
+                #[test]
+                #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+                fn $name() { super::$name(&super::cuda_env()) }
+            )*
+        }
+    };
+}
+
+backend_tests!(
+    every_lease_sees_its_units_bytes,
+    addresses_are_stable_across_passes,
+    prefetch_hits_after_the_first_pass,
+    an_order_change_cancels_lookahead,
+    reclaim_keeps_addresses_and_uploads_again,
+    close_refuses_live_leases,
+    everything_resident_when_it_fits,
+);
+
+const WIDTH: usize = 128; // a block is 4 * 128*128*2 + ... ~ 200 KiB
+
+fn arena(
+    env: &Env,
+    blocks: usize,
+    budget: u64,
+    depth: u32,
+) -> (tempfile::TempDir, Arc<dyn WeightSource>, Arena) {
+    let dir = scratch();
+    let source = checkpoint(dir.path(), blocks, WIDTH);
+    let units = UnitSpec::by_block(source.slices());
+    let arena = Arena::new(
+        &env.platform,
+        source.clone(),
+        &units,
+        Budget { total: budget, headroom: 0, prefetch_depth: depth },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    (dir, source, arena)
+}
+
+fn slot_budget(env: &Env, slots: u64) -> u64 {
+    // resident unit + `slots` block-sized slots.
+    let g = env.platform.residency.granularity().unwrap();
+    let block = (5 * WIDTH * WIDTH * 2 + WIDTH * 2) as u64;
+    let unit = block.div_ceil(g) * g;
+    let resident = ((WIDTH * 16 + WIDTH) as u64 * 2).div_ceil(g) * g;
+    resident + slots * unit
+}
+
+fn check_unit(env: &Env, arena: &Arena, source: &Arc<dyn WeightSource>, unit: UnitId) {
+    let layout = &arena.layout().units[unit.0 as usize];
+    for t in &layout.tensors {
+        let (_, range) = arena.tensor_range(t.slice).unwrap();
+        let mut got = vec![0u8; range.len as usize];
+        env.platform.residency.read_back(range, &mut got).unwrap();
+        let s = &source.slices()[t.slice];
+        assert_eq!(got, pattern(&s.name, s.len as usize), "unit {} tensor {}", layout.name, s.name);
+    }
+}
+
+fn pass(env: &Env, arena: &Arena, source: &Arc<dyn WeightSource>, stream: StreamId, order: &[u32]) {
+    arena.begin_pass();
+    for &u in order {
+        let lease = arena.acquire(UnitId(u), stream).unwrap_or_else(|e| panic!("acquire {u}: {e}"));
+        check_unit(env, arena, source, UnitId(u));
+        arena.release(lease, stream).unwrap();
+    }
+}
+
+fn in_order(arena: &Arena) -> Vec<u32> {
+    (0..arena.layout().units.len() as u32).collect()
+}
+
+fn every_lease_sees_its_units_bytes(env: &Env) {
+    let (_d, source, arena) = arena(env, 7, slot_budget(env, 2), 1);
+    assert_eq!(arena.plan().slots, 2);
+    let stream = env.platform.residency.create_stream().unwrap();
+    for _ in 0..3 {
+        pass(env, &arena, &source, stream, &in_order(&arena));
+    }
+    let stats = arena.stats();
+    assert!(stats.peak_bytes <= slot_budget(env, 2), "{stats:?}");
+    assert_eq!(stats.acquires, 3 * 8);
+    arena.close().unwrap();
+}
+
+fn addresses_are_stable_across_passes(env: &Env) {
+    let (_d, source, arena) = arena(env, 5, slot_budget(env, 2), 1);
+    let stream = env.platform.residency.create_stream().unwrap();
+    let before: Vec<_> = (0..source.slices().len()).map(|i| arena.tensor_range(i)).collect();
+    let mut ranges = Vec::new();
+    for _ in 0..2 {
+        arena.begin_pass();
+        for u in in_order(&arena) {
+            let lease = arena.acquire(UnitId(u), stream).unwrap();
+            ranges.push((u, lease.range()));
+            arena.release(lease, stream).unwrap();
+        }
+    }
+    let (first, second) = ranges.split_at(ranges.len() / 2);
+    assert_eq!(first, second);
+    let after: Vec<_> = (0..source.slices().len()).map(|i| arena.tensor_range(i)).collect();
+    assert_eq!(before, after);
+    for (u, r) in first {
+        assert_eq!(*r, arena.unit_range(UnitId(*u)).unwrap());
+    }
+}
+
+fn prefetch_hits_after_the_first_pass(env: &Env) {
+    let (_d, source, arena) = arena(env, 9, slot_budget(env, 3), 2);
+    assert_eq!(arena.plan().slots, 3);
+    let stream = env.platform.residency.create_stream().unwrap();
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    let first = arena.stats();
+    // The first pass predicts the attach order, and the resident unit that runs first already
+    // starts the first streamed units: nothing uploads on demand.
+    assert_eq!(first.prefetch_misses, 0, "{first:?}");
+    assert_eq!(first.prefetch_hits, 9, "{first:?}");
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    let second = arena.stats();
+    assert_eq!(second.prefetch_misses, first.prefetch_misses, "{second:?}");
+    assert_eq!(second.prefetch_hits - first.prefetch_hits, 9);
+    assert_eq!(second.uploads - first.uploads, 9, "each streamed unit uploads once per pass");
+}
+
+fn an_order_change_cancels_lookahead(env: &Env) {
+    let (_d, source, arena) = arena(env, 6, slot_budget(env, 3), 2);
+    let stream = env.platform.residency.create_stream().unwrap();
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    pass(env, &arena, &source, stream, &[0, 1, 2, 5, 3, 4, 6]);
+    let stats = arena.stats();
+    assert!(stats.order_mismatches >= 1, "{stats:?}");
+    assert!(stats.prefetch_cancels >= 1, "{stats:?}");
+    // The learned order still works afterwards.
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    arena.close().unwrap();
+}
+
+fn reclaim_keeps_addresses_and_uploads_again(env: &Env) {
+    let (_d, source, arena) = arena(env, 4, slot_budget(env, 2), 1);
+    let stream = env.platform.residency.create_stream().unwrap();
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    let ranges: Vec<_> = (0..5).map(|u| arena.unit_range(UnitId(u)).unwrap()).collect();
+    if env.platform.name == "cuda" {
+        // Reclaim frees only what a host-observed fence proves idle.
+        env.platform.fences.wait(env.platform.fences.record(stream).unwrap()).unwrap();
+    }
+    let report = arena.reclaim_idle().unwrap();
+    assert_eq!(report.slots, 2);
+    assert_eq!(arena.stats().slot_bytes, 0);
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    assert_eq!(arena.stats().backing_restores, 2);
+    assert_eq!(ranges, (0..5).map(|u| arena.unit_range(UnitId(u)).unwrap()).collect::<Vec<_>>());
+    arena.close().unwrap();
+}
+
+fn close_refuses_live_leases(env: &Env) {
+    let (_d, _source, arena) = arena(env, 3, slot_budget(env, 2), 1);
+    let stream = env.platform.residency.create_stream().unwrap();
+    let lease = arena.acquire(UnitId(1), stream).unwrap();
+    let e = arena.close().unwrap_err();
+    assert!(matches!(e, ArenaError::CloseRefused { live_leases: 1, retained: 0 }), "{e}");
+    arena.release(lease, stream).unwrap();
+    arena.close().unwrap();
+    assert!(matches!(arena.acquire(UnitId(1), stream), Err(ArenaError::Closed)));
+}
+
+fn everything_resident_when_it_fits(env: &Env) {
+    let (_d, source, arena) = arena(env, 3, 64 << 20, 2);
+    assert_eq!(arena.plan().slots, 0);
+    let stream = env.platform.residency.create_stream().unwrap();
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    assert_eq!(arena.stats().uploads, 4, "each unit uploads once");
+}
+
+#[test]
+fn a_budget_too_small_says_what_is_needed() {
+    let env = host_env();
+    let dir = scratch();
+    let source = checkpoint(dir.path(), 3, WIDTH);
+    let units = UnitSpec::by_block(source.slices());
+    let e = Arena::new(
+        &env.platform,
+        source,
+        &units,
+        Budget { total: 256 << 10, headroom: 128 << 10, prefetch_depth: 2 },
+    )
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with(
+            "GPU budget of 256.00 KiB (128.00 KiB after 128.00 KiB of headroom) is too small"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("raise the budget to"), "{text}");
+}
+
+#[test]
+fn the_cuda_adapter_reports_a_missing_driver() {
+    if ddo_platform::cuda::driver_present() {
+        return; // A GPU machine: the cuda_backend tests cover the adapter.
+    }
+    let e = ddo_platform::cuda_platform(0).unwrap_err();
+    assert!(matches!(e, ddo_core::DeviceError::DriverNotFound));
+    assert!(e.to_string().starts_with("no CUDA driver found"));
+}

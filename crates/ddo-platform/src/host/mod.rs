@@ -1,0 +1,343 @@
+//! The host backend: ddo's device ports on real host memory, with no GPU.
+//!
+//! It emulates CUDA's virtual memory management faithfully with Linux primitives: a reservation
+//! is an inaccessible anonymous mapping, a backing is a `memfd`, mapping places the memfd at a
+//! fixed address inside the reservation (`MAP_SHARED | MAP_FIXED`), so one backing can be mapped
+//! at several addresses at once and every address is a real pointer. Copies are synchronous
+//! `memcpy`s; fences are signalled when recorded. The whole arena runs on it without a GPU, with
+//! the same layouts and addresses semantics as on CUDA.
+
+mod vm;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ddo_core::{
+    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Fence, FenceValue, HostSlice, Registration,
+    Reservation, Residency, StreamId,
+};
+
+use vm::{Backing, ReservedSpan};
+
+/// Default mapping granularity of the host backend: 2 MiB, as on current NVIDIA GPUs.
+pub const HOST_GRANULARITY: u64 = 2 << 20;
+
+#[derive(Debug)]
+struct Mapping {
+    len: u64,
+    backing: BackingId,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    reservations: BTreeMap<u64, ReservedSpan>,
+    backings: HashMap<BackingId, Backing>,
+    mappings: BTreeMap<u64, Mapping>,
+    next_backing: u64,
+    registered: HashMap<u64, u64>,
+    next_registration: u64,
+}
+
+/// Counters of what the host backend holds, for tests and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostUsage {
+    /// Bytes of live backings ("device memory").
+    pub backing_bytes: u64,
+    /// Highest `backing_bytes` seen.
+    pub peak_backing_bytes: u64,
+    /// Bytes of live reservations (addresses only).
+    pub reserved_bytes: u64,
+    /// Bytes registered (accounting only).
+    pub registered_bytes: u64,
+}
+
+/// A device made of host memory. Implements [`Residency`] and [`Fence`].
+#[derive(Debug)]
+pub struct HostDevice {
+    granularity: u64,
+    state: Mutex<State>,
+    usage: Mutex<HostUsage>,
+    next_stream: AtomicU64,
+    next_fence: AtomicU64,
+}
+
+impl Default for HostDevice {
+    fn default() -> Self {
+        HostDevice::new()
+    }
+}
+
+impl HostDevice {
+    /// A host device with the default 2 MiB granularity.
+    pub fn new() -> Self {
+        HostDevice::with_granularity(HOST_GRANULARITY)
+    }
+
+    /// A host device with `granularity` (a multiple of the page size, a power of two); smaller
+    /// granularities keep tests of tiny models small.
+    pub fn with_granularity(granularity: u64) -> Self {
+        let page = vm::page_size();
+        assert!(
+            granularity.is_power_of_two() && granularity.is_multiple_of(page),
+            "granularity must be a power of two and a multiple of the {page}-byte page"
+        );
+        HostDevice {
+            granularity,
+            state: Mutex::new(State::default()),
+            usage: Mutex::new(HostUsage::default()),
+            next_stream: AtomicU64::new(1),
+            next_fence: AtomicU64::new(1),
+        }
+    }
+
+    /// What the device holds now.
+    pub fn usage(&self) -> HostUsage {
+        *self.usage.lock().expect("usage")
+    }
+
+    fn invalid(message: String) -> DeviceError {
+        DeviceError::InvalidUse(message)
+    }
+
+    fn check_aligned(&self, what: &str, value: u64) -> Result<(), DeviceError> {
+        if value == 0 || !value.is_multiple_of(self.granularity) {
+            return Err(Self::invalid(format!(
+                "{what} {value} is not a positive multiple of the {}-byte granularity",
+                self.granularity
+            )));
+        }
+        Ok(())
+    }
+
+    /// The mapping that holds all of `range`, as (mapping start, backing).
+    fn mapped(state: &State, range: DeviceRange) -> Result<(u64, BackingId), DeviceError> {
+        let found = state.mappings.range(..=range.start.0).next_back();
+        match found {
+            Some((&start, m)) if range.end() <= start + m.len => Ok((start, m.backing)),
+            _ => Err(Self::invalid(format!(
+                "{} bytes at {:#x} are not inside one mapped range",
+                range.len, range.start.0
+            ))),
+        }
+    }
+}
+
+impl Residency for HostDevice {
+    fn device(&self) -> DeviceOrdinal {
+        DeviceOrdinal(0)
+    }
+
+    fn granularity(&self) -> Result<u64, DeviceError> {
+        Ok(self.granularity)
+    }
+
+    fn reserve(&self, len: u64) -> Result<Reservation, DeviceError> {
+        self.check_aligned("reservation length", len)?;
+        let span = ReservedSpan::new(len, self.granularity)?;
+        let start = span.start();
+        self.state.lock().expect("state").reservations.insert(start, span);
+        self.usage.lock().expect("usage").reserved_bytes += len;
+        Ok(Reservation { range: DeviceRange { start: ddo_core::DeviceAddress(start), len } })
+    }
+
+    fn release_reservation(&self, reservation: Reservation) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().expect("state");
+        let start = reservation.range.start.0;
+        if state.mappings.range(start..reservation.range.end()).next().is_some() {
+            return Err(Self::invalid(
+                "a reservation with live mappings cannot be released".into(),
+            ));
+        }
+        let span = state
+            .reservations
+            .remove(&start)
+            .ok_or_else(|| Self::invalid(format!("no reservation at {start:#x}")))?;
+        drop(span);
+        self.usage.lock().expect("usage").reserved_bytes -= reservation.range.len;
+        Ok(())
+    }
+
+    fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
+        self.check_aligned("backing length", len)?;
+        let backing = Backing::new(len)?;
+        let mut state = self.state.lock().expect("state");
+        let id = BackingId(state.next_backing);
+        state.next_backing += 1;
+        state.backings.insert(id, backing);
+        let mut usage = self.usage.lock().expect("usage");
+        usage.backing_bytes += len;
+        usage.peak_backing_bytes = usage.peak_backing_bytes.max(usage.backing_bytes);
+        Ok(id)
+    }
+
+    fn map(&self, range: DeviceRange, backing: BackingId) -> Result<(), DeviceError> {
+        self.check_aligned("mapping length", range.len)?;
+        let mut state = self.state.lock().expect("state");
+        let inside = state
+            .reservations
+            .range(..=range.start.0)
+            .next_back()
+            .is_some_and(|(&s, span)| range.end() <= s + span.len());
+        if !inside || !range.start.0.is_multiple_of(self.granularity) {
+            return Err(Self::invalid(format!(
+                "{} bytes at {:#x} are not an aligned part of a reservation",
+                range.len, range.start.0
+            )));
+        }
+        if state
+            .mappings
+            .range(..range.end())
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.len > range.start.0)
+        {
+            return Err(Self::invalid(format!("{:#x} is already mapped", range.start.0)));
+        }
+        let b = state
+            .backings
+            .get(&backing)
+            .ok_or_else(|| Self::invalid(format!("no backing {backing:?}")))?;
+        if b.len() != range.len {
+            return Err(Self::invalid(format!(
+                "backing of {} bytes mapped over {} bytes",
+                b.len(),
+                range.len
+            )));
+        }
+        b.map_at(range.start.0)?;
+        state.mappings.insert(range.start.0, Mapping { len: range.len, backing });
+        Ok(())
+    }
+
+    fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().expect("state");
+        match state.mappings.get(&range.start.0) {
+            Some(m) if m.len == range.len => {}
+            _ => {
+                return Err(Self::invalid(format!(
+                    "{} bytes at {:#x} are not one mapping",
+                    range.len, range.start.0
+                )));
+            }
+        }
+        vm::protect_none(range.start.0, range.len)?;
+        state.mappings.remove(&range.start.0);
+        Ok(())
+    }
+
+    fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().expect("state");
+        if state.mappings.values().any(|m| m.backing == backing) {
+            return Err(Self::invalid(format!("backing {backing:?} is still mapped")));
+        }
+        let b = state
+            .backings
+            .remove(&backing)
+            .ok_or_else(|| Self::invalid(format!("no backing {backing:?}")))?;
+        self.usage.lock().expect("usage").backing_bytes -= b.len();
+        Ok(())
+    }
+
+    fn create_stream(&self) -> Result<StreamId, DeviceError> {
+        Ok(StreamId(self.next_stream.fetch_add(1, Ordering::Relaxed)))
+    }
+
+    fn copy_to_device(
+        &self,
+        src: HostSlice,
+        dst: DeviceRange,
+        _stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        if src.len() as u64 != dst.len {
+            return Err(Self::invalid(format!(
+                "copy of {} bytes into {} bytes",
+                src.len(),
+                dst.len
+            )));
+        }
+        let state = self.state.lock().expect("state");
+        Self::mapped(&state, dst)?;
+        // SAFETY: `dst` lies inside a live read/write mapping of this device (checked under the
+        // lock, which also keeps it mapped during the copy); `src` is a live host slice of the
+        // same length; the two cannot overlap (device mappings are memfd pages owned here).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_bytes().as_ptr(),
+                dst.start.0 as *mut u8,
+                src.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+        if dst.len() as u64 != src.len {
+            return Err(Self::invalid(format!(
+                "read of {} bytes into {} bytes",
+                src.len,
+                dst.len()
+            )));
+        }
+        let state = self.state.lock().expect("state");
+        Self::mapped(&state, src)?;
+        // SAFETY: `src` lies inside a live mapping (checked under the lock); `dst` is a distinct
+        // host buffer of the same length.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.start.0 as *const u8, dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    fn register_host(
+        &self,
+        slice: HostSlice,
+        _read_only: bool,
+    ) -> Result<Registration, DeviceError> {
+        let mut state = self.state.lock().expect("state");
+        let handle = state.next_registration;
+        state.next_registration += 1;
+        state.registered.insert(handle, slice.len() as u64);
+        self.usage.lock().expect("usage").registered_bytes += slice.len() as u64;
+        Ok(Registration { slice, handle })
+    }
+
+    fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().expect("state");
+        let len = state.registered.remove(&registration.handle).ok_or_else(|| {
+            Self::invalid(format!("registration {} is not live", registration.handle))
+        })?;
+        self.usage.lock().expect("usage").registered_bytes -= len;
+        Ok(())
+    }
+}
+
+impl Fence for HostDevice {
+    fn record(&self, _stream: StreamId) -> Result<FenceValue, DeviceError> {
+        Ok(FenceValue(self.next_fence.fetch_add(1, Ordering::AcqRel)))
+    }
+
+    fn query(&self, value: FenceValue) -> Result<bool, DeviceError> {
+        if value.0 >= self.next_fence.load(Ordering::Acquire) {
+            return Err(Self::invalid(format!("fence value {} was never recorded", value.0)));
+        }
+        Ok(true)
+    }
+
+    fn wait(&self, value: FenceValue) -> Result<(), DeviceError> {
+        self.query(value).map(|_| ())
+    }
+
+    fn stream_wait(&self, _stream: StreamId, value: FenceValue) -> Result<(), DeviceError> {
+        self.query(value).map(|_| ())
+    }
+}
+
+impl Drop for HostDevice {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().expect("state");
+        // Mappings live inside reservations: dropping the reservations (munmap) removes them.
+        state.mappings.clear();
+        state.reservations.clear();
+        state.backings.clear();
+    }
+}
