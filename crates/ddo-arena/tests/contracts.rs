@@ -1,0 +1,295 @@
+//! The safety contracts of DESIGN section 4 that the arena carries, each with a test that fails
+//! if the contract breaks: fenced reuse (1), retain on release failure (2), cleanup once with the
+//! original error first (3), separate ceilings (4).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use ddo_arena::{Arena, ArenaError, Budget, UnitSpec};
+use ddo_core::{
+    BackingId, DeviceAddress, DeviceError, DeviceRange, MockFence, MockResidency, Platform,
+    Reservation, StreamId, UnitId,
+};
+
+const WIDTH: usize = 128;
+
+fn unit_bytes() -> u64 {
+    let block = (5 * WIDTH * WIDTH * 2 + WIDTH * 2) as u64;
+    block.div_ceil(GRANULARITY) * GRANULARITY
+}
+
+fn budget(slots: u64) -> Budget {
+    Budget { total: GRANULARITY + slots * unit_bytes(), headroom: 0, prefetch_depth: slots as u32 - 1 }
+}
+
+fn spy_arena(blocks: usize, slots: u64) -> (tempfile::TempDir, Arc<Spy>, Arena, StreamId) {
+    let dir = scratch();
+    let source = checkpoint(dir.path(), blocks, WIDTH);
+    let spy = Spy::new();
+    let units = UnitSpec::by_block(source.slices());
+    let arena = Arena::new(&spy.platform(), source, &units, budget(slots)).unwrap();
+    let stream = ddo_core::Residency::create_stream(&*spy).unwrap();
+    (dir, spy, arena, stream)
+}
+
+/// Contract 1: a slot is reused only after the copy stream waits for every consumer fence
+/// recorded since its last upload.
+#[test]
+fn slot_reuse_waits_for_every_consumer_fence() {
+    let (_d, spy, arena, stream) = spy_arena(4, 2);
+    let copy = arena.copy_stream();
+    // Unit 1 -> slot 0; unit 3 -> slot 0 again.
+    let a = arena.acquire(UnitId(1), stream).unwrap();
+    arena.release(a, stream).unwrap();
+    let release_fence = spy
+        .calls()
+        .iter()
+        .rev()
+        .find_map(|c| match c {
+            Call::Record(s, f) if *s == stream => Some(*f),
+            _ => None,
+        })
+        .unwrap();
+    let unit3 = arena.unit_range(UnitId(3)).unwrap();
+    let mark = spy.calls().len();
+    let c = arena.acquire(UnitId(3), stream).unwrap();
+    let after = &spy.calls()[mark..];
+    let wait = after.iter().position(|c| *c == Call::StreamWait(copy, release_fence));
+    let first_copy = after.iter().position(|c| matches!(c, Call::Copy(addr, _, s) if *addr >= unit3.start.0 && *addr < unit3.end() && *s == copy));
+    assert!(wait.is_some(), "no wait on the release fence: {after:?}");
+    assert!(first_copy.is_some(), "unit 3 was not uploaded: {after:?}");
+    assert!(wait < first_copy, "the upload was enqueued before waiting for the consumer: {after:?}");
+    arena.release(c, stream).unwrap();
+}
+
+/// Contract 1: freeing (reclaim) needs a host-observed fence; an incomplete one frees nothing.
+#[test]
+fn reclaim_frees_nothing_while_a_fence_is_incomplete() {
+    let (_d, spy, arena, stream) = spy_arena(3, 2);
+    for u in 0..4 {
+        let l = arena.acquire(UnitId(u), stream).unwrap();
+        arena.release(l, stream).unwrap();
+    }
+    *spy.query_answer.lock().unwrap() = Some(false);
+    let mark = spy.calls().len();
+    assert_eq!(arena.reclaim_idle().unwrap().slots, 0);
+    let after = &spy.calls()[mark..];
+    assert!(after.iter().any(|c| matches!(c, Call::Query(_))), "reclaim must ask the fence: {after:?}");
+    assert!(!after.iter().any(|c| matches!(c, Call::Unmap(_) | Call::ReleaseBacking(_))), "{after:?}");
+    *spy.query_answer.lock().unwrap() = None;
+    assert_eq!(arena.reclaim_idle().unwrap().slots, 2);
+}
+
+/// Contract 1 with mockall: a fence query that never completes keeps every mapping.
+#[test]
+fn mocked_incomplete_fences_keep_memory_mapped() {
+    let mut residency = MockResidency::new();
+    residency.expect_granularity().returning(|| Ok(GRANULARITY));
+    residency
+        .expect_reserve()
+        .returning(|len| Ok(Reservation { range: DeviceRange { start: DeviceAddress(1 << 40), len } }));
+    let mut next = 0;
+    residency.expect_create_backing().returning(move |_| {
+        next += 1;
+        Ok(BackingId(next))
+    });
+    residency.expect_map().returning(|_, _| Ok(()));
+    residency.expect_create_stream().returning(|| Ok(StreamId(7)));
+    residency.expect_copy_to_device().returning(|_, _, _| Ok(()));
+    residency.expect_unmap().never();
+    residency.expect_release_backing().never();
+    residency.expect_release_reservation().never();
+    let mut fences = MockFence::new();
+    let mut value = 0;
+    fences.expect_record().returning(move |_| {
+        value += 1;
+        Ok(ddo_core::FenceValue(value))
+    });
+    fences.expect_stream_wait().returning(|_, _| Ok(()));
+    fences.expect_query().returning(|_| Ok(false));
+    fences.expect_wait().returning(|_| Err(DeviceError::Lost("no completion".into())));
+    let platform = Platform {
+        name: "mock",
+        residency: Arc::new(residency),
+        fences: Arc::new(fences),
+        admission: Arc::new(ddo_platform::LinuxAdmissionProbe::system()),
+    };
+    let dir = scratch();
+    let source = checkpoint(dir.path(), 3, WIDTH);
+    let units = UnitSpec::by_block(source.slices());
+    let arena = Arena::new(&platform, source, &units, budget(2)).unwrap();
+    for u in 0..4 {
+        let l = arena.acquire(UnitId(u), StreamId(7)).unwrap();
+        arena.release(l, StreamId(7)).unwrap();
+    }
+    assert_eq!(arena.reclaim_idle().unwrap().slots, 0);
+    // Close cannot prove completion: it fails and keeps everything (the mock forbids frees).
+    let e = arena.close().unwrap_err();
+    assert!(e.to_string().starts_with("wait for outstanding work before close"), "{e}");
+    assert!(arena.stats().unsafe_retained_bytes > 0);
+    assert!(matches!(arena.close(), Err(ArenaError::CloseRefused { .. })));
+}
+
+/// Contract 2: a release whose fence cannot be recorded retains the slot: never reused, close
+/// refuses and reports the bytes, nothing is freed.
+#[test]
+fn a_failed_release_retains_and_refuses_reuse_and_close() {
+    let (_d, spy, arena, stream) = spy_arena(4, 2);
+    let l = arena.acquire(UnitId(1), stream).unwrap();
+    spy.fail(Op::Record, 0);
+    let e = arena.release(l, stream).unwrap_err();
+    assert!(e.to_string().starts_with("record the consumer's completion fence"), "{e}");
+    let retained = arena.stats().unsafe_retained_bytes;
+    assert_eq!(retained, arena.plan().slot_len);
+    // Unit 3 shares slot 0: refused.
+    let e = arena.acquire(UnitId(3), stream).unwrap_err();
+    assert!(matches!(e, ArenaError::Unsafe { .. }), "{e}");
+    let mark = spy.calls().len();
+    let e = arena.close().unwrap_err();
+    assert!(matches!(e, ArenaError::CloseRefused { retained: r, .. } if r == retained), "{e}");
+    assert!(spy.calls()[mark..].is_empty(), "close touched the device: {:?}", &spy.calls()[mark..]);
+    // Unit 2 (slot 1) still works.
+    let ok = arena.acquire(UnitId(2), stream).unwrap();
+    arena.release(ok, stream).unwrap();
+}
+
+/// Contract 2: an unmap failure during reclaim keeps the backing (no release) and marks it unsafe.
+#[test]
+fn a_failed_unmap_keeps_the_backing() {
+    let (_d, spy, arena, stream) = spy_arena(4, 2);
+    let l = arena.acquire(UnitId(1), stream).unwrap();
+    arena.release(l, stream).unwrap();
+    spy.fail(Op::Unmap, 0);
+    let mark = spy.calls().len();
+    let e = arena.reclaim_idle().unwrap_err();
+    assert!(e.to_string().starts_with("unmap slot memory for reclaim"), "{e}");
+    assert!(!spy.calls()[mark..].iter().any(|c| matches!(c, Call::ReleaseBacking(_))));
+    assert!(matches!(arena.close(), Err(ArenaError::CloseRefused { .. })));
+}
+
+/// Contract 3: a failed setup cleans up once, returns the original error, and attaches a
+/// cleanup error instead of replacing the original with it.
+#[test]
+fn setup_failure_cleans_up_once_and_keeps_the_original_error() {
+    let dir = scratch();
+    let source = checkpoint(dir.path(), 4, WIDTH);
+    let units = UnitSpec::by_block(source.slices());
+
+    let spy = Spy::new();
+    spy.fail(Op::CreateBacking, 2);
+    let e = Arena::new(&spy.platform(), source.clone(), &units, budget(2)).unwrap_err();
+    assert!(e.to_string().starts_with("create slot memory: device lost: injected failure of CreateBacking"), "{e}");
+    let calls = spy.calls();
+    let created: Vec<_> = calls.iter().filter(|c| matches!(c, Call::CreateBacking(_))).collect();
+    let released: Vec<_> = calls.iter().filter(|c| matches!(c, Call::ReleaseBacking(_))).collect();
+    assert_eq!(created.len(), released.len(), "every created backing released once: {calls:?}");
+    assert_eq!(calls.iter().filter(|c| **c == Call::ReleaseReservation).count(), 1);
+    assert_eq!(spy.inner.usage().backing_bytes, 0);
+    assert_eq!(spy.inner.usage().reserved_bytes, 0);
+
+    let spy = Spy::new();
+    spy.fail(Op::CreateBacking, 2);
+    spy.fail(Op::ReleaseReservation, 0);
+    let e = Arena::new(&spy.platform(), source, &units, budget(2)).unwrap_err();
+    match &e {
+        ArenaError::WithCleanup { error, cleanup } => {
+            assert!(error.to_string().starts_with("create slot memory"), "{error}");
+            assert!(cleanup.to_string().starts_with("release device addresses"), "{cleanup}");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(e.original().to_string().starts_with("create slot memory"));
+    assert_eq!(std::error::Error::source(&e).unwrap().to_string(), e.original().to_string());
+    assert_eq!(spy.calls().iter().filter(|c| **c == Call::ReleaseReservation).count(), 0, "the failed call is not retried");
+}
+
+/// Contract 4: the GPU ceiling counts physical memory only; the address reservation spans every
+/// unit and is not residency.
+#[test]
+fn address_reservation_is_not_residency() {
+    let (_d, spy, arena, stream) = spy_arena(8, 2);
+    let b = budget(2);
+    let usage = spy.inner.usage();
+    assert!(usage.reserved_bytes > b.total, "{usage:?}");
+    for u in 0..9 {
+        let l = arena.acquire(UnitId(u), stream).unwrap();
+        arena.release(l, stream).unwrap();
+    }
+    let usage = spy.inner.usage();
+    assert!(usage.peak_backing_bytes <= b.total, "{usage:?} > {}", b.total);
+    assert_eq!(usage.registered_bytes, 0);
+}
+
+/// Fault injection at every port call the arena makes during setup and two passes: each
+/// failure is an error (never a panic), and afterwards the arena either still serves correct
+/// bytes or refuses; no backing is released while a lease is live.
+#[test]
+fn any_single_port_failure_is_an_error_and_loses_nothing() {
+    let ops = [
+        Op::Reserve,
+        Op::CreateBacking,
+        Op::Map,
+        Op::CreateStream,
+        Op::Copy,
+        Op::Record,
+        Op::StreamWait,
+    ];
+    for op in ops {
+        for nth in 0..6 {
+            let dir = scratch();
+            let source = checkpoint(dir.path(), 4, WIDTH);
+            let spy = Spy::new();
+            spy.fail(op, nth);
+            let units = UnitSpec::by_block(source.slices());
+            let arena = match Arena::new(&spy.platform(), source.clone(), &units, budget(2)) {
+                Ok(a) => a,
+                Err(e) => {
+                    assert!(!e.to_string().is_empty());
+                    assert_eq!(spy.inner.usage().backing_bytes, 0, "{op:?}/{nth}: setup failure leaked");
+                    continue;
+                }
+            };
+            let stream = StreamId(1);
+            let mut failures = 0;
+            for u in (0..5).chain(0..5) {
+                match arena.acquire(UnitId(u), stream) {
+                    Ok(lease) => {
+                        let layout = &arena.layout().units[u as usize];
+                        for t in &layout.tensors {
+                            let (_, r) = arena.tensor_range(t.slice).unwrap();
+                            let mut got = vec![0u8; r.len as usize];
+                            ddo_core::Residency::read_back(&*spy, r, &mut got).unwrap();
+                            let s = &source.slices()[t.slice];
+                            assert_eq!(got, pattern(&s.name, s.len as usize), "{op:?}/{nth}: unit {u} bytes");
+                        }
+                        if arena.release(lease, stream).is_err() {
+                            failures += 1;
+                        }
+                    }
+                    Err(_) => failures += 1,
+                }
+            }
+            let _ = failures;
+            let _ = arena.close();
+        }
+    }
+}
+
+#[test]
+fn leases_never_exceed_the_slots() {
+    let (_d, _spy, arena, stream) = spy_arena(4, 2);
+    let a = arena.acquire(UnitId(1), stream).unwrap();
+    let b = arena.acquire(UnitId(2), stream).unwrap();
+    let e = arena.acquire(UnitId(3), stream).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "unit 3 needs slot 0, which is leased by unit 1; release leases in execution order (at most 2 streamed units can be held at once)"
+    );
+    arena.release(a, stream).unwrap();
+    arena.release(b, stream).unwrap();
+    let c = arena.acquire(UnitId(3), stream).unwrap();
+    arena.release(c, stream).unwrap();
+}
+
