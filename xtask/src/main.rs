@@ -2,22 +2,26 @@
 //!
 //! - `ci`: formatting, lints, tests and doc tests, as CI runs them.
 //! - `demo`: the main job: shows what ddo decides for a Diffusers pipeline on this machine.
+//! - `test-gpu`: the CUDA tests and GPU benchmarks, here or as a bundle for a GPU machine.
 
 use std::process::{Command, ExitCode};
 
 mod demo;
+mod gpu;
 
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
   ci      cargo fmt --check, clippy -D warnings, the test suite (nextest) and doc tests
-  demo    resolve a Diffusers pipeline's plan on this machine and print it";
+  demo    resolve a Diffusers pipeline's plan on this machine and print it
+  test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("demo") => demo::run(&args[1..]),
+        Some("test-gpu") => gpu::test_gpu(&args[1..]),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())

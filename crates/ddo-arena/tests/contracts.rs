@@ -21,7 +21,11 @@ fn unit_bytes() -> u64 {
 }
 
 fn budget(slots: u64) -> Budget {
-    Budget { total: GRANULARITY + slots * unit_bytes(), headroom: 0, prefetch_depth: slots as u32 - 1 }
+    Budget {
+        total: GRANULARITY + slots * unit_bytes(),
+        headroom: 0,
+        prefetch_depth: slots as u32 - 1,
+    }
 }
 
 fn spy_arena(blocks: usize, slots: u64) -> (tempfile::TempDir, Arc<Spy>, Arena, StreamId) {
@@ -60,7 +64,10 @@ fn slot_reuse_waits_for_every_consumer_fence() {
     let first_copy = after.iter().position(|c| matches!(c, Call::Copy(addr, _, s) if *addr >= unit3.start.0 && *addr < unit3.end() && *s == copy));
     assert!(wait.is_some(), "no wait on the release fence: {after:?}");
     assert!(first_copy.is_some(), "unit 3 was not uploaded: {after:?}");
-    assert!(wait < first_copy, "the upload was enqueued before waiting for the consumer: {after:?}");
+    assert!(
+        wait < first_copy,
+        "the upload was enqueued before waiting for the consumer: {after:?}"
+    );
     arena.release(c, stream).unwrap();
 }
 
@@ -76,8 +83,14 @@ fn reclaim_frees_nothing_while_a_fence_is_incomplete() {
     let mark = spy.calls().len();
     assert_eq!(arena.reclaim_idle().unwrap().slots, 0);
     let after = &spy.calls()[mark..];
-    assert!(after.iter().any(|c| matches!(c, Call::Query(_))), "reclaim must ask the fence: {after:?}");
-    assert!(!after.iter().any(|c| matches!(c, Call::Unmap(_) | Call::ReleaseBacking(_))), "{after:?}");
+    assert!(
+        after.iter().any(|c| matches!(c, Call::Query(_))),
+        "reclaim must ask the fence: {after:?}"
+    );
+    assert!(
+        !after.iter().any(|c| matches!(c, Call::Unmap(_) | Call::ReleaseBacking(_))),
+        "{after:?}"
+    );
     *spy.query_answer.lock().unwrap() = None;
     assert_eq!(arena.reclaim_idle().unwrap().slots, 2);
 }
@@ -87,9 +100,9 @@ fn reclaim_frees_nothing_while_a_fence_is_incomplete() {
 fn mocked_incomplete_fences_keep_memory_mapped() {
     let mut residency = MockResidency::new();
     residency.expect_granularity().returning(|| Ok(GRANULARITY));
-    residency
-        .expect_reserve()
-        .returning(|len| Ok(Reservation { range: DeviceRange { start: DeviceAddress(1 << 40), len } }));
+    residency.expect_reserve().returning(|len| {
+        Ok(Reservation { range: DeviceRange { start: DeviceAddress(1 << 40), len } })
+    });
     let mut next = 0;
     residency.expect_create_backing().returning(move |_| {
         next += 1;
@@ -180,7 +193,11 @@ fn setup_failure_cleans_up_once_and_keeps_the_original_error() {
     let spy = Spy::new();
     spy.fail(Op::CreateBacking, 2);
     let e = Arena::new(&spy.platform(), source.clone(), &units, budget(2)).unwrap_err();
-    assert!(e.to_string().starts_with("create slot memory: device lost: injected failure of CreateBacking"), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("create slot memory: device lost: injected failure of CreateBacking"),
+        "{e}"
+    );
     let calls = spy.calls();
     let created: Vec<_> = calls.iter().filter(|c| matches!(c, Call::CreateBacking(_))).collect();
     let released: Vec<_> = calls.iter().filter(|c| matches!(c, Call::ReleaseBacking(_))).collect();
@@ -202,7 +219,11 @@ fn setup_failure_cleans_up_once_and_keeps_the_original_error() {
     }
     assert!(e.original().to_string().starts_with("create slot memory"));
     assert_eq!(std::error::Error::source(&e).unwrap().to_string(), e.original().to_string());
-    assert_eq!(spy.calls().iter().filter(|c| **c == Call::ReleaseReservation).count(), 0, "the failed call is not retried");
+    assert_eq!(
+        spy.calls().iter().filter(|c| **c == Call::ReleaseReservation).count(),
+        0,
+        "the failed call is not retried"
+    );
 }
 
 /// Contract 4: the GPU ceiling counts physical memory only; the address reservation spans every
@@ -247,7 +268,11 @@ fn any_single_port_failure_is_an_error_and_loses_nothing() {
                 Ok(a) => a,
                 Err(e) => {
                     assert!(!e.to_string().is_empty());
-                    assert_eq!(spy.inner.usage().backing_bytes, 0, "{op:?}/{nth}: setup failure leaked");
+                    assert_eq!(
+                        spy.inner.usage().backing_bytes,
+                        0,
+                        "{op:?}/{nth}: setup failure leaked"
+                    );
                     continue;
                 }
             };
@@ -262,7 +287,11 @@ fn any_single_port_failure_is_an_error_and_loses_nothing() {
                             let mut got = vec![0u8; r.len as usize];
                             ddo_core::Residency::read_back(&*spy, r, &mut got).unwrap();
                             let s = &source.slices()[t.slice];
-                            assert_eq!(got, pattern(&s.name, s.len as usize), "{op:?}/{nth}: unit {u} bytes");
+                            assert_eq!(
+                                got,
+                                pattern(&s.name, s.len as usize),
+                                "{op:?}/{nth}: unit {u} bytes"
+                            );
                         }
                         if arena.release(lease, stream).is_err() {
                             failures += 1;
@@ -292,4 +321,3 @@ fn leases_never_exceed_the_slots() {
     let c = arena.acquire(UnitId(3), stream).unwrap();
     arena.release(c, stream).unwrap();
 }
-

@@ -54,8 +54,18 @@ pub fn checkpoint(dir: &Path, blocks: usize, width: usize) -> Arc<dyn WeightSour
     Arc::new(unsafe { CheckpointSource::with_mmap(checkpoint, 2) }.unwrap())
 }
 
+/// Where tests write files: `DDO_TEST_TMPDIR` when set (bundles run where the build's target
+/// folder does not exist), else the build's own temporary folder.
+pub fn test_tmpdir() -> std::path::PathBuf {
+    let dir = std::env::var_os("DDO_TEST_TMPDIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 pub fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("ddo-arena-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+    tempfile::Builder::new().prefix("ddo-arena-").tempdir_in(test_tmpdir()).unwrap()
 }
 
 /// The host platform with a small granularity.

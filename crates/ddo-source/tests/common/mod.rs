@@ -6,9 +6,19 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 
+/// Where tests write files: `DDO_TEST_TMPDIR` when set (bundles run where the build's target
+/// folder does not exist), else the build's own temporary folder.
+pub fn test_tmpdir() -> std::path::PathBuf {
+    let dir = std::env::var_os("DDO_TEST_TMPDIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// A directory on the target's disk (O_DIRECT needs a real filesystem).
 pub fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("ddo-source-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+    tempfile::Builder::new().prefix("ddo-source-").tempdir_in(test_tmpdir()).unwrap()
 }
 
 /// Deterministic bytes for tensor `name`.
