@@ -123,6 +123,8 @@ set -uo pipefail
 bundle="$(cd "$(dirname "$0")" && pwd)"
 repo="$(pwd)"
 export DDO_TEST_TMPDIR="${DDO_TEST_TMPDIR:-$repo/target/gpu-tmp}"
+# Snapshot files live in this copy of the repository, not where the tests were built.
+export INSTA_WORKSPACE_ROOT="$repo" INSTA_UPDATE=no
 mkdir -p "$DDO_TEST_TMPDIR"
 # cuBLAS for the GEMM benchmark: expose an unversioned libcublas.so from the CUDA libraries here.
 libs="$bundle/lib"; mkdir -p "$libs"
@@ -138,6 +140,10 @@ status=$?
 if [ "${1:-}" = "--bench" ]; then
   "$bundle/stream_gemm" --bench --size-gib "${DDO_BENCH_GIB:-8}" --dir "$DDO_TEST_TMPDIR" || status=1
   "$bundle/read_bench" --size-gib 4 --dir "$DDO_TEST_TMPDIR" || status=1
+  for cfg in "2 32" "4 16" "8 8"; do
+    set -- $cfg
+    "$bundle/read_bench" --size-gib 4 --dir "$DDO_TEST_TMPDIR" --methods direct --workers "$1" --chunk-mib "$2" --repeat 3 | grep cold || status=1
+  done
 fi
 exit $status
 "#;

@@ -29,6 +29,7 @@ fn main() {
     let mut workers = 16usize;
     let mut chunk_mib = 8usize;
     let mut batch_units = 8usize;
+    let mut only: Option<String> = None;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -44,6 +45,7 @@ fn main() {
             "--workers" => {
                 workers = value().parse().unwrap_or_else(|_| usage("--workers takes a count"))
             }
+            "--methods" => only = Some(value().to_owned()),
             "--batch-units" => {
                 batch_units =
                     value().parse().unwrap_or_else(|_| usage("--batch-units takes a count"))
@@ -69,7 +71,10 @@ fn main() {
 
     println!("| path | page cache | GB/s | ratio to plain read |");
     println!("|---|---|---|---|");
-    let methods = [ReadMethod::Pread, ReadMethod::Direct, ReadMethod::Mmap];
+    let methods: Vec<ReadMethod> = [ReadMethod::Pread, ReadMethod::Direct, ReadMethod::Mmap]
+        .into_iter()
+        .filter(|m| only.as_deref().is_none_or(|o| o.contains(&format!("{m:?}").to_lowercase())))
+        .collect();
     for cold in [true, false] {
         let cache = if cold { "cold" } else { "warm" };
         if !cold {
@@ -120,7 +125,7 @@ fn main() {
 
 fn usage(message: &str) -> ! {
     eprintln!(
-        "read_bench: {message}\nusage: read_bench [--size-gib N] [--dir DIR] [--repeat N] [--workers N] [--chunk-mib N] [--batch-units N]"
+        "read_bench: {message}\nusage: read_bench [--size-gib N] [--dir DIR] [--repeat N] [--workers N] [--chunk-mib N] [--batch-units N] [--methods pread,direct,mmap]"
     );
     std::process::exit(2)
 }

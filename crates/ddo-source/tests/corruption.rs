@@ -34,13 +34,19 @@ fn corruption() -> impl Strategy<Value = Corruption> {
 }
 
 fn apply(mut bytes: Vec<u8>, c: &Corruption) -> Vec<u8> {
+    if bytes.is_empty() {
+        return bytes;
+    }
     match c {
         Corruption::Flip { at, value } => {
             let n = bytes.len();
             bytes[at % n] = *value;
         }
         Corruption::Truncate { to } => bytes.truncate(*to % (bytes.len() + 1)),
-        Corruption::Length { value } => bytes[..8].copy_from_slice(&value.to_le_bytes()),
+        Corruption::Length { value } => {
+            let n = bytes.len().min(8);
+            bytes[..n].copy_from_slice(&value.to_le_bytes()[..n]);
+        }
         Corruption::Splice { at, bytes: ins } => {
             let at = at % bytes.len();
             bytes.splice(at..at, ins.iter().copied());
