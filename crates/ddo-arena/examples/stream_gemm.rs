@@ -371,6 +371,12 @@ fn run() -> Result<(), Box<dyn Error>> {
         overlapped / floor
     );
     println!(
+        "| same, {} slots ({} resident units) | {deeper_overlapped:.4} s | max(compute {compute_alone:.4}, copy {deeper_copy:.4}) | {:.3} | <= 1.03 |",
+        deeper.plan().slots,
+        deeper.plan().resident.iter().filter(|r| **r).count(),
+        deeper_overlapped / compute_alone.max(deeper_copy)
+    );
+    println!(
         "| host cost per acquire+release, streamed (prefetch included) | {:.1} us | | | <= 20 |",
         streaming_stats.host_us_per_pair()
     );

@@ -49,6 +49,8 @@ struct Holder {
     /// Fences recorded by consumers since the upload; reuse waits for all of them.
     releases: Vec<FenceValue>,
     leases: u32,
+    /// The upload was observed complete on the host: consumers need not wait for it.
+    upload_done: bool,
     /// Retained after a failed release: never reused, close refuses.
     unsafe_: bool,
 }
@@ -490,8 +492,19 @@ impl Arena {
                         retained: self.layout.units[i].len,
                     });
                 }
-                if r.holder.upload.is_some() {
-                    return Ok(r.holder.upload);
+                match (r.holder.upload, r.holder.upload_done) {
+                    (Some(_), true) => return Ok(None),
+                    (Some(f), false) => {
+                        // Once the upload is seen complete, later acquisitions skip the wait.
+                        let done = self
+                            .platform
+                            .fences
+                            .query(f)
+                            .map_err(device("query a resident unit's upload"))?;
+                        state.residents[i].holder.upload_done = done;
+                        return Ok((!done).then_some(f));
+                    }
+                    (None, _) => {}
                 }
                 let f = self.upload(state, unit)?;
                 state.residents[i].holder.upload = Some(f);

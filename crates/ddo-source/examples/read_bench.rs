@@ -4,7 +4,10 @@
 //!
 //! ```sh
 //! cargo run --release -p ddo-source --example read_bench -- [--size-gib 4] [--dir DIR] [--repeat 3]
-//!     [--workers 16] [--chunk-mib 8] [--batch-units 8]
+//!     [--workers N] [--chunk-mib N] [--batch-units 8] [--methods pread,direct,mmap]
+//!
+//! Each path uses its own defaults (`ReadOptions::pread()`, `ReadOptions::direct()`) unless
+//! `--workers` / `--chunk-mib` override them.
 //! ```
 //!
 //! "Cold" evicts the file from the page cache first (fsync, then `posix_fadvise(DONTNEED)` on
@@ -26,8 +29,8 @@ fn main() {
     let mut size_gib = 4.0f64;
     let mut dir = std::env::temp_dir();
     let mut repeat = 3usize;
-    let mut workers = 16usize;
-    let mut chunk_mib = 8usize;
+    let mut workers: Option<usize> = None;
+    let mut chunk_mib: Option<usize> = None;
     let mut batch_units = 8usize;
     let mut only: Option<String> = None;
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,7 +46,7 @@ fn main() {
                 repeat = value().parse().unwrap_or_else(|_| usage("--repeat takes a count"))
             }
             "--workers" => {
-                workers = value().parse().unwrap_or_else(|_| usage("--workers takes a count"))
+                workers = Some(value().parse().unwrap_or_else(|_| usage("--workers takes a count")))
             }
             "--methods" => only = Some(value().to_owned()),
             "--batch-units" => {
@@ -51,7 +54,8 @@ fn main() {
                     value().parse().unwrap_or_else(|_| usage("--batch-units takes a count"))
             }
             "--chunk-mib" => {
-                chunk_mib = value().parse().unwrap_or_else(|_| usage("--chunk-mib takes a size"))
+                chunk_mib =
+                    Some(value().parse().unwrap_or_else(|_| usage("--chunk-mib takes a size")))
             }
             other => usage(&format!("unknown argument {other}")),
         }
@@ -98,13 +102,13 @@ fn main() {
                 let source = match method {
                     ReadMethod::Mmap => {
                         // SAFETY: the benchmark does not modify the file while it is mapped.
-                        unsafe { CheckpointSource::with_mmap(checkpoint.clone(), workers) }.unwrap()
+                        unsafe {
+                            CheckpointSource::with_mmap(checkpoint.clone(), workers.unwrap_or(16))
+                        }
+                        .unwrap()
                     }
-                    m => CheckpointSource::new(
-                        checkpoint.clone(),
-                        ReadOptions { method: *m, workers, chunk_bytes: chunk_mib << 20 },
-                    )
-                    .unwrap(),
+                    m => CheckpointSource::new(checkpoint.clone(), options(*m, workers, chunk_mib))
+                        .unwrap(),
                 };
                 by_method[m].push(read_units(&source, &units, checkpoint.total_bytes()));
             }
@@ -114,8 +118,10 @@ fn main() {
         for (m, method) in methods.iter().enumerate() {
             let gbs = median(&mut by_method[m]);
             let name = format!("{method:?}").to_lowercase();
+            let o = options(*method, workers, chunk_mib);
+            let (w, c) = (o.workers, o.chunk_bytes >> 20);
             println!(
-                "| {name} ({workers} workers, {chunk_mib} MiB reads, {batch_units} units per batch) | {cache} | {gbs:.2} | {:.2} |",
+                "| {name} ({w} workers, {c} MiB reads, {batch_units} units per batch) | {cache} | {gbs:.2} | {:.2} |",
                 gbs / plain
             );
         }
@@ -128,6 +134,18 @@ fn usage(message: &str) -> ! {
         "read_bench: {message}\nusage: read_bench [--size-gib N] [--dir DIR] [--repeat N] [--workers N] [--chunk-mib N] [--batch-units N] [--methods pread,direct,mmap]"
     );
     std::process::exit(2)
+}
+
+fn options(method: ReadMethod, workers: Option<usize>, chunk_mib: Option<usize>) -> ReadOptions {
+    let base = match method {
+        ReadMethod::Direct => ReadOptions::direct(),
+        _ => ReadOptions { method, ..ReadOptions::pread() },
+    };
+    ReadOptions {
+        workers: workers.unwrap_or(base.workers),
+        chunk_bytes: chunk_mib.map_or(base.chunk_bytes, |c| c << 20),
+        ..base
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {

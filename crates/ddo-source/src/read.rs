@@ -37,7 +37,20 @@ pub struct ReadOptions {
 
 impl Default for ReadOptions {
     fn default() -> Self {
+        ReadOptions::pread()
+    }
+}
+
+impl ReadOptions {
+    /// Positioned reads: 16 workers, 8 MiB reads (measured best on the GPU machine's disk).
+    pub fn pread() -> Self {
         ReadOptions { method: ReadMethod::Pread, workers: 16, chunk_bytes: 8 << 20 }
+    }
+
+    /// O_DIRECT reads: 6 workers, 16 MiB reads (measured best on the GPU machine's disk; more
+    /// concurrent direct requests ran slower there).
+    pub fn direct() -> Self {
+        ReadOptions { method: ReadMethod::Direct, workers: 6, chunk_bytes: 16 << 20 }
     }
 }
 
