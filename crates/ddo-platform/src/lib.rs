@@ -11,6 +11,7 @@
 //! ([`host_platform`], [`cuda_platform`]). `unsafe` here is confined to FFI and raw memory, each
 //! block with its `SAFETY` reasoning.
 
+mod book;
 pub mod cuda;
 pub mod host;
 pub mod linux;

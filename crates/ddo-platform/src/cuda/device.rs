@@ -1,6 +1,8 @@
 //! [`CudaDevice`]: owned driver handles behind the device ports.
 
 use std::collections::{BTreeMap, HashMap};
+
+use crate::book::AddressBook;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -17,9 +19,7 @@ const RETIRE_AFTER: usize = 64;
 
 #[derive(Debug, Default)]
 struct State {
-    reservations: BTreeMap<u64, u64>,
-    backings: HashMap<u64, u64>,
-    mappings: BTreeMap<u64, (u64, BackingId)>,
+    book: AddressBook,
     /// Known streams: handle -> owned by this device.
     streams: HashMap<u64, bool>,
     registrations: HashMap<u64, usize>,
@@ -128,26 +128,6 @@ impl CudaDevice {
         }
     }
 
-    fn check_aligned(&self, what: &str, value: u64) -> Result<(), DeviceError> {
-        if value == 0 || !value.is_multiple_of(self.granularity) {
-            return Err(DeviceError::InvalidUse(format!(
-                "{what} {value} is not a positive multiple of the {}-byte granularity",
-                self.granularity
-            )));
-        }
-        Ok(())
-    }
-
-    fn inside_mapping(state: &State, range: DeviceRange) -> Result<(), DeviceError> {
-        match state.mappings.range(..=range.start.0).next_back() {
-            Some((&s, &(len, _))) if range.end() <= s + len => Ok(()),
-            _ => Err(DeviceError::InvalidUse(format!(
-                "{} bytes at {:#x} are not inside one mapped range",
-                range.len, range.start.0
-            ))),
-        }
-    }
-
     /// Marks `value` complete: recycles its event and drops the host slices it held.
     fn retire(state: &mut State, value: u64) {
         if let Some((event, holds)) = state.events.remove(&value) {
@@ -167,113 +147,62 @@ impl Residency for CudaDevice {
     }
 
     fn reserve(&self, len: u64) -> Result<Reservation, DeviceError> {
-        self.check_aligned("reservation length", len)?;
+        AddressBook::check_aligned(self.granularity, "reservation length", len)?;
         self.bind()?;
         let ptr = result::mem_address_reserve(len as usize, self.granularity as usize)?;
-        self.state.lock().expect("state").reservations.insert(ptr, len);
+        self.state.lock().expect("state").book.add_reservation(ptr, len);
         Ok(Reservation { range: DeviceRange { start: DeviceAddress(ptr), len } })
     }
 
     fn release_reservation(&self, reservation: Reservation) -> Result<(), DeviceError> {
         let mut state = self.state.lock().expect("state");
         let (start, len) = (reservation.range.start.0, reservation.range.len);
-        if state.reservations.get(&start) != Some(&len) {
-            return Err(DeviceError::InvalidUse(format!(
-                "no reservation of {len} bytes at {start:#x}"
-            )));
-        }
-        if state.mappings.range(start..start + len).next().is_some() {
-            return Err(DeviceError::InvalidUse(
-                "a reservation with live mappings cannot be released".into(),
-            ));
-        }
+        state.book.check_release_reservation(reservation.range)?;
         self.bind()?;
         // SAFETY: a reservation of this device with nothing mapped in it (checked above).
         unsafe { result::mem_address_free(start, len as usize) }?;
-        state.reservations.remove(&start);
+        state.book.remove_reservation(start);
         Ok(())
     }
 
     fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
-        self.check_aligned("backing length", len)?;
+        AddressBook::check_aligned(self.granularity, "backing length", len)?;
         self.bind()?;
         let handle =
             result::mem_create(len as usize, self.index()).map_err(|e| e.into_device(len))?;
-        self.state.lock().expect("state").backings.insert(handle, len);
+        self.state.lock().expect("state").book.add_backing(BackingId(handle), len);
         Ok(BackingId(handle))
     }
 
     fn map(&self, range: DeviceRange, backing: BackingId) -> Result<(), DeviceError> {
-        self.check_aligned("mapping length", range.len)?;
         let mut state = self.state.lock().expect("state");
-        let inside = state
-            .reservations
-            .range(..=range.start.0)
-            .next_back()
-            .is_some_and(|(&s, &len)| range.end() <= s + len);
-        if !inside || !range.start.0.is_multiple_of(self.granularity) {
-            return Err(DeviceError::InvalidUse(format!(
-                "{} bytes at {:#x} are not an aligned part of a reservation",
-                range.len, range.start.0
-            )));
-        }
-        if state
-            .mappings
-            .range(..range.end())
-            .next_back()
-            .is_some_and(|(&s, &(l, _))| s + l > range.start.0)
-        {
-            return Err(DeviceError::InvalidUse(format!("{:#x} is already mapped", range.start.0)));
-        }
-        match state.backings.get(&backing.0) {
-            Some(&len) if len == range.len => {}
-            Some(&len) => {
-                return Err(DeviceError::InvalidUse(format!(
-                    "backing of {len} bytes mapped over {} bytes",
-                    range.len
-                )));
-            }
-            None => return Err(DeviceError::InvalidUse(format!("no backing {backing:?}"))),
-        }
+        state.book.check_map(range, backing, self.granularity)?;
         self.bind()?;
         // SAFETY: the range is an aligned, unmapped part of a live reservation and the backing
         // is live with the same length (checked above under the lock).
         unsafe { result::mem_map(range.start.0, range.len as usize, backing.0, self.index()) }?;
-        state.mappings.insert(range.start.0, (range.len, backing));
+        state.book.add_mapping(range, backing);
         Ok(())
     }
 
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
         let mut state = self.state.lock().expect("state");
-        match state.mappings.get(&range.start.0) {
-            Some(&(len, _)) if len == range.len => {}
-            _ => {
-                return Err(DeviceError::InvalidUse(format!(
-                    "{} bytes at {:#x} are not one mapping",
-                    range.len, range.start.0
-                )));
-            }
-        }
+        state.book.check_unmap(range)?;
         self.bind()?;
         // SAFETY: exactly one mapping of this device; the caller (the arena) has proven with a
         // fence that no enqueued work uses it.
         unsafe { result::mem_unmap(range.start.0, range.len as usize) }?;
-        state.mappings.remove(&range.start.0);
+        state.book.remove_mapping(range.start.0);
         Ok(())
     }
 
     fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError> {
         let mut state = self.state.lock().expect("state");
-        if state.mappings.values().any(|&(_, b)| b == backing) {
-            return Err(DeviceError::InvalidUse(format!("backing {backing:?} is still mapped")));
-        }
-        if !state.backings.contains_key(&backing.0) {
-            return Err(DeviceError::InvalidUse(format!("no backing {backing:?}")));
-        }
+        state.book.check_release_backing(backing)?;
         self.bind()?;
         // SAFETY: a live allocation of this device mapped nowhere (checked above).
         unsafe { result::mem_release(backing.0) }?;
-        state.backings.remove(&backing.0);
+        state.book.remove_backing(backing);
         Ok(())
     }
 
@@ -290,15 +219,9 @@ impl Residency for CudaDevice {
         dst: DeviceRange,
         stream: StreamId,
     ) -> Result<(), DeviceError> {
-        if src.len() as u64 != dst.len {
-            return Err(DeviceError::InvalidUse(format!(
-                "copy of {} bytes into {} bytes",
-                src.len(),
-                dst.len
-            )));
-        }
+        AddressBook::check_lengths("copy", src.len(), dst.len)?;
         let mut state = self.state.lock().expect("state");
-        Self::inside_mapping(&state, dst)?;
+        state.book.check_mapped(dst)?;
         let raw = Self::known_stream(&state, stream)?;
         self.bind()?;
         // SAFETY: `dst` is inside a live mapping (checked); `src` is kept alive in `pending`
@@ -316,15 +239,9 @@ impl Residency for CudaDevice {
     }
 
     fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-        if dst.len() as u64 != src.len {
-            return Err(DeviceError::InvalidUse(format!(
-                "read of {} bytes into {} bytes",
-                src.len,
-                dst.len()
-            )));
-        }
+        AddressBook::check_lengths("read", dst.len(), src.len)?;
         let state = self.state.lock().expect("state");
-        Self::inside_mapping(&state, src)?;
+        state.book.check_mapped(src)?;
         self.bind()?;
         result::ctx_synchronize()?;
         // SAFETY: `src` is inside a live mapping (checked, held by the lock); `dst` has its length.
@@ -471,13 +388,13 @@ impl Drop for CudaDevice {
         // SAFETY: (all calls below) the context is synchronized, so no work uses these handles;
         // each was created by this device and is released exactly once here.
         unsafe {
-            for (&ptr, &(len, _)) in &state.mappings {
+            for (ptr, len) in state.book.mappings() {
                 let _ = result::mem_unmap(ptr, len as usize);
             }
-            for &handle in state.backings.keys() {
-                let _ = result::mem_release(handle);
+            for handle in state.book.backings() {
+                let _ = result::mem_release(handle.0);
             }
-            for (&ptr, &len) in &state.reservations {
+            for (ptr, len) in state.book.reservations() {
                 let _ = result::mem_address_free(ptr, len as usize);
             }
             for &ptr in state.registrations.keys() {

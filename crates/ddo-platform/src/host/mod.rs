@@ -20,20 +20,16 @@ use ddo_core::{
 
 use vm::{Backing, ReservedSpan};
 
+use crate::book::AddressBook;
+
 /// Default mapping granularity of the host backend: 2 MiB, as on current NVIDIA GPUs.
 pub const HOST_GRANULARITY: u64 = 2 << 20;
 
-#[derive(Debug)]
-struct Mapping {
-    len: u64,
-    backing: BackingId,
-}
-
 #[derive(Debug, Default)]
 struct State {
+    book: AddressBook,
     reservations: BTreeMap<u64, ReservedSpan>,
     backings: HashMap<BackingId, Backing>,
-    mappings: BTreeMap<u64, Mapping>,
     next_backing: u64,
     registered: HashMap<u64, u64>,
     next_registration: u64,
@@ -99,28 +95,6 @@ impl HostDevice {
     fn invalid(message: String) -> DeviceError {
         DeviceError::InvalidUse(message)
     }
-
-    fn check_aligned(&self, what: &str, value: u64) -> Result<(), DeviceError> {
-        if value == 0 || !value.is_multiple_of(self.granularity) {
-            return Err(Self::invalid(format!(
-                "{what} {value} is not a positive multiple of the {}-byte granularity",
-                self.granularity
-            )));
-        }
-        Ok(())
-    }
-
-    /// The mapping that holds all of `range`, as (mapping start, backing).
-    fn mapped(state: &State, range: DeviceRange) -> Result<(u64, BackingId), DeviceError> {
-        let found = state.mappings.range(..=range.start.0).next_back();
-        match found {
-            Some((&start, m)) if range.end() <= start + m.len => Ok((start, m.backing)),
-            _ => Err(Self::invalid(format!(
-                "{} bytes at {:#x} are not inside one mapped range",
-                range.len, range.start.0
-            ))),
-        }
-    }
 }
 
 impl Residency for HostDevice {
@@ -133,10 +107,12 @@ impl Residency for HostDevice {
     }
 
     fn reserve(&self, len: u64) -> Result<Reservation, DeviceError> {
-        self.check_aligned("reservation length", len)?;
+        AddressBook::check_aligned(self.granularity, "reservation length", len)?;
         let span = ReservedSpan::new(len, self.granularity)?;
         let start = span.start();
-        self.state.lock().expect("state").reservations.insert(start, span);
+        let mut state = self.state.lock().expect("state");
+        state.reservations.insert(start, span);
+        state.book.add_reservation(start, len);
         self.usage.lock().expect("usage").reserved_bytes += len;
         Ok(Reservation { range: DeviceRange { start: ddo_core::DeviceAddress(start), len } })
     }
@@ -144,27 +120,21 @@ impl Residency for HostDevice {
     fn release_reservation(&self, reservation: Reservation) -> Result<(), DeviceError> {
         let mut state = self.state.lock().expect("state");
         let start = reservation.range.start.0;
-        if state.mappings.range(start..reservation.range.end()).next().is_some() {
-            return Err(Self::invalid(
-                "a reservation with live mappings cannot be released".into(),
-            ));
-        }
-        let span = state
-            .reservations
-            .remove(&start)
-            .ok_or_else(|| Self::invalid(format!("no reservation at {start:#x}")))?;
-        drop(span);
+        state.book.check_release_reservation(reservation.range)?;
+        state.book.remove_reservation(start);
+        drop(state.reservations.remove(&start));
         self.usage.lock().expect("usage").reserved_bytes -= reservation.range.len;
         Ok(())
     }
 
     fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
-        self.check_aligned("backing length", len)?;
+        AddressBook::check_aligned(self.granularity, "backing length", len)?;
         let backing = Backing::new(len)?;
         let mut state = self.state.lock().expect("state");
         let id = BackingId(state.next_backing);
         state.next_backing += 1;
         state.backings.insert(id, backing);
+        state.book.add_backing(id, len);
         let mut usage = self.usage.lock().expect("usage");
         usage.backing_bytes += len;
         usage.peak_backing_bytes = usage.peak_backing_bytes.max(usage.backing_bytes);
@@ -172,69 +142,27 @@ impl Residency for HostDevice {
     }
 
     fn map(&self, range: DeviceRange, backing: BackingId) -> Result<(), DeviceError> {
-        self.check_aligned("mapping length", range.len)?;
         let mut state = self.state.lock().expect("state");
-        let inside = state
-            .reservations
-            .range(..=range.start.0)
-            .next_back()
-            .is_some_and(|(&s, span)| range.end() <= s + span.len());
-        if !inside || !range.start.0.is_multiple_of(self.granularity) {
-            return Err(Self::invalid(format!(
-                "{} bytes at {:#x} are not an aligned part of a reservation",
-                range.len, range.start.0
-            )));
-        }
-        if state
-            .mappings
-            .range(..range.end())
-            .next_back()
-            .is_some_and(|(&s, m)| s + m.len > range.start.0)
-        {
-            return Err(Self::invalid(format!("{:#x} is already mapped", range.start.0)));
-        }
-        let b = state
-            .backings
-            .get(&backing)
-            .ok_or_else(|| Self::invalid(format!("no backing {backing:?}")))?;
-        if b.len() != range.len {
-            return Err(Self::invalid(format!(
-                "backing of {} bytes mapped over {} bytes",
-                b.len(),
-                range.len
-            )));
-        }
-        b.map_at(range.start.0)?;
-        state.mappings.insert(range.start.0, Mapping { len: range.len, backing });
+        state.book.check_map(range, backing, self.granularity)?;
+        state.backings[&backing].map_at(range.start.0)?;
+        state.book.add_mapping(range, backing);
         Ok(())
     }
 
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
         let mut state = self.state.lock().expect("state");
-        match state.mappings.get(&range.start.0) {
-            Some(m) if m.len == range.len => {}
-            _ => {
-                return Err(Self::invalid(format!(
-                    "{} bytes at {:#x} are not one mapping",
-                    range.len, range.start.0
-                )));
-            }
-        }
+        state.book.check_unmap(range)?;
         vm::protect_none(range.start.0, range.len)?;
-        state.mappings.remove(&range.start.0);
+        state.book.remove_mapping(range.start.0);
         Ok(())
     }
 
     fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError> {
         let mut state = self.state.lock().expect("state");
-        if state.mappings.values().any(|m| m.backing == backing) {
-            return Err(Self::invalid(format!("backing {backing:?} is still mapped")));
-        }
-        let b = state
-            .backings
-            .remove(&backing)
-            .ok_or_else(|| Self::invalid(format!("no backing {backing:?}")))?;
-        self.usage.lock().expect("usage").backing_bytes -= b.len();
+        let len = state.book.check_release_backing(backing)?;
+        state.book.remove_backing(backing);
+        state.backings.remove(&backing);
+        self.usage.lock().expect("usage").backing_bytes -= len;
         Ok(())
     }
 
@@ -248,15 +176,9 @@ impl Residency for HostDevice {
         dst: DeviceRange,
         _stream: StreamId,
     ) -> Result<(), DeviceError> {
-        if src.len() as u64 != dst.len {
-            return Err(Self::invalid(format!(
-                "copy of {} bytes into {} bytes",
-                src.len(),
-                dst.len
-            )));
-        }
+        AddressBook::check_lengths("copy", src.len(), dst.len)?;
         let state = self.state.lock().expect("state");
-        Self::mapped(&state, dst)?;
+        state.book.check_mapped(dst)?;
         // SAFETY: `dst` lies inside a live read/write mapping of this device (checked under the
         // lock, which also keeps it mapped during the copy); `src` is a live host slice of the
         // same length; the two cannot overlap (device mappings are memfd pages owned here).
@@ -271,15 +193,9 @@ impl Residency for HostDevice {
     }
 
     fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-        if dst.len() as u64 != src.len {
-            return Err(Self::invalid(format!(
-                "read of {} bytes into {} bytes",
-                src.len,
-                dst.len()
-            )));
-        }
+        AddressBook::check_lengths("read", dst.len(), src.len)?;
         let state = self.state.lock().expect("state");
-        Self::mapped(&state, src)?;
+        state.book.check_mapped(src)?;
         // SAFETY: `src` lies inside a live mapping (checked under the lock); `dst` is a distinct
         // host buffer of the same length.
         unsafe {
@@ -336,7 +252,6 @@ impl Drop for HostDevice {
     fn drop(&mut self) {
         let state = self.state.get_mut().expect("state");
         // Mappings live inside reservations: dropping the reservations (munmap) removes them.
-        state.mappings.clear();
         state.reservations.clear();
         state.backings.clear();
     }

@@ -26,7 +26,6 @@ pub(super) struct ReservedSpan {
     raw: u64,
     raw_len: u64,
     start: u64,
-    len: u64,
 }
 
 impl ReservedSpan {
@@ -49,15 +48,11 @@ impl ReservedSpan {
         }
         let raw = p as u64;
         let start = raw.div_ceil(align) * align;
-        Ok(ReservedSpan { raw, raw_len, start, len })
+        Ok(ReservedSpan { raw, raw_len, start })
     }
 
     pub(super) fn start(&self) -> u64 {
         self.start
-    }
-
-    pub(super) fn len(&self) -> u64 {
-        self.len
     }
 }
 
@@ -90,10 +85,6 @@ impl Backing {
             return Err(os_error("ftruncate"));
         }
         Ok(Backing { fd, len })
-    }
-
-    pub(super) fn len(&self) -> u64 {
-        self.len
     }
 
     /// Maps the whole backing read/write at `addr` (inside a reservation, checked by the caller).

@@ -1,0 +1,164 @@
+//! Address bookkeeping shared by the device adapters: every range, backing and mapping a caller
+//! hands in is checked here before it reaches the driver or raw memory, which is what lets the
+//! ports be safe to call.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ddo_core::{BackingId, DeviceError, DeviceRange};
+
+fn invalid(message: String) -> DeviceError {
+    DeviceError::InvalidUse(message)
+}
+
+/// Live reservations, backings and mappings of one device.
+#[derive(Debug, Default)]
+pub(crate) struct AddressBook {
+    reservations: BTreeMap<u64, u64>,
+    backings: HashMap<BackingId, u64>,
+    mappings: BTreeMap<u64, (u64, BackingId)>,
+}
+
+impl AddressBook {
+    /// `value` must be a positive multiple of `granularity`.
+    pub(crate) fn check_aligned(
+        granularity: u64,
+        what: &str,
+        value: u64,
+    ) -> Result<(), DeviceError> {
+        if value == 0 || !value.is_multiple_of(granularity) {
+            return Err(invalid(format!(
+                "{what} {value} is not a positive multiple of the {granularity}-byte granularity"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A copy or read between `host` and `device` bytes must have one length.
+    pub(crate) fn check_lengths(what: &str, host: usize, device: u64) -> Result<(), DeviceError> {
+        if host as u64 != device {
+            return Err(invalid(format!("{what} of {host} host bytes and {device} device bytes")));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn add_reservation(&mut self, start: u64, len: u64) {
+        self.reservations.insert(start, len);
+    }
+
+    /// Checks that `range` is a whole live reservation with nothing mapped in it.
+    pub(crate) fn check_release_reservation(&self, range: DeviceRange) -> Result<(), DeviceError> {
+        if self.reservations.get(&range.start.0) != Some(&range.len) {
+            return Err(invalid(format!(
+                "no reservation of {} bytes at {:#x}",
+                range.len, range.start.0
+            )));
+        }
+        if self.mappings.range(range.start.0..range.end()).next().is_some() {
+            return Err(invalid("a reservation with live mappings cannot be released".into()));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn remove_reservation(&mut self, start: u64) {
+        self.reservations.remove(&start);
+    }
+
+    pub(crate) fn add_backing(&mut self, id: BackingId, len: u64) {
+        self.backings.insert(id, len);
+    }
+
+    /// Checks that `range` is an aligned, unmapped part of a reservation and that `backing` is
+    /// live with the same length.
+    pub(crate) fn check_map(
+        &self,
+        range: DeviceRange,
+        backing: BackingId,
+        granularity: u64,
+    ) -> Result<(), DeviceError> {
+        Self::check_aligned(granularity, "mapping length", range.len)?;
+        let inside = self
+            .reservations
+            .range(..=range.start.0)
+            .next_back()
+            .is_some_and(|(&s, &len)| range.end() <= s + len);
+        if !inside || !range.start.0.is_multiple_of(granularity) {
+            return Err(invalid(format!(
+                "{} bytes at {:#x} are not an aligned part of a reservation",
+                range.len, range.start.0
+            )));
+        }
+        if self
+            .mappings
+            .range(..range.end())
+            .next_back()
+            .is_some_and(|(&s, &(l, _))| s + l > range.start.0)
+        {
+            return Err(invalid(format!("{:#x} is already mapped", range.start.0)));
+        }
+        match self.backings.get(&backing) {
+            Some(&len) if len == range.len => Ok(()),
+            Some(&len) => {
+                Err(invalid(format!("backing of {len} bytes mapped over {} bytes", range.len)))
+            }
+            None => Err(invalid(format!("no backing {backing:?}"))),
+        }
+    }
+
+    pub(crate) fn add_mapping(&mut self, range: DeviceRange, backing: BackingId) {
+        self.mappings.insert(range.start.0, (range.len, backing));
+    }
+
+    /// Checks that `range` is exactly one mapping.
+    pub(crate) fn check_unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
+        match self.mappings.get(&range.start.0) {
+            Some(&(len, _)) if len == range.len => Ok(()),
+            _ => Err(invalid(format!(
+                "{} bytes at {:#x} are not one mapping",
+                range.len, range.start.0
+            ))),
+        }
+    }
+
+    pub(crate) fn remove_mapping(&mut self, start: u64) {
+        self.mappings.remove(&start);
+    }
+
+    /// Checks that `backing` is live and mapped nowhere; returns its length.
+    pub(crate) fn check_release_backing(&self, backing: BackingId) -> Result<u64, DeviceError> {
+        if self.mappings.values().any(|&(_, b)| b == backing) {
+            return Err(invalid(format!("backing {backing:?} is still mapped")));
+        }
+        self.backings
+            .get(&backing)
+            .copied()
+            .ok_or_else(|| invalid(format!("no backing {backing:?}")))
+    }
+
+    pub(crate) fn remove_backing(&mut self, backing: BackingId) {
+        self.backings.remove(&backing);
+    }
+
+    /// Checks that `range` lies inside one mapping.
+    pub(crate) fn check_mapped(&self, range: DeviceRange) -> Result<(), DeviceError> {
+        match self.mappings.range(..=range.start.0).next_back() {
+            Some((&s, &(len, _))) if range.end() <= s + len => Ok(()),
+            _ => Err(invalid(format!(
+                "{} bytes at {:#x} are not inside one mapped range",
+                range.len, range.start.0
+            ))),
+        }
+    }
+
+    /// Live mappings, reservations and backings, for teardown.
+    pub(crate) fn mappings(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.mappings.iter().map(|(&s, &(l, _))| (s, l))
+    }
+
+    pub(crate) fn reservations(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.reservations.iter().map(|(&s, &l)| (s, l))
+    }
+
+    pub(crate) fn backings(&self) -> impl Iterator<Item = BackingId> + '_ {
+        self.backings.keys().copied()
+    }
+}
