@@ -250,11 +250,16 @@ fn address_reservation_is_not_residency() {
 fn any_single_port_failure_is_an_error_and_loses_nothing() {
     let ops = [
         Op::Reserve,
+        Op::ReleaseReservation,
         Op::CreateBacking,
         Op::Map,
+        Op::Unmap,
+        Op::ReleaseBacking,
         Op::CreateStream,
         Op::Copy,
         Op::Record,
+        Op::Query,
+        Op::Wait,
         Op::StreamWait,
     ];
     for op in ops {
@@ -301,7 +306,22 @@ fn any_single_port_failure_is_an_error_and_loses_nothing() {
                 }
             }
             let _ = failures;
-            let _ = arena.close();
+            // Reclaim and close exercise the release paths: a failure there keeps the memory
+            // (close refuses and reports it); success frees everything.
+            let _ = arena.reclaim_idle();
+            match arena.close() {
+                Ok(()) => assert_eq!(
+                    spy.inner.usage().backing_bytes,
+                    0,
+                    "{op:?}/{nth}: closed but memory left"
+                ),
+                Err(e) => {
+                    assert!(
+                        spy.inner.usage().backing_bytes > 0 || spy.inner.usage().reserved_bytes > 0,
+                        "{op:?}/{nth}: {e} but nothing kept"
+                    );
+                }
+            }
         }
     }
 }
