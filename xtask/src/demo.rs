@@ -13,7 +13,11 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             "demo takes no arguments (got {args:?}); set DDO_* variables to change the plan"
         ));
     }
-    println!("{}", format_presets());
+    crate::python::ensure_env()?;
+    crate::python::build_and_install_wheel()?;
+    let py = crate::python::python().to_string_lossy().into_owned();
+    crate::run(&py, &["crates/ddo-py/examples/demo.py"])?;
+    println!("\n{}", format_presets());
     let probe = LinuxAdmissionProbe::system();
     let observation = probe.observe();
     for component in ["text_encoder", "transformer", "vae"] {
@@ -65,11 +69,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         ),
         Err(refusal) => println!("host admission: {refusal}"),
     }
-    stream_checkpoint()?;
-    println!(
-        "\nOffloading a Diffusers model from Python (import ddo) arrives with the Python package (issue 5)."
-    );
-    Ok(())
+    stream_checkpoint()
 }
 
 /// Streams a generated Flux-shaped checkpoint through a small arena, on the GPU when a CUDA

@@ -8,12 +8,15 @@ use std::process::{Command, ExitCode};
 
 mod demo;
 mod gpu;
+mod python;
 
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
-  ci      cargo fmt --check, clippy -D warnings, the test suite (nextest) and doc tests
-  demo    resolve a Diffusers pipeline's plan on this machine and print it
+  ci      cargo fmt --check, clippy -D warnings, the test suite (nextest), doc tests, and the
+          Python tests on the built wheel (creates .venv with PyTorch and Diffusers)
+  demo    offload a Diffusers model from Python (CUDA when present, else CPU), then resolve a
+          pipeline's plan and stream a checkpoint through the Rust arena
   test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)";
 
 fn main() -> ExitCode {
@@ -68,5 +71,5 @@ fn ci() -> Result<(), String> {
         run("cargo", &["test", "--workspace", "--all-features", "--lib", "--bins", "--tests"])?;
     }
     run("cargo", &["test", "--workspace", "--all-features", "--doc"])?;
-    Ok(())
+    python::test()
 }

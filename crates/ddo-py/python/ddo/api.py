@@ -1,0 +1,472 @@
+"""Entry points for Diffusers hosts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+
+from . import _native
+from .config import DynamicOffloadConfig
+from .errors import DynamicOffloadConfigError, DynamicOffloadError
+from .linear import LinearRuntime, _refuse
+from .metrics import DynamicOffloadMetrics
+from .settings import DynamicOffloadSettings, resolve_settings
+
+__all__ = [
+    "DynamicOffloadApplyResult",
+    "DynamicOffloadLoadResult",
+    "enable_offload",
+    "enable_pipeline_offload",
+    "enable_diffusers_group_offload",
+    "remove_dynamic_offload",
+    "from_pretrained_with_dynamic_offload",
+    "inspect_host_memory",
+]
+
+_STATE_ATTR = "_ddo_offload"
+
+
+def _default_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _host_memory(phase: str) -> Dict[str, Any]:
+    out = json.loads(_native.observe_host_memory())
+    out["phase"] = phase
+    return out
+
+
+@dataclass
+class DynamicOffloadApplyResult:
+    """What :func:`enable_offload` did to one component."""
+
+    module: torch.nn.Module
+    route: str
+    settings: DynamicOffloadSettings
+    execution_device: torch.device
+    runtime: Optional[LinearRuntime] = None
+    setup: Dict[str, Any] = field(default_factory=dict)
+    source: Optional[Dict[str, Any]] = None
+    passes: int = 0
+    handles: list = field(default_factory=list)
+    _removed: bool = False
+
+    @property
+    def should_move_to_execution_device(self) -> bool:
+        """Whether the caller still has to place the module (an unmanaged component)."""
+        return self.route == "none" and self.setup.get("placement") == "unmanaged"
+
+    def metrics_snapshot(self, *, collect_completed: bool = False) -> DynamicOffloadMetrics:
+        """A snapshot of what was done so far. ``collect_completed`` first waits for the execution
+        device's work (one synchronization) so the counters cover completed work only."""
+        if collect_completed and self.runtime is not None:
+            self.runtime.synchronize()
+        s = self.settings
+        route = {
+            "name": self.route,
+            "component": s.component,
+            "backend": s.backend,
+            "requested_preset": s.requested_preset,
+            "effective_preset": s.effective_preset,
+            "execution_mode": s.execution_mode,
+        }
+        runtime: Dict[str, Any] = {}
+        if self.runtime is not None:
+            st = self.runtime.stats
+            runtime = {
+                "passes": st.passes,
+                "uploads": st.uploads,
+                "upload_bytes": st.upload_bytes,
+                "upload_seconds": st.upload_seconds,
+                "prefetch_hits": st.prefetch_hits,
+                "prefetch_misses": st.prefetch_misses,
+                "prefetch_cancels": st.prefetch_cancels,
+                "peak_bytes": st.peak_bytes,
+            }
+        elif self.route == "diffusers_group_offload":
+            runtime = {"passes": self.passes}
+        m = DynamicOffloadMetrics(
+            route=route,
+            configuration=s.as_metrics(),
+            setup=dict(self.setup),
+            runtime=runtime,
+            host_memory=_host_memory("snapshot"),
+        )
+        m.validate()
+        return m
+
+    @contextlib.contextmanager
+    def cleanup_on_error(self) -> Iterator["DynamicOffloadApplyResult"]:
+        """On an exception inside the block, removes the offload once and re-raises the original
+        exception; a cleanup failure is attached to it (a note, and ``ddo_cleanup_error``), never
+        raised in its place. The success path does nothing."""
+        try:
+            yield self
+        except BaseException as original:
+            try:
+                self.remove()
+            except BaseException as cleanup:  # noqa: BLE001 - attached, not swallowed silently
+                setattr(original, "ddo_cleanup_error", cleanup)
+                if hasattr(original, "add_note"):
+                    original.add_note(f"ddo cleanup also failed: {cleanup!r}")
+            raise
+
+    def remove(self) -> None:
+        """Removes ddo's hooks (once); weights stay where they are."""
+        if self._removed:
+            return
+        self._removed = True
+        if self.runtime is not None:
+            self.runtime.synchronize()
+            self.runtime.detach()
+        if self.route == "diffusers_group_offload":
+            _remove_group_hooks(self.module)
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        if getattr(self.module, _STATE_ATTR, None) is self:
+            delattr(self.module, _STATE_ATTR)
+
+    def unload(self) -> None:
+        """After all work completed, replaces the weights with meta placeholders and frees their
+        memory. :meth:`reload` brings them back from the checkpoint."""
+        if self.runtime is None:
+            raise DynamicOffloadError(f"unload needs the linear_runtime route; this component uses {self.route}")
+        self.runtime.unload()
+
+    def reload(self) -> None:
+        """Reads the weights back from the checkpoint the module was loaded from and re-attaches."""
+        if self.runtime is None or not self.runtime.is_unloaded():
+            raise DynamicOffloadError("reload needs an unloaded component (call unload() first)")
+        if not self.source:
+            raise DynamicOffloadError(
+                "reload needs a checkpoint-backed module: load it with from_pretrained_with_dynamic_offload"
+            )
+        from safetensors import safe_open
+
+        by_file: Dict[str, list] = {}
+        for t in self.source["tensors"]:
+            by_file.setdefault(t["file"], []).append(t["name"])
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for n in names:
+                    parent, _, attr = n.rpartition(".")
+                    owner = self.module.get_submodule(parent) if parent else self.module
+                    if n in params:
+                        old = params[n]
+                        value = f.get_tensor(n).to(old.dtype)
+                        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=old.requires_grad))
+                    elif n in buffers:
+                        setattr(owner, attr, f.get_tensor(n).to(buffers[n].dtype))
+        missing = [n for n, p in self.module.named_parameters() if p.is_meta]
+        if missing:
+            raise DynamicOffloadError(f"reload: the checkpoint has no tensor for {missing[:3]} ({len(missing)} missing)")
+        device = self.execution_device
+        self.runtime.detach()
+        runtime = LinearRuntime(
+            self.module, device, pin=self.settings.effective_pin_cpu_memory, prefetch_depth=self.settings.values["prefetch_depth"]
+        )
+        runtime.attach()
+        self.runtime = runtime
+
+
+@dataclass
+class DynamicOffloadLoadResult:
+    """What :func:`from_pretrained_with_dynamic_offload` loaded."""
+
+    module: torch.nn.Module
+    source: Dict[str, Any]
+    bound: int
+    offload: Optional[DynamicOffloadApplyResult] = None
+
+    def metrics_snapshot(self) -> DynamicOffloadMetrics:
+        """Route ``model_load``: how many tensors were bound to checkpoint slices."""
+        return DynamicOffloadMetrics(
+            route={"name": "model_load"},
+            setup={"source_bound_tensors": self.bound, "tensor_count": len(self.source["tensors"])},
+        )
+
+
+def _remove_group_hooks(module: torch.nn.Module) -> None:
+    try:
+        from diffusers.hooks import HookRegistry
+    except ImportError:  # pragma: no cover - diffusers without hooks
+        return
+    for m in module.modules():
+        registry = getattr(m, "_diffusers_hook", None)
+        if isinstance(registry, HookRegistry):
+            for name in list(registry.hooks.keys()) if hasattr(registry, "hooks") else []:
+                registry.remove_hook(name, recurse=False)
+
+
+def enable_diffusers_group_offload(
+    module: torch.nn.Module,
+    *,
+    onload_device: Union[str, torch.device, None] = None,
+    offload_device: Union[str, torch.device] = "cpu",
+    offload_type: str = "leaf_level",
+    use_stream: bool = True,
+    record_stream: bool = False,
+    low_cpu_mem_usage: bool = True,
+    num_blocks_per_group: int = 1,
+) -> Dict[str, Any]:
+    """Applies Diffusers' own group offload hooks; returns the parameters applied. Streams are
+    turned off on a CPU execution device."""
+    from diffusers.hooks import apply_group_offloading
+
+    device = torch.device(onload_device or _default_device())
+    if device.type != "cuda":
+        use_stream, record_stream = False, False
+    kwargs: Dict[str, Any] = dict(
+        onload_device=device,
+        offload_device=torch.device(offload_device),
+        offload_type=offload_type,
+        use_stream=use_stream,
+        record_stream=record_stream,
+        low_cpu_mem_usage=low_cpu_mem_usage,
+    )
+    if offload_type == "block_level":
+        kwargs["num_blocks_per_group"] = num_blocks_per_group
+    apply_group_offloading(module, **kwargs)
+    applied = {k: kwargs[k] for k in ("offload_type", "use_stream", "record_stream", "low_cpu_mem_usage")}
+    if offload_type == "block_level":
+        applied["num_blocks_per_group"] = num_blocks_per_group
+    return applied
+
+
+def enable_offload(
+    module: torch.nn.Module,
+    *,
+    component: str = "model",
+    config: Optional[DynamicOffloadConfig] = None,
+    preset: Optional[str] = None,
+    backend: Optional[str] = None,
+    route: Optional[str] = None,
+    group_offload: Optional[bool] = None,
+    dynamic_offload: Optional[bool] = None,
+    offload_type: Optional[str] = None,
+    use_stream: Optional[bool] = None,
+    record_stream: Optional[bool] = None,
+    low_cpu_mem_usage: Optional[bool] = None,
+    num_blocks_per_group: Optional[int] = None,
+    execution_device: Union[str, torch.device, None] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    use_environment: bool = True,
+    running_on_wsl: Optional[bool] = None,
+    **config_overrides: Any,
+) -> DynamicOffloadApplyResult:
+    """Offloads one component by its resolved route (see the README's route table).
+
+    Explicit keywords beat ``config``, which beats component policies, ``DDO_<COMPONENT>_*``,
+    ``DDO_*``, the preset and defaults; ``config_overrides`` are config field names (an unknown
+    one is a ``TypeError``). Bad settings raise :class:`DynamicOffloadConfigError`; a module that
+    cannot be offloaded raises :class:`DynamicOffloadError`; in both cases the module is left as
+    it was.
+    """
+    if getattr(module, _STATE_ATTR, None) is not None:
+        raise DynamicOffloadError(
+            f"{type(module).__name__} is already offloaded by ddo; call remove_dynamic_offload(module) first"
+        )
+    arguments: Dict[str, Any] = {k: v for k, v in config_overrides.items()}
+    for k, v in (("preset", preset), ("backend", backend), ("route", route)):
+        if v is not None:
+            arguments[k] = v
+    if execution_device is not None:
+        arguments["execution_device"] = str(execution_device)
+    group = {
+        "group_offload": group_offload,
+        "dynamic_offload": dynamic_offload,
+        "offload_type": offload_type,
+        "use_stream": use_stream,
+        "record_stream": record_stream,
+        "low_cpu_mem_usage": low_cpu_mem_usage,
+        "num_blocks_per_group": num_blocks_per_group,
+    }
+    settings = resolve_settings(
+        component,
+        arguments=arguments,
+        group=group,
+        config=config,
+        environ=environ,
+        use_environment=use_environment,
+        running_on_wsl=running_on_wsl,
+    )
+    if execution_device is None and "execution_device" not in (config.as_dict() if config else {}):
+        device = torch.device(_default_device())
+    else:
+        device = torch.device(settings.values["execution_device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DynamicOffloadError(f"execution device {device} is not available: PyTorch sees no CUDA device")
+    name = settings.route_name
+    result = DynamicOffloadApplyResult(module=module, route=name, settings=settings, execution_device=device)
+    setup: Dict[str, Any] = {}
+    t = time.perf_counter()
+    if name in ("vmm_fast_runtime", "vmm_runtime"):
+        if not _native.cuda_driver_present():
+            raise DynamicOffloadError(
+                f"route {name} needs a CUDA driver and none was found; use backend linear "
+                "(--ddo-backend linear) on machines without an NVIDIA GPU"
+            )
+        raise DynamicOffloadError(
+            f"route {name} (backend vmm) is not available from Python in this version; use backend linear"
+        )
+    if name == "linear_runtime":
+        _refuse(module)
+        runtime = LinearRuntime(
+            module, device, pin=settings.effective_pin_cpu_memory, prefetch_depth=settings.values["prefetch_depth"]
+        )
+        runtime.attach()
+        result.runtime = runtime
+        setup.update(
+            module_count=runtime.module_count,
+            tensor_count=runtime.tensor_count,
+            unit_count=len(runtime.units),
+            streamed_units=len(runtime.units),
+            resident_units=0,
+            streamed_bytes_per_pass=runtime.streamed_bytes(),
+            total_bytes=runtime.streamed_bytes() + runtime.resident_bytes,
+            pinned_bytes=runtime.pinned_bytes,
+        )
+    elif name == "diffusers_group_offload":
+        _refuse(module)
+        g = settings.route
+        applied = enable_diffusers_group_offload(
+            module,
+            onload_device=device,
+            offload_type=g["offload_type"],
+            use_stream=g["use_stream"],
+            record_stream=g["record_stream"],
+            low_cpu_mem_usage=g["low_cpu_mem_usage"],
+            num_blocks_per_group=g["num_blocks_per_group"],
+        )
+        setup["group_offload"] = applied
+
+        def count(_m: torch.nn.Module, _args: tuple) -> None:
+            result.passes += 1
+
+        result.handles.append(module.register_forward_pre_hook(count))
+    else:
+        placement = settings.route.get("placement", "resident")
+        if placement == "resident":
+            module.to(device)
+        setup["placement"] = placement
+    setup["setup_seconds"] = time.perf_counter() - t
+    result.setup = setup
+    setattr(module, _STATE_ATTR, result)
+    if settings.values.get("verbose"):
+        print(f"[ddo] {component}: route {name} on {device}", file=sys.stderr)
+    return result
+
+
+def remove_dynamic_offload(module: torch.nn.Module) -> None:
+    """Removes ddo from ``module`` (a no-op when it is not offloaded)."""
+    result = getattr(module, _STATE_ATTR, None)
+    if result is not None:
+        result.remove()
+
+
+def enable_pipeline_offload(
+    pipeline: Any,
+    *,
+    components: Optional[Sequence[str]] = None,
+    config: Optional[DynamicOffloadConfig] = None,
+    preset: Optional[str] = None,
+    backend: Optional[str] = None,
+    execution_device: Union[str, torch.device, None] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    use_environment: bool = True,
+    **config_overrides: Any,
+) -> Dict[str, DynamicOffloadApplyResult]:
+    """Offloads every ``torch.nn.Module`` component of a Diffusers pipeline by its own resolved
+    route (VAE and text-encoder defaults included). If one component fails, the ones already
+    done are removed again and the error re-raised."""
+    items = getattr(pipeline, "components", None)
+    if items is None:
+        raise DynamicOffloadError("the pipeline has no .components mapping")
+    names = list(components) if components is not None else list(items.keys())
+    done: Dict[str, DynamicOffloadApplyResult] = {}
+    try:
+        for name in names:
+            comp = items.get(name)
+            if not isinstance(comp, torch.nn.Module):
+                continue
+            done[name] = enable_offload(
+                comp,
+                component=name,
+                config=config,
+                preset=preset,
+                backend=backend,
+                execution_device=execution_device,
+                environ=environ,
+                use_environment=use_environment,
+                **config_overrides,
+            )
+    except BaseException:
+        for r in done.values():
+            with contextlib.suppress(Exception):
+                r.remove()
+        raise
+    return done
+
+
+def _association(path: str) -> Dict[str, Any]:
+    try:
+        return json.loads(_native.inspect_checkpoint(path))
+    except ValueError as e:
+        raise DynamicOffloadError(str(e)) from None
+
+
+def from_pretrained_with_dynamic_offload(
+    path: Union[str, os.PathLike],
+    *,
+    model_loader: Any = None,
+    subfolder: Optional[str] = None,
+    dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
+    apply_dynamic: bool = False,
+    component: str = "model",
+    **from_pretrained_kwargs: Any,
+) -> DynamicOffloadLoadResult:
+    """Validates the checkpoint (every header, before any load), loads the model with
+    ``model_loader.from_pretrained`` (default: the Diffusers class named in its ``config.json``),
+    binds each parameter to its checkpoint slice by name, and with ``apply_dynamic`` offloads it.
+    A corrupt checkpoint raises :class:`DynamicOffloadError` naming the file and tensor."""
+    folder = os.path.join(os.fspath(path), subfolder) if subfolder else os.fspath(path)
+    source = _association(folder)
+    if model_loader is None:
+        import diffusers
+
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            class_name = json.load(f).get("_class_name")
+        model_loader = getattr(diffusers, str(class_name), None)
+        if model_loader is None:
+            raise DynamicOffloadError(f"{folder}/config.json names class {class_name!r}, which diffusers does not have; pass model_loader=")
+    if subfolder:
+        from_pretrained_kwargs["subfolder"] = subfolder
+    module = model_loader.from_pretrained(os.fspath(path), **from_pretrained_kwargs)
+    names = {t["name"]: t for t in source["tensors"]}
+    bound = 0
+    for n, p in list(module.named_parameters()) + list(module.named_buffers()):
+        t = names.get(n)
+        if t is not None and list(t["shape"]) == list(p.shape):
+            bound += 1
+    result = DynamicOffloadLoadResult(module=module, source=source, bound=bound)
+    if apply_dynamic:
+        module.eval()
+        result.offload = enable_offload(module, component=component, config=dynamic_offload_config)
+        result.offload.source = source
+    return result
+
+
+def inspect_host_memory() -> DynamicOffloadMetrics:
+    """Route ``host_memory_observation``: this process's RSS and the host's limits; never touches
+    CUDA."""
+    return DynamicOffloadMetrics(route={"name": "host_memory_observation"}, host_memory=_host_memory("inspect"))

@@ -1,0 +1,105 @@
+"""Tiny random models of several Diffusers and transformers architectures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def seeded(seed: int = 0) -> None:
+    torch.manual_seed(seed)
+
+
+@pytest.fixture
+def flux():
+    from diffusers import FluxTransformer2DModel
+
+    seeded(1)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 6, 6],
+    ).eval()
+    seeded(2)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 4),
+        encoder_hidden_states=torch.randn(1, 8, 32),
+        pooled_projections=torch.randn(1, 32),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
+    return model, inputs
+
+
+@pytest.fixture
+def sd3():
+    from diffusers import SD3Transformer2DModel
+
+    seeded(3)
+    model = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=16,
+        out_channels=4,
+    ).eval()
+    seeded(4)
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 8, 8),
+        encoder_hidden_states=torch.randn(1, 6, 16),
+        pooled_projections=torch.randn(1, 16),
+        timestep=torch.tensor([3]),
+        return_dict=False,
+    )
+    return model, inputs
+
+
+@pytest.fixture
+def vae():
+    from diffusers import AutoencoderKL
+
+    seeded(5)
+    model = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    ).eval()
+    seeded(6)
+    return model, dict(sample=torch.randn(1, 3, 16, 16), return_dict=False)
+
+
+@pytest.fixture
+def clip():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    seeded(7)
+    model = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+        )
+    ).eval()
+    return model, dict(input_ids=torch.tensor([[1, 5, 9, 3, 2, 0]]), return_dict=False)

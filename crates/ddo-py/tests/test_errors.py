@@ -1,0 +1,103 @@
+"""Every bad input is a clear Python exception and leaves the module as it was."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ddo
+
+
+def state(model):
+    return {k: (v.device, v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def test_unknown_preset_and_route(flux):
+    model, _ = flux
+    before = state(model)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match='unknown preset "turbo" \\(from argument\\); valid presets: auto'):
+        ddo.enable_offload(model, preset="turbo", use_environment=False)
+    with pytest.raises(ValueError, match='route = "sideways" \\(from argument\\) is not valid'):
+        ddo.enable_offload(model, route="sideways", use_environment=False)
+    assert state(model) == before
+
+
+def test_training_mode_is_refused(flux):
+    model, _ = flux
+    model.train()
+    before = state(model)
+    with pytest.raises(ddo.DynamicOffloadError, match="training mode.*call module.eval\\(\\) first"):
+        ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    assert state(model) == before
+    assert not hasattr(model, "_ddo_offload")
+
+
+def test_an_offloaded_module_is_refused(flux):
+    model, _ = flux
+    r = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadError, match="already offloaded by ddo"):
+        ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    r.remove()
+    ddo.enable_offload(model, route="none", use_environment=False).remove()
+
+
+@pytest.mark.skipif(ddo._native.cuda_driver_present(), reason="needs a machine without a CUDA driver")
+def test_vmm_without_a_cuda_driver(flux):
+    model, _ = flux
+    before = state(model)
+    with pytest.raises(ddo.DynamicOffloadError, match="route vmm_fast_runtime needs a CUDA driver and none was found"):
+        ddo.enable_offload(model, backend="vmm", use_environment=False)
+    assert state(model) == before
+
+
+def test_corrupt_checkpoint(tmp_path, flux):
+    model, _ = flux
+    model.save_pretrained(tmp_path)
+    f = next(tmp_path.glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    f.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(ddo.DynamicOffloadError, match="invalid checkpoint .*goes beyond the data section"):
+        ddo.from_pretrained_with_dynamic_offload(tmp_path)
+    cli = subprocess.run([sys.executable, "-m", "ddo", "inspect", str(f)], capture_output=True, text=True)
+    assert cli.returncode == 1
+    assert cli.stderr.startswith("error: invalid checkpoint")
+
+
+def test_cli(tmp_path, flux):
+    model, _ = flux
+    model.save_pretrained(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "ddo", "inspect", str(tmp_path)], capture_output=True, text=True, check=True)
+    assert "transformer_blocks.0." in out.stdout and " tensors in 1 file(s)" in out.stdout
+    presets = subprocess.run([sys.executable, "-m", "ddo", "presets"], capture_output=True, text=True, check=True)
+    assert presets.stdout.startswith("DDO presets")
+
+
+def test_cleanup_on_error_reraises_the_original(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with result.cleanup_on_error():
+            raise Boom("original")
+    assert not hasattr(model, "_ddo_offload")
+    # A cleanup failure is attached, never raised in place of the original.
+    result2 = ddo.enable_offload(model, route="none", use_environment=False)
+
+    def broken():
+        raise RuntimeError("cleanup failed")
+
+    result2.remove = broken
+    with pytest.raises(Boom) as info:
+        with result2.cleanup_on_error():
+            raise Boom("original")
+    assert isinstance(info.value.ddo_cleanup_error, RuntimeError)
+    # The success path does nothing.
+    result3 = ddo.DynamicOffloadApplyResult(module=model, route="none", settings=result2.settings, execution_device=torch.device("cpu"))
+    with result3.cleanup_on_error():
+        pass

@@ -1,0 +1,96 @@
+"""Every route gives exactly the resident outputs on several architectures."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ddo
+
+MODELS = ["flux", "sd3", "vae", "clip"]
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(
+    "route,kwargs",
+    [
+        ("linear_runtime", dict(route="dynamic_offload")),
+        ("diffusers_group_offload", dict(route="diffusers_group_offload")),
+        ("none", dict(route="none")),
+    ],
+)
+def test_route_outputs_equal_resident(request, name, route, kwargs):
+    model, inputs = request.getfixturevalue(name)
+    if name == "clip" and route == "diffusers_group_offload":
+        pytest.skip("Diffusers group offload targets Diffusers models")
+    reference = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_offload(model, component="transformer", use_environment=False, **kwargs)
+    assert result.route == route
+    for _ in range(2):
+        got = run(model, inputs)
+        assert torch.equal(got, reference), f"{name} {route}: outputs differ"
+    snapshot = result.metrics_snapshot()
+    data = snapshot.as_dict()
+    assert data["route"]["name"] == route
+    assert "DDO profile" in snapshot.format_profile()
+    if route == "linear_runtime":
+        units = ddo.find_execution_units(model)
+        assert len(units) >= 2
+        assert data["runtime"]["passes"] == 2
+        assert data["runtime"]["uploads"] == 2 * len(units)
+        assert "reclaim_cycles" not in data["runtime"]
+    result.remove()
+    assert torch.equal(run(model, inputs), reference)
+
+
+def test_linear_keeps_unit_weights_off_the_device_between_units(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    unit_params = [p for _, m in ddo.find_execution_units(model) for p in m.parameters()]
+    host_storages = {p.data.data_ptr() for p in unit_params}
+    run(model, inputs)
+    # After the forward, every unit parameter points at its host copy again.
+    assert {p.data.data_ptr() for p in unit_params} == host_storages
+    result.remove()
+
+
+def test_unload_then_reload_from_the_checkpoint(tmp_path, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    model.save_pretrained(tmp_path / "transformer")
+    loaded = ddo.from_pretrained_with_dynamic_offload(
+        tmp_path / "transformer",
+        apply_dynamic=True,
+        dynamic_offload_config=ddo.DynamicOffloadConfig(route="dynamic_offload"),
+    )
+    assert loaded.bound == len(loaded.source["tensors"]) > 0
+    result = loaded.offload
+    assert torch.equal(run(loaded.module, inputs), reference)
+    result.unload()
+    assert all(p.is_meta for p in loaded.module.parameters())
+    result.reload()
+    assert torch.equal(run(loaded.module, inputs), reference)
+
+
+def test_pipeline_components_get_their_own_routes(flux, vae, clip):
+    class Pipe:
+        def __init__(self):
+            self.components = {"transformer": flux[0], "vae": vae[0], "text_encoder": clip[0], "scheduler": object()}
+
+    results = ddo.enable_pipeline_offload(Pipe(), use_environment=False)
+    assert set(results) == {"transformer", "vae", "text_encoder"}
+    assert results["transformer"].route == "linear_runtime"
+    assert results["vae"].route == "diffusers_group_offload"
+    assert results["vae"].setup["group_offload"]["use_stream"] is False
+    assert results["text_encoder"].route == "diffusers_group_offload"
+    assert torch.equal(run(vae[0], vae[1]), run(vae[0], vae[1]))
+    for r in results.values():
+        r.remove()
