@@ -23,6 +23,11 @@ class _Unit:
     module: torch.nn.Module
     params: List[torch.nn.Parameter]
     host: List[torch.Tensor]
+    # All host weights packed in one (pinned) buffer, each at a 256-byte aligned offset, so a unit
+    # uploads in one copy; `views` are (offset, nbytes, dtype, shape).
+    flat: Optional[torch.Tensor] = None
+    views: List[Tuple[int, int, torch.dtype, torch.Size]] = field(default_factory=list)
+    device_flat: Optional[torch.Tensor] = None
     device_copies: Optional[List[torch.Tensor]] = None
     ready: Optional[Any] = None  # torch.cuda.Event
     prefetched: bool = False
@@ -101,19 +106,18 @@ class LinearRuntime:
         streamed = {id(p) for ps in unit_params for p in ps}
         try:
             for p in self.module.parameters():
-                self._original[id(p)] = p.data
                 if id(p) not in streamed:
+                    self._original[id(p)] = p.data
                     p.data = p.data.to(self.device)
                     self.resident_bytes += p.numel() * p.element_size()
             for name, b in list(self.module.named_buffers()):
                 owner, attr = self._owner(name)
                 setattr(owner, attr, b.to(self.device))
             for (name, m), params in zip(found, unit_params):
-                host = [self._host_copy(p.data) for p in params]
-                for p, h in zip(params, host):
+                unit = self._pack(name, m, params)
+                for p, h in zip(params, unit.host):
                     p.data = h
-                nbytes = sum(h.numel() * h.element_size() for h in host)
-                self.units.append(_Unit(name, m, params, host, nbytes=nbytes))
+                self.units.append(unit)
             for i, u in enumerate(self.units):
                 self.handles.append(u.module.register_forward_pre_hook(self._pre_hook(i)))
                 self.handles.append(u.module.register_forward_hook(self._post_hook(i)))
@@ -132,15 +136,31 @@ class LinearRuntime:
         parent, _, attr = dotted.rpartition(".")
         return (self.module.get_submodule(parent) if parent else self.module), attr
 
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        host = t.detach().to("cpu")
+    def _pack(self, name: str, module: torch.nn.Module, params: List[torch.nn.Parameter]) -> _Unit:
+        """Copies a unit's weights into one host buffer (pinned when possible)."""
+        views = []
+        offset = 0
+        for p in params:
+            offset = (offset + 255) // 256 * 256
+            nbytes = p.numel() * p.element_size()
+            views.append((offset, nbytes, p.dtype, p.shape))
+            offset += nbytes
+        flat = torch.empty(offset, dtype=torch.uint8)
         if self.pin:
             try:
-                host = host.pin_memory()
-                self.pinned_bytes += host.numel() * host.element_size()
+                flat = flat.pin_memory()
+                self.pinned_bytes += offset
             except RuntimeError:
                 self.pin = False  # continue unpinned for the rest of this attach
-        return host
+        host = []
+        for p, (o, n, dtype, shape) in zip(params, views):
+            v = flat[o : o + n].view(dtype).view(shape)
+            v.copy_(p.data)
+            host.append(v)
+        return _Unit(name, module, params, host, flat=flat, views=views, nbytes=offset)
+
+    def _device_views(self, u: _Unit, flat: torch.Tensor) -> List[torch.Tensor]:
+        return [flat[o : o + n].view(dtype).view(shape) for o, n, dtype, shape in u.views]
 
     def detach(self) -> None:
         """Removes the hooks. During a failed attach every parameter gets its original tensor
@@ -190,11 +210,13 @@ class LinearRuntime:
         if self.cuda:
             assert self.side is not None
             with torch.cuda.stream(self.side):
-                u.device_copies = [h.to(self.device, non_blocking=True) for h in u.host]
+                u.device_flat = u.flat.to(self.device, non_blocking=True)
+                u.device_copies = self._device_views(u, u.device_flat)
                 u.ready = torch.cuda.Event()
                 u.ready.record(self.side)
         else:
-            u.device_copies = [h.clone() for h in u.host]
+            u.device_flat = u.flat.clone()
+            u.device_copies = self._device_views(u, u.device_flat)
             u.ready = None
         self.stats.uploads += 1
         self.stats.upload_bytes += u.nbytes
@@ -213,8 +235,7 @@ class LinearRuntime:
             if self.cuda:
                 current = torch.cuda.current_stream(self.device)
                 current.wait_event(u.ready)
-                for d in u.device_copies:
-                    d.record_stream(current)
+                u.device_flat.record_stream(current)
             for p, d in zip(u.params, u.device_copies):
                 p.data = d
             if on_track and self.lookahead and self.cuda:
@@ -237,6 +258,7 @@ class LinearRuntime:
             for p, h in zip(u.params, u.host):
                 p.data = h
             u.device_copies = None
+            u.device_flat = None
             u.ready = None
 
         return hook
@@ -258,7 +280,9 @@ class LinearRuntime:
         self.synchronize()
         for u in self.units:
             u.device_copies = None
+            u.device_flat = None
             u.host = []
+            u.flat = None
         for name, p in list(self.module.named_parameters()):
             owner, attr = self._owner(name)
             meta = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)

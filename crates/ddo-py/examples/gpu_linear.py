@@ -1,0 +1,117 @@
+"""GPU check of the linear route on the reference workload: a Flux-style FluxTransformer2DModel
+with random bf16 weights (5.0 B parameters: 8 double and 16 single blocks), batch 1, 512 text
+tokens. In one run it measures the pinned host->device copy speed, the resident step, and the
+linear route's first and steady steps, checks that the linear route's output equals the resident
+output bit for bit, and prints a table with the ratio to the floor
+max(resident step, streamed bytes / measured copy speed).
+
+    python crates/ddo-py/examples/gpu_linear.py [--resolution 1024] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+
+import ddo
+
+
+def timed(fn, steps):
+    times, out = [], None
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--resolution", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--double", type=int, default=8)
+    ap.add_argument("--single", type=int, default=16)
+    a = ap.parse_args()
+    from diffusers import FluxTransformer2DModel
+
+    dev = torch.device("cuda:0")
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(num_layers=a.double, num_single_layers=a.single)
+    torch.set_default_dtype(torch.float32)
+    model = model.to_empty(device="cpu").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    tokens = (a.resolution // 16) ** 2
+    inputs = dict(
+        hidden_states=torch.randn(1, tokens, 64, generator=g).to(torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, 512, 4096, generator=g).to(torch.bfloat16),
+        pooled_projections=torch.randn(1, 768, generator=g).to(torch.bfloat16),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        img_ids=torch.zeros(tokens, 3),
+        txt_ids=torch.zeros(512, 3),
+        guidance=None,
+        return_dict=False,
+    )
+    on_dev = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in inputs.items()}
+
+    # Link speed: one large pinned copy.
+    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    target = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    copies = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        copies.append((1 << 30) / (time.perf_counter() - t))
+    link = max(copies)
+    del host, target
+
+    model.to(dev)
+    resident_times, reference = timed(lambda: model(**on_dev)[0], a.steps)
+    resident = statistics.median(resident_times[1:])
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+
+    t = time.perf_counter()
+    result = ddo.enable_offload(model, component="transformer", execution_device=dev, use_environment=False)
+    setup = time.perf_counter() - t
+    times, out = timed(lambda: model(**inputs)[0], a.steps)
+    equal = torch.equal(out.to(dev), reference)
+    steady = statistics.median(times[1:])
+    streamed = result.runtime.streamed_bytes()
+    floor = max(resident, streamed / link)
+    peak_gpu = torch.cuda.max_memory_allocated(dev)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"\nFluxTransformer2DModel {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB), {a.resolution}x{a.resolution}, "
+          f"{tokens} image + 512 text tokens, torch {torch.__version__}")
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| pinned copy speed (same run) | {link / 1e9:.1f} GB/s |")
+    print(f"| resident step (median) | {resident:.4f} s |")
+    print(f"| floor max(resident, {streamed / 2**30:.2f} GiB / copy speed) | {floor:.4f} s |")
+    print(f"| linear_runtime first step | {times[0]:.4f} s ({times[0] / steady:.2f} x steady) |")
+    print(f"| linear_runtime steady step (median) | {steady:.4f} s ({steady / floor:.3f} x floor) |")
+    print(f"| linear_runtime output equals resident bit for bit | {equal} |")
+    print(f"| linear_runtime peak GPU memory (PyTorch allocator) | {peak_gpu / 2**30:.2f} GiB |")
+    print(f"| peak host RSS | {rss / 2**30:.2f} GiB ({rss / nbytes:.2f} x model) |")
+    print(f"| attach (pinning) | {setup:.1f} s |")
+    print(result.metrics_snapshot(collect_completed=True).format_profile(), end="")
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
