@@ -153,6 +153,58 @@ fn inspect_checkpoint(path: &str) -> PyResult<String> {
     Ok(serde_json::json!({"files": files, "tensors": tensors}).to_string())
 }
 
+/// Plans a component for the native arena: `units` are `(name, bytes, pinned)` in execution
+/// order. Returns the plan as JSON, or raises `ValueError` when the budget cannot hold the pinned
+/// units and two execution slots (the message says how many bytes are needed).
+#[pyfunction]
+fn plan_units(
+    units: Vec<(String, u64, bool)>,
+    budget: u64,
+    headroom: u64,
+    prefetch_depth: u32,
+    granularity: u64,
+) -> PyResult<String> {
+    use ddo_arena::{Budget, Layout, ResidencyPlan, UnitLayout};
+    if granularity == 0 {
+        return Err(PyValueError::new_err("granularity must be positive"));
+    }
+    let mut offset = 0;
+    let layout_units: Vec<UnitLayout> = units
+        .iter()
+        .enumerate()
+        .map(|(i, (name, bytes, pinned))| {
+            let len = bytes.max(&1).div_ceil(granularity) * granularity;
+            let u = UnitLayout {
+                id: ddo_core::UnitId(i as u32),
+                name: name.clone(),
+                offset,
+                len,
+                payload: *bytes,
+                tensors: Vec::new(),
+                extents: Vec::new(),
+                pinned: *pinned,
+            };
+            offset += len;
+            u
+        })
+        .collect();
+    if layout_units.is_empty() {
+        return Err(PyValueError::new_err("no units to plan"));
+    }
+    let layout = Layout { units: layout_units, reserved: offset, granularity };
+    let plan = ResidencyPlan::new(&layout, Budget { total: budget, headroom, prefetch_depth })
+        .map_err(value_error)?;
+    Ok(serde_json::json!({
+        "resident": plan.resident,
+        "slots": plan.slots,
+        "slot_bytes": plan.slot_len,
+        "resident_bytes": plan.resident_bytes,
+        "streamed_bytes": plan.streamed_bytes,
+        "device_bytes": plan.device_bytes(),
+    })
+    .to_string())
+}
+
 /// Whether a CUDA driver library can be loaded here.
 #[pyfunction]
 fn cuda_driver_present() -> bool {
@@ -183,6 +235,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(observe_host_memory, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_units, m)?)?;
     m.add_function(wrap_pyfunction!(check_cuda_device, m)?)?;
     Ok(())
 }

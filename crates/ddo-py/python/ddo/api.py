@@ -311,6 +311,8 @@ def enable_offload(
     setup: Dict[str, Any] = {}
     t = time.perf_counter()
     if name in ("vmm_fast_runtime", "vmm_runtime"):
+        _refuse(module)
+        setup.update(_plan_native(module, settings))
         if not _native.cuda_driver_present():
             raise DynamicOffloadError(
                 f"route {name} needs a CUDA driver and none was found; use backend linear "
@@ -365,6 +367,39 @@ def enable_offload(
     if settings.values.get("verbose"):
         print(f"[ddo] {component}: route {name} on {device}", file=sys.stderr)
     return result
+
+
+_GRANULARITY = 2 << 20
+
+
+def _plan_native(module: torch.nn.Module, settings: DynamicOffloadSettings) -> Dict[str, Any]:
+    """Plans the native arena for ``module``: its execution units, the rest pinned resident.
+    Raises :class:`DynamicOffloadConfigError` when the budget cannot hold one execution unit in
+    each of two slots plus the resident rest, saying how many bytes are needed."""
+    from .units import find_execution_units
+
+    units = find_execution_units(module)
+    in_units = {id(p) for _, m in units for p in m.parameters()}
+    rest = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in in_units)
+    spec = [("resident", rest, True)] if rest else []
+    spec += [(n, sum(p.numel() * p.element_size() for p in m.parameters()), False) for n, m in units]
+    values = settings.values
+    budget = int(values["vmm_resident_weight_budget_gb"] * (1 << 30))
+    headroom = int(values["auto_vram_headroom_gb"] * (1 << 30))
+    try:
+        plan = json.loads(_native.plan_units(spec, budget, headroom, int(values["prefetch_depth"]), _GRANULARITY))
+    except ValueError as e:
+        raise DynamicOffloadConfigError(f"{e} (set vmm_resident_weight_budget_gb / --ddo-vmm-resident-weight-budget-gb)") from None
+    return {
+        "unit_count": len(spec),
+        "resident_units": sum(plan["resident"]),
+        "streamed_units": len(spec) - sum(plan["resident"]),
+        "execution_slots": plan["slots"],
+        "slot_bytes": plan["slot_bytes"],
+        "gpu_budget_bytes": budget,
+        "headroom_bytes": headroom,
+        "streamed_bytes_per_pass": plan["streamed_bytes"],
+    }
 
 
 def remove_dynamic_offload(module: torch.nn.Module) -> None:
