@@ -4,6 +4,9 @@
 //! JSON text across the boundary) so the package holds no second copy of the rules. Every error
 //! becomes a Python `ValueError` with the Rust message; nothing panics across the boundary.
 
+mod arena;
+mod dlpack;
+
 use std::collections::BTreeMap;
 
 use ddo_core::AdmissionProbe;
@@ -236,6 +239,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(plan_units, m)?)?;
+    m.add_class::<arena::NativeArena>()?;
     m.add_function(wrap_pyfunction!(check_cuda_device, m)?)?;
     Ok(())
 }

@@ -52,6 +52,7 @@ class DynamicOffloadApplyResult:
     settings: DynamicOffloadSettings
     execution_device: torch.device
     runtime: Optional[LinearRuntime] = None
+    native: Any = None
     setup: Dict[str, Any] = field(default_factory=dict)
     source: Optional[Dict[str, Any]] = None
     passes: int = 0
@@ -92,10 +93,18 @@ class DynamicOffloadApplyResult:
             }
         elif self.route == "diffusers_group_offload":
             runtime = {"passes": self.passes}
+        setup = dict(self.setup)
+        if self.native is not None and self.native.arena is not None:
+            if collect_completed:
+                self.native.synchronize()
+            stats = self.native.stats()
+            runtime = stats.pop("runtime")
+            stats.pop("host_us_per_pair", None)
+            setup.update(stats)
         m = DynamicOffloadMetrics(
             route=route,
             configuration=s.as_metrics(),
-            setup=dict(self.setup),
+            setup=setup,
             runtime=runtime,
             host_memory=_host_memory("snapshot"),
         )
@@ -126,6 +135,8 @@ class DynamicOffloadApplyResult:
         if self.runtime is not None:
             self.runtime.synchronize()
             self.runtime.detach()
+        if self.native is not None:
+            self.native.detach()
         if self.route == "diffusers_group_offload":
             _remove_group_hooks(self.module)
         for h in self.handles:
@@ -134,15 +145,34 @@ class DynamicOffloadApplyResult:
         if getattr(self.module, _STATE_ATTR, None) is self:
             delattr(self.module, _STATE_ATTR)
 
+    def reclaim(self) -> tuple:
+        """Native route: releases the physical memory of idle execution slots (addresses kept;
+        the next use uploads again). Returns ``(slots, bytes)``."""
+        if self.native is None:
+            raise DynamicOffloadError(f"reclaim needs the vmm_fast_runtime route; this component uses {self.route}")
+        return self.native.reclaim()
+
     def unload(self) -> None:
         """After all work completed, replaces the weights with meta placeholders and frees their
         memory. :meth:`reload` brings them back from the checkpoint."""
+        if self.native is not None:
+            self.native.detach()
+            return
         if self.runtime is None:
             raise DynamicOffloadError(f"unload needs the linear_runtime route; this component uses {self.route}")
         self.runtime.unload()
 
     def reload(self) -> None:
         """Reads the weights back from the checkpoint the module was loaded from and re-attaches."""
+        if self.native is not None:
+            if not self.native.is_unloaded():
+                raise DynamicOffloadError("reload needs an unloaded component (call unload() first)")
+            from .native import NativeRuntime
+
+            native = NativeRuntime(self.module, self.execution_device, self.settings.values, self.native.source)
+            native.attach()
+            self.native = native
+            return
         if self.runtime is None or not self.runtime.is_unloaded():
             raise DynamicOffloadError("reload needs an unloaded component (call unload() first)")
         if not self.source:
@@ -318,9 +348,20 @@ def enable_offload(
                 f"route {name} needs a CUDA driver and none was found; use backend linear "
                 "(--ddo-backend linear) on machines without an NVIDIA GPU"
             )
-        raise DynamicOffloadError(
-            f"route {name} (backend vmm) is not available from Python in this version; use backend linear"
-        )
+        if name == "vmm_runtime":
+            raise DynamicOffloadError("route vmm_runtime (preset nvme_baseline) is not available in this version; use preset auto")
+        source = getattr(module, "_ddo_source", None)
+        if source is None:
+            raise DynamicOffloadError(
+                "route vmm_fast_runtime streams weights from the checkpoint: load the component with "
+                "ddo.from_pretrained_with_dynamic_offload"
+            )
+        from .native import NativeRuntime
+
+        native = NativeRuntime(module, device, settings.values, source)
+        native.attach()
+        result.native = native
+        result.source = source
     if name == "linear_runtime":
         _refuse(module)
         runtime = LinearRuntime(
@@ -487,6 +528,8 @@ def from_pretrained_with_dynamic_offload(
     if subfolder:
         from_pretrained_kwargs["subfolder"] = subfolder
     module = model_loader.from_pretrained(os.fspath(path), **from_pretrained_kwargs)
+    source["path"] = folder
+    module._ddo_source = source
     names = {t["name"]: t for t in source["tensors"]}
     bound = 0
     for n, p in list(module.named_parameters()) + list(module.named_buffers()):

@@ -1,0 +1,206 @@
+//! `NativeArena`: the GPU weight arena of one component, fed from its checkpoint's registered
+//! mapping, with tensor views handed to PyTorch as DLPack capsules over arena memory.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use ddo_arena::{Arena, Budget, Lease, UnitSpec};
+use ddo_core::{HostRegion, HostSlice, StreamId, UnitId, WeightSource};
+use ddo_platform::cuda::CudaDevice;
+use ddo_source::{Checkpoint, CheckpointSource, REGISTRATION_SEGMENT, RegisteredRange, Registrar};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+fn runtime_error(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// The arena of one component on one CUDA device.
+#[pyclass(module = "ddo._native")]
+pub(crate) struct NativeArena {
+    arena: Arena,
+    device: Arc<CudaDevice>,
+    registrar: Registrar,
+    registered: Mutex<Vec<RegisteredRange>>,
+    source: Arc<CheckpointSource>,
+    leases: Mutex<HashMap<u64, Lease>>,
+    next_lease: Mutex<u64>,
+}
+
+#[pymethods]
+impl NativeArena {
+    /// Opens the checkpoint at `path`, maps and registers it (read-only), lays out `units`
+    /// (`(name, tensor names, pinned)`) and plans them under `budget` bytes (`headroom` kept
+    /// free) with `prefetch_depth` units of look-ahead, on CUDA device `ordinal`.
+    #[new]
+    #[pyo3(signature = (path, units, budget, headroom, prefetch_depth, ordinal=0))]
+    fn new(
+        path: &str,
+        units: Vec<(String, Vec<String>, bool)>,
+        budget: u64,
+        headroom: u64,
+        prefetch_depth: u32,
+        ordinal: u32,
+    ) -> PyResult<Self> {
+        let (platform, device) = ddo_platform::cuda_platform(ordinal).map_err(runtime_error)?;
+        let checkpoint =
+            Arc::new(Checkpoint::open(path).map_err(|e| PyValueError::new_err(e.to_string()))?);
+        // SAFETY: ddo's contract with the caller: checkpoint files are not modified while a
+        // component streams from them (a changed file is detected before every upload).
+        let source = Arc::new(
+            unsafe { CheckpointSource::with_mmap(checkpoint.clone(), 8) }.map_err(runtime_error)?,
+        );
+        let mut specs = Vec::with_capacity(units.len());
+        for (name, tensors, pinned) in units {
+            let mut indices = Vec::with_capacity(tensors.len());
+            for t in &tensors {
+                indices.push(checkpoint.find(t).ok_or_else(|| {
+                    PyValueError::new_err(format!(
+                        "unit {name}: the checkpoint has no tensor {t:?}"
+                    ))
+                })?);
+            }
+            specs.push(UnitSpec { name, tensors: indices, pinned });
+        }
+        let total: u64 = checkpoint.files().iter().map(|f| f.identity.size).sum();
+        let ceiling = total.div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT
+            + checkpoint.files().len() as u64 * REGISTRATION_SEGMENT;
+        let registrar =
+            Registrar::new(ceiling, platform.residency.clone(), platform.admission.clone());
+        let mut registered = Vec::new();
+        for i in 0..checkpoint.files().len() {
+            let map: Arc<dyn HostRegion> =
+                source.mapping(i).ok_or_else(|| runtime_error("no mapping"))?.clone();
+            registered
+                .push(registrar.register(HostSlice::whole(map), true).map_err(runtime_error)?);
+        }
+        let arena = Arena::new(
+            &platform,
+            source.clone() as Arc<dyn WeightSource>,
+            &specs,
+            Budget { total: budget, headroom, prefetch_depth },
+        )
+        .map_err(|e| match e.original() {
+            ddo_arena::ArenaError::BudgetTooSmall { .. } => PyValueError::new_err(e.to_string()),
+            _ => runtime_error(e),
+        })?;
+        Ok(NativeArena {
+            arena,
+            device,
+            registrar,
+            registered: Mutex::new(registered),
+            source,
+            leases: Mutex::new(HashMap::new()),
+            next_lease: Mutex::new(1),
+        })
+    }
+
+    /// `(device address, bytes)` of tensor `name`.
+    fn tensor(&self, name: &str) -> PyResult<(u64, u64)> {
+        let i = self
+            .source
+            .checkpoint()
+            .find(name)
+            .ok_or_else(|| PyValueError::new_err(format!("no tensor {name:?}")))?;
+        let (_, r) = self
+            .arena
+            .tensor_range(i)
+            .ok_or_else(|| PyValueError::new_err(format!("tensor {name:?} is in no unit")))?;
+        Ok((r.start.0, r.len))
+    }
+
+    /// A DLPack capsule viewing tensor `name` (its checkpoint dtype and shape) in arena memory.
+    /// The capsule does not own the memory: the arena must outlive every tensor made from it.
+    fn dlpack(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        let i = self
+            .source
+            .checkpoint()
+            .find(name)
+            .ok_or_else(|| PyValueError::new_err(format!("no tensor {name:?}")))?;
+        let slice = &self.source.checkpoint().slices()[i];
+        let (_, r) = self
+            .arena
+            .tensor_range(i)
+            .ok_or_else(|| PyValueError::new_err(format!("tensor {name:?} is in no unit")))?;
+        let (code, bits) = crate::dlpack::dtype_code(slice.dtype).ok_or_else(|| {
+            PyValueError::new_err(format!("dtype {} has no DLPack code", slice.dtype))
+        })?;
+        let shape: Vec<i64> = slice.shape.iter().map(|&d| d as i64).collect();
+        crate::dlpack::capsule(py, r.start.0, self.device_ordinal(), code, bits, shape)
+    }
+
+    /// Ensures unit `unit` is on the device for work on `stream` (a raw `cudaStream_t`, e.g.
+    /// `torch.cuda.current_stream().cuda_stream`); returns a lease id for [`release`].
+    fn acquire(&self, unit: u32, stream: u64) -> PyResult<u64> {
+        // SAFETY: the caller passes PyTorch's live stream of this device's primary context.
+        let s = unsafe { self.device.adopt_stream(stream) };
+        let lease = self.arena.acquire(UnitId(unit), s).map_err(runtime_error)?;
+        let mut next = self.next_lease.lock().expect("lease ids");
+        let id = *next;
+        *next += 1;
+        self.leases.lock().expect("leases").insert(id, lease);
+        Ok(id)
+    }
+
+    /// Gives lease `lease` back after the work enqueued on `stream` that used it.
+    fn release(&self, lease: u64, stream: u64) -> PyResult<()> {
+        let l = self
+            .leases
+            .lock()
+            .expect("leases")
+            .remove(&lease)
+            .ok_or_else(|| PyValueError::new_err(format!("lease {lease} is not live")))?;
+        // SAFETY: as in `acquire`.
+        let s: StreamId = unsafe { self.device.adopt_stream(stream) };
+        self.arena.release(l, s).map_err(runtime_error)
+    }
+
+    /// Marks the start of a forward pass.
+    fn begin_pass(&self) {
+        self.arena.begin_pass();
+    }
+
+    /// Releases idle slot backing (addresses kept); `(slots, bytes)`.
+    fn reclaim(&self) -> PyResult<(u32, u64)> {
+        let r = self.arena.reclaim_idle().map_err(runtime_error)?;
+        Ok((r.slots, r.bytes))
+    }
+
+    /// The plan and counters as JSON.
+    fn stats(&self) -> String {
+        let plan = self.arena.plan();
+        let stats = self.arena.stats();
+        serde_json::json!({
+            "runtime": stats.runtime_section(),
+            "host_us_per_pair": stats.host_us_per_pair(),
+            "unit_count": self.arena.layout().units.len(),
+            "resident_units": plan.resident.iter().filter(|r| **r).count(),
+            "streamed_units": plan.streamed_units(),
+            "execution_slots": plan.slots,
+            "slot_bytes": plan.slot_len,
+            "gpu_budget_bytes": plan.budget.total,
+            "headroom_bytes": plan.budget.headroom,
+            "streamed_bytes_per_pass": plan.streamed_bytes,
+            "total_bytes": self.arena.layout().payload(),
+            "registered_bytes": self.registrar.charged(),
+        })
+        .to_string()
+    }
+
+    /// Closes the arena (refused while leases are live or memory is retained unsafe) and
+    /// unregisters the checkpoint mapping (a phase boundary: unregistering waits for the device).
+    fn close(&self) -> PyResult<()> {
+        self.arena.close().map_err(runtime_error)?;
+        let mut regs = self.registered.lock().expect("registrations");
+        while let Some(r) = regs.pop() {
+            self.registrar.unregister(r).map_err(runtime_error)?;
+        }
+        Ok(())
+    }
+}
+
+impl NativeArena {
+    fn device_ordinal(&self) -> i32 {
+        ddo_core::Residency::device(&*self.device).0 as i32
+    }
+}
