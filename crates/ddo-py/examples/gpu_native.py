@@ -99,8 +99,15 @@ def main() -> int:
         x = {k: (v.to(dev, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
         with torch.no_grad():
             ref = resident(**x)[0]
+        # A budget of the resident rest plus three of the largest units: most units stream.
+        units = ddo.find_execution_units(resident)
+        largest = max(sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in units)
+        in_units = {id(p) for _, m in units for p in m.parameters()}
+        rest = sum(p.numel() * p.element_size() for p in resident.parameters() if id(p) not in in_units)
+        granule = 2 << 20
+        budget = ((rest + granule - 1) // granule + 3 * ((largest + granule - 1) // granule)) * granule
         del resident, model
-        loaded = native(path, 0.05, cls)
+        loaded = native(path, budget / 2**30, cls)
         with torch.no_grad():
             got = loaded.module(**x)[0]
         same = torch.equal(got, ref)

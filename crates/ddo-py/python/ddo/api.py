@@ -362,7 +362,7 @@ def enable_offload(
         native.attach()
         result.native = native
         result.source = source
-    if name == "linear_runtime":
+    elif name == "linear_runtime":
         _refuse(module)
         runtime = LinearRuntime(
             module, device, pin=settings.effective_pin_cpu_memory, prefetch_depth=settings.values["prefetch_depth"]
