@@ -527,7 +527,15 @@ def from_pretrained_with_dynamic_offload(
             raise DynamicOffloadError(f"{folder}/config.json names class {class_name!r}, which diffusers does not have; pass model_loader=")
     if subfolder:
         from_pretrained_kwargs["subfolder"] = subfolder
-    module = model_loader.from_pretrained(os.fspath(path), **from_pretrained_kwargs)
+    module = None
+    if apply_dynamic:
+        # The native route streams every weight from the checkpoint's mapping: build the module
+        # without weights (meta) so host memory holds the model once, in the mapping.
+        settings = resolve_settings(component, config=dynamic_offload_config)
+        if settings.route_name == "vmm_fast_runtime" and hasattr(model_loader, "from_config"):
+            module = _meta_module(model_loader, folder, from_pretrained_kwargs.get("torch_dtype"))
+    if module is None:
+        module = model_loader.from_pretrained(os.fspath(path), **from_pretrained_kwargs)
     source["path"] = folder
     module._ddo_source = source
     names = {t["name"]: t for t in source["tensors"]}
@@ -542,6 +550,23 @@ def from_pretrained_with_dynamic_offload(
         result.offload = enable_offload(module, component=component, config=dynamic_offload_config)
         result.offload.source = source
     return result
+
+
+def _meta_module(loader: Any, folder: str, dtype: Any) -> Optional[torch.nn.Module]:
+    """The model built from its config on the meta device, or ``None`` when it has buffers (they
+    would need real values)."""
+    config = loader.load_config(folder)
+    previous = torch.get_default_dtype()
+    try:
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            module = loader.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if any(True for _ in module.buffers()):
+        return None
+    return module.eval()
 
 
 def inspect_host_memory() -> DynamicOffloadMetrics:
