@@ -143,3 +143,99 @@ if [ "${1:-}" = "--bench" ]; then
 fi
 exit $status
 "#;
+
+const BENCH_USAGE: &str =
+    "usage: cargo xtask bench-gpu --bundle DIR [--configs 5:512,5:1024,5:2048,12:1024]
+
+  Writes DIR with the ddo-offload wheel, the Diffusers wheels a GPU machine without network needs,
+  the benchmark and check scripts, and run.sh. On the GPU machine, from a copy of this repository:
+  bash DIR/run.sh native          the native route's fidelity checks
+  bash DIR/run.sh bench [CONFIGS]  the side-by-side table (one size per call fits a 10-minute limit)
+  (the log is appended to $OUT/bench.log when OUT is set, else DIR/bench.log)";
+
+/// `cargo xtask bench-gpu --bundle DIR`: the side-by-side benchmark as a bundle.
+pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
+    let mut bundle: Option<PathBuf> = None;
+    let mut configs = "5:512,5:1024,5:2048,12:1024".to_owned();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--bundle" => {
+                bundle = Some(PathBuf::from(
+                    it.next().ok_or(format!("--bundle needs a folder\n\n{BENCH_USAGE}"))?,
+                ))
+            }
+            "--configs" => {
+                configs =
+                    it.next().ok_or(format!("--configs needs a list\n\n{BENCH_USAGE}"))?.clone()
+            }
+            "-h" | "--help" => {
+                println!("{BENCH_USAGE}");
+                return Ok(());
+            }
+            other => return Err(format!("unknown argument {other:?}\n\n{BENCH_USAGE}")),
+        }
+    }
+    let dir = bundle.ok_or(format!("--bundle is required\n\n{BENCH_USAGE}"))?;
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).map_err(|e| format!("creating {}: {e}", wheels.display()))?;
+    crate::python::ensure_env()?;
+    let wheel = crate::python::build_and_install_wheel()?;
+    copy(&wheel, &wheels.join(wheel.file_name().ok_or("wheel without a name")?))?;
+    let py = crate::python::python().to_string_lossy().into_owned();
+    let wheels_s = wheels.to_string_lossy().into_owned();
+    run(
+        &py,
+        &[
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "--platform",
+            "manylinux2014_x86_64",
+            "-d",
+            &wheels_s,
+            "diffusers",
+            "importlib_metadata",
+        ],
+    )?;
+    for script in ["bench_gpu.py", "gpu_native.py", "gpu_linear.py"] {
+        copy(&Path::new("crates/ddo-py/examples").join(script), &dir.join(script))?;
+    }
+    let run_sh = BENCH_RUN_SH.replace("@CONFIGS@", &configs);
+    std::fs::write(dir.join("run.sh"), run_sh).map_err(|e| format!("writing run.sh: {e}"))?;
+    println!(
+        "bundle written to {}; on the GPU machine: bash {}/run.sh",
+        dir.display(),
+        dir.display()
+    );
+    Ok(())
+}
+
+const BENCH_RUN_SH: &str = r#"#!/usr/bin/env bash
+# Side-by-side GPU benchmark of ddo from a bundle made by `cargo xtask bench-gpu --bundle`.
+set -uo pipefail
+bundle="$(cd "$(dirname "$0")" && pwd)"
+log="${OUT:-$bundle}/bench.log"
+site="${TMPDIR:-/tmp}/ddo-site"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$bundle"/wheels/*.whl || exit 1
+export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+work="${DDO_BENCH_DIR:-${TMPDIR:-/tmp}/ddo-bench}"
+# One command per part keeps each under a machine's per-command limit:
+#   bash run.sh native            fidelity of the native route (Flux 512/1024/2048, SD3, AutoencoderKL)
+#   bash run.sh bench [CONFIGS]   the side-by-side table (default @CONFIGS@)
+case "${1:-bench}" in
+  native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work/native") ;;
+  bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work/bench") ;;
+  *) echo "usage: run.sh native | bench [CONFIGS]" >&2; exit 2 ;;
+esac
+"${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
+"#;

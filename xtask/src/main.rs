@@ -17,7 +17,8 @@ tasks:
           Python tests on the built wheel (creates .venv with PyTorch and Diffusers)
   demo    offload a Diffusers model from Python (CUDA when present, else CPU), then resolve a
           pipeline's plan and stream a checkpoint through the Rust arena
-  test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)";
+  test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)
+  bench-gpu the side-by-side GPU benchmark as a bundle for a GPU machine (--help)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -25,6 +26,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("demo") => demo::run(&args[1..]),
         Some("test-gpu") => gpu::test_gpu(&args[1..]),
+        Some("bench-gpu") => gpu::bench_gpu(&args[1..]),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())
