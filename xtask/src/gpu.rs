@@ -207,7 +207,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
             "importlib_metadata",
         ],
     )?;
-    for script in ["bench_gpu.py", "gpu_native.py", "gpu_linear.py"] {
+    for script in ["bench_gpu.py", "gpu_native.py", "gpu_linear.py", "flux_workload.py"] {
         copy(&Path::new("crates/ddo-py/examples").join(script), &dir.join(script))?;
     }
     let run_sh = BENCH_RUN_SH.replace("@CONFIGS@", &configs);

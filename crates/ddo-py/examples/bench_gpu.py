@@ -20,40 +20,20 @@ import tempfile
 import threading
 import time
 
+from flux_workload import flux_inputs, link_speed, random_model
+
 SIZES = {"5": (8, 16), "12": (19, 38)}
 VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm"]
 
 
 def build(path: str, double: int, single: int) -> int:
-    import torch
     from diffusers import FluxTransformer2DModel
 
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(num_layers=double, num_single_layers=single)
-    torch.set_default_dtype(torch.float32)
-    model = model.to_empty(device="cpu").eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+    model = random_model(FluxTransformer2DModel, num_layers=double, num_single_layers=single)
     model.save_pretrained(path)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def link_speed() -> float:
-    import torch
-
-    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    best = 0.0
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        best = max(best, (1 << 30) / (time.perf_counter() - t))
-    return best
 
 
 class GpuSampler:
@@ -105,16 +85,7 @@ def child(a: argparse.Namespace) -> int:
     setup = time.perf_counter() - t
     g = torch.Generator().manual_seed(1)
     for res in [int(r) for r in a.resolutions.split(",")]:
-        tokens = (res // 16) ** 2
-        x = dict(
-            hidden_states=torch.randn(1, tokens, 64, generator=g).to(dev, torch.bfloat16),
-            encoder_hidden_states=torch.randn(1, 512, 4096, generator=g).to(dev, torch.bfloat16),
-            pooled_projections=torch.randn(1, 768, generator=g).to(dev, torch.bfloat16),
-            timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16),
-            img_ids=torch.zeros(tokens, 3, device=dev),
-            txt_ids=torch.zeros(512, 3, device=dev),
-            return_dict=False,
-        )
+        x = flux_inputs(res, dev, g)
         times = []
         out = None
         for _ in range(a.steps):

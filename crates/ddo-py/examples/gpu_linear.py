@@ -18,6 +18,7 @@ import time
 import torch
 
 import ddo
+from flux_workload import flux_inputs, link_speed, random_model
 
 
 def timed(fn, steps):
@@ -42,42 +43,15 @@ def main() -> int:
     from diffusers import FluxTransformer2DModel
 
     dev = torch.device("cuda:0")
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(num_layers=a.double, num_single_layers=a.single)
-    torch.set_default_dtype(torch.float32)
-    model = model.to_empty(device="cpu").eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+    model = random_model(FluxTransformer2DModel, num_layers=a.double, num_single_layers=a.single)
     params = sum(p.numel() for p in model.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens = (a.resolution // 16) ** 2
-    inputs = dict(
-        hidden_states=torch.randn(1, tokens, 64, generator=g).to(torch.bfloat16),
-        encoder_hidden_states=torch.randn(1, 512, 4096, generator=g).to(torch.bfloat16),
-        pooled_projections=torch.randn(1, 768, generator=g).to(torch.bfloat16),
-        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
-        img_ids=torch.zeros(tokens, 3),
-        txt_ids=torch.zeros(512, 3),
-        guidance=None,
-        return_dict=False,
-    )
+    g = torch.Generator().manual_seed(1)
+    inputs = flux_inputs(a.resolution, "cpu", g)
     on_dev = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in inputs.items()}
 
-    # Link speed: one large pinned copy.
-    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    target = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copies = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        copies.append((1 << 30) / (time.perf_counter() - t))
-    link = max(copies)
-    del host, target
+    link = link_speed(dev)
 
     model.to(dev)
     resident_times, reference = timed(lambda: model(**on_dev)[0], a.steps)

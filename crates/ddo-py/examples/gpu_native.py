@@ -21,6 +21,7 @@ import time
 import torch
 
 import ddo
+from flux_workload import flux_inputs, link_speed, random_model
 
 
 def timed(fn, steps):
@@ -33,19 +34,6 @@ def timed(fn, steps):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return times, out
-
-
-def random_model(cls, **config):
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("meta"):
-        model = cls(**config)
-    torch.set_default_dtype(torch.float32)
-    model = model.to_empty(device="cpu").eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
-    return model
 
 
 def native(path, budget_gb, cls):
@@ -126,18 +114,7 @@ def main() -> int:
     print(f"Flux-style model: {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB), saved in {time.perf_counter() - t:.1f} s")
     del model
 
-    # Link speed in this run.
-    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    target = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    speeds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        speeds.append((1 << 30) / (time.perf_counter() - t))
-    link = max(speeds)
-    del host, target
+    link = link_speed(dev)
 
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t = time.perf_counter()
@@ -158,16 +135,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(1)
     for res in [int(r) for r in a.resolutions.split(",")]:
-        tokens = (res // 16) ** 2
-        x = dict(
-            hidden_states=torch.randn(1, tokens, 64, generator=g).to(dev, torch.bfloat16),
-            encoder_hidden_states=torch.randn(1, 512, 4096, generator=g).to(dev, torch.bfloat16),
-            pooled_projections=torch.randn(1, 768, generator=g).to(dev, torch.bfloat16),
-            timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16),
-            img_ids=torch.zeros(tokens, 3, device=dev),
-            txt_ids=torch.zeros(512, 3, device=dev),
-            return_dict=False,
-        )
+        x = flux_inputs(res, dev, g)
         rt, ref = timed(lambda: resident(**x)[0], a.steps)
         vt, out = timed(lambda: loaded.module(**x)[0], a.steps)
         r_step = statistics.median(rt[1:])

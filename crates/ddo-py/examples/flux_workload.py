@@ -1,0 +1,52 @@
+"""The reference workload shared by the GPU scripts: a Flux-style transformer with random bf16
+weights (built on meta, then filled, so no float32 copy is made), its inputs, and the pinned copy
+speed that defines the floor."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def random_model(cls, **config):
+    """``cls(**config)`` in bf16 with N(0, 0.02) weights, on the CPU, in eval mode."""
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("meta"):
+        model = cls(**config)
+    torch.set_default_dtype(torch.float32)
+    model = model.to_empty(device="cpu").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+    return model
+
+
+def flux_inputs(resolution: int, device, generator: torch.Generator) -> dict:
+    """Batch 1 at ``resolution`` (2x2-packed latents: (resolution / 16)^2 image tokens) with 512
+    text tokens."""
+    tokens = (resolution // 16) ** 2
+    return dict(
+        hidden_states=torch.randn(1, tokens, 64, generator=generator).to(device, torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, 512, 4096, generator=generator).to(device, torch.bfloat16),
+        pooled_projections=torch.randn(1, 768, generator=generator).to(device, torch.bfloat16),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16).to(device),
+        img_ids=torch.zeros(tokens, 3).to(device),
+        txt_ids=torch.zeros(512, 3).to(device),
+        return_dict=False,
+    )
+
+
+def link_speed(device="cuda:0") -> float:
+    """Bytes per second of the best of five 1 GiB pinned host-to-device copies."""
+    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    target = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, (1 << 30) / (time.perf_counter() - t))
+    return best
