@@ -94,3 +94,38 @@ def test_pipeline_components_get_their_own_routes(flux, vae, clip):
     assert torch.equal(run(vae[0], vae[1]), run(vae[0], vae[1]))
     for r in results.values():
         r.remove()
+
+
+def test_shared_parameters_stay_resident_and_outputs_match():
+    class Block(torch.nn.Module):
+        def __init__(self, shared):
+            super().__init__()
+            self.shared = shared
+            self.own = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.own(self.shared(x)).relu()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = torch.nn.Linear(8, 8)
+            self.blocks = torch.nn.ModuleList([Block(shared) for _ in range(3)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    x = torch.randn(2, 8)
+    reference = net(x).detach().clone()
+    result = ddo.enable_offload(net, route="dynamic_offload", use_environment=False)
+    shared_weight = net.blocks[0].shared.weight
+    streamed = {id(p) for u in result.runtime.units for p in u.params}
+    assert id(shared_weight) not in streamed
+    assert all(id(b.own.weight) in streamed for b in net.blocks)
+    with torch.no_grad():
+        assert torch.equal(net(x), reference)
+    result.remove()
