@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use ddo_arena::{Arena, Budget, Lease, UnitSpec};
 use ddo_core::{HostRegion, HostSlice, StreamId, UnitId, WeightSource};
 use ddo_platform::cuda::CudaDevice;
+use ddo_platform::host::HostDevice;
 use ddo_source::{Checkpoint, CheckpointSource, REGISTRATION_SEGMENT, RegisteredRange, Registrar};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -15,11 +16,17 @@ fn runtime_error(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
-/// The arena of one component on one CUDA device.
+/// The device an arena lives on: a CUDA GPU, or the host backend (CPU memory).
+enum Device {
+    Cuda(Arc<CudaDevice>),
+    Host(#[allow(dead_code)] Arc<HostDevice>),
+}
+
+/// The arena of one component on one device.
 #[pyclass(module = "ddo._native")]
 pub(crate) struct NativeArena {
     arena: Arena,
-    device: Arc<CudaDevice>,
+    device: Device,
     registrar: Registrar,
     registered: Mutex<Vec<RegisteredRange>>,
     source: Arc<CheckpointSource>,
@@ -31,18 +38,34 @@ pub(crate) struct NativeArena {
 impl NativeArena {
     /// Opens the checkpoint at `path`, maps and registers it (read-only), lays out `units`
     /// (`(name, tensor names, pinned)`) and plans them under `budget` bytes (`headroom` kept
-    /// free) with `prefetch_depth` units of look-ahead, on CUDA device `ordinal`.
+    /// free) with `prefetch_depth` units of look-ahead, on `device_type` `"cuda"` (device
+    /// `ordinal`) or `"cpu"` (the host backend).
     #[new]
-    #[pyo3(signature = (path, units, budget, headroom, prefetch_depth, ordinal=0))]
+    #[pyo3(signature = (path, units, budget, headroom, prefetch_depth, device_type="cuda", ordinal=0))]
     fn new(
         path: &str,
         units: Vec<(String, Vec<String>, bool)>,
         budget: u64,
         headroom: u64,
         prefetch_depth: u32,
+        device_type: &str,
         ordinal: u32,
     ) -> PyResult<Self> {
-        let (platform, device) = ddo_platform::cuda_platform(ordinal).map_err(runtime_error)?;
+        let (platform, device) = match device_type {
+            "cuda" => {
+                let (p, d) = ddo_platform::cuda_platform(ordinal).map_err(runtime_error)?;
+                (p, Device::Cuda(d))
+            }
+            "cpu" => {
+                let d = Arc::new(HostDevice::new());
+                (ddo_platform::host_platform(d.clone()), Device::Host(d))
+            }
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "device type {other:?}: use \"cuda\" or \"cpu\""
+                )));
+            }
+        };
         let checkpoint =
             Arc::new(Checkpoint::open(path).map_err(|e| PyValueError::new_err(e.to_string()))?);
         // SAFETY: ddo's contract with the caller: checkpoint files are not modified while a
@@ -126,14 +149,19 @@ impl NativeArena {
             PyValueError::new_err(format!("dtype {} has no DLPack code", slice.dtype))
         })?;
         let shape: Vec<i64> = slice.shape.iter().map(|&d| d as i64).collect();
-        crate::dlpack::capsule(py, r.start.0, self.device_ordinal(), code, bits, shape)
+        let (device_type, device_id) = match &self.device {
+            Device::Cuda(d) => {
+                (crate::dlpack::K_DL_CUDA, ddo_core::Residency::device(&**d).0 as i32)
+            }
+            Device::Host(_) => (crate::dlpack::K_DL_CPU, 0),
+        };
+        crate::dlpack::capsule(py, r.start.0, device_type, device_id, code, bits, shape)
     }
 
     /// Ensures unit `unit` is on the device for work on `stream` (a raw `cudaStream_t`, e.g.
     /// `torch.cuda.current_stream().cuda_stream`); returns a lease id for [`release`].
     fn acquire(&self, unit: u32, stream: u64) -> PyResult<u64> {
-        // SAFETY: the caller passes PyTorch's live stream of this device's primary context.
-        let s = unsafe { self.device.adopt_stream(stream) };
+        let s = self.stream(stream);
         let lease = self.arena.acquire(UnitId(unit), s).map_err(runtime_error)?;
         let mut next = self.next_lease.lock().expect("lease ids");
         let id = *next;
@@ -150,9 +178,7 @@ impl NativeArena {
             .expect("leases")
             .remove(&lease)
             .ok_or_else(|| PyValueError::new_err(format!("lease {lease} is not live")))?;
-        // SAFETY: as in `acquire`.
-        let s: StreamId = unsafe { self.device.adopt_stream(stream) };
-        self.arena.release(l, s).map_err(runtime_error)
+        self.arena.release(l, self.stream(stream)).map_err(runtime_error)
     }
 
     /// Marks the start of a forward pass.
@@ -200,7 +226,13 @@ impl NativeArena {
 }
 
 impl NativeArena {
-    fn device_ordinal(&self) -> i32 {
-        ddo_core::Residency::device(&*self.device).0 as i32
+    /// The port's stream for a raw stream handle (CUDA) or any value (host backend, where work
+    /// runs synchronously).
+    fn stream(&self, raw: u64) -> StreamId {
+        match &self.device {
+            // SAFETY: the caller passes PyTorch's live stream of this device's primary context.
+            Device::Cuda(d) => unsafe { d.adopt_stream(raw) },
+            Device::Host(_) => StreamId(raw),
+        }
     }
 }

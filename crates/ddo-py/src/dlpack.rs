@@ -38,7 +38,10 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-const K_DL_CUDA: i32 = 2;
+/// DLPack device type of CUDA memory.
+pub(crate) const K_DL_CUDA: i32 = 2;
+/// DLPack device type of host memory.
+pub(crate) const K_DL_CPU: i32 = 1;
 const CAPSULE_NAME: &std::ffi::CStr = c"dltensor";
 
 /// DLPack `(type code, bits)` of a dtype.
@@ -91,10 +94,12 @@ unsafe extern "C" fn destroy_capsule(capsule: *mut ffi::PyObject) {
     }
 }
 
-/// A `dltensor` capsule for a contiguous tensor at `address` on CUDA device `device_id`.
+/// A `dltensor` capsule for a contiguous tensor at `address` on device `device_id` of
+/// `device_type`.
 pub(crate) fn capsule(
     py: Python<'_>,
     address: u64,
+    device_type: i32,
     device_id: i32,
     code: u8,
     bits: u8,
@@ -106,7 +111,7 @@ pub(crate) fn capsule(
     let managed = Box::new(DLManagedTensor {
         dl_tensor: DLTensor {
             data: address as *mut c_void,
-            device: DLDevice { device_type: K_DL_CUDA, device_id },
+            device: DLDevice { device_type, device_id },
             ndim,
             dtype: DLDataType { code, bits, lanes: 1 },
             shape: shape.as_mut_ptr(),

@@ -48,7 +48,7 @@ def sd3():
         sample_size=8,
         patch_size=2,
         in_channels=4,
-        num_layers=2,
+        num_layers=4,
         attention_head_dim=8,
         num_attention_heads=2,
         joint_attention_dim=16,

@@ -48,8 +48,8 @@ def test_an_offloaded_module_is_refused(flux):
 def test_vmm_without_a_cuda_driver(flux):
     model, _ = flux
     before = state(model)
-    with pytest.raises(ddo.DynamicOffloadError, match="route vmm_fast_runtime needs a CUDA driver and none was found"):
-        ddo.enable_offload(model, backend="vmm", use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadError, match="route vmm_fast_runtime on cuda:0 needs a CUDA driver and none was found"):
+        ddo.enable_offload(model, backend="vmm", execution_device="cuda:0", use_environment=False)
     assert state(model) == before
 
 

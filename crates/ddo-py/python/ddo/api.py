@@ -334,20 +334,20 @@ def enable_offload(
         device = torch.device(_default_device())
     else:
         device = torch.device(settings.values["execution_device"])
+    name = settings.route_name
+    if name in ("vmm_fast_runtime", "vmm_runtime") and device.type == "cuda" and not _native.cuda_driver_present():
+        raise DynamicOffloadError(
+            f"route {name} on {device} needs a CUDA driver and none was found; use backend linear "
+            "(--ddo-backend linear) or execution_device='cpu' on machines without an NVIDIA GPU"
+        )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DynamicOffloadError(f"execution device {device} is not available: PyTorch sees no CUDA device")
-    name = settings.route_name
     result = DynamicOffloadApplyResult(module=module, route=name, settings=settings, execution_device=device)
     setup: Dict[str, Any] = {}
     t = time.perf_counter()
     if name in ("vmm_fast_runtime", "vmm_runtime"):
         _refuse(module)
         setup.update(_plan_native(module, settings))
-        if not _native.cuda_driver_present():
-            raise DynamicOffloadError(
-                f"route {name} needs a CUDA driver and none was found; use backend linear "
-                "(--ddo-backend linear) on machines without an NVIDIA GPU"
-            )
         if name == "vmm_runtime":
             raise DynamicOffloadError("route vmm_runtime (preset nvme_baseline) is not available in this version; use preset auto")
         source = getattr(module, "_ddo_source", None)

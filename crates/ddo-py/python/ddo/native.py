@@ -1,5 +1,6 @@
 """The native route (``vmm_fast_runtime``): the component's weights live in a GPU weight arena
-fed from the registered mapping of its checkpoint. Every parameter becomes a zero-copy DLPack view
+fed from the registered mapping of its checkpoint (on a CPU execution device, the same arena runs
+on the host backend). Every parameter becomes a zero-copy DLPack view
 of arena memory at a fixed address, built once. Before a block runs its unit is acquired (PyTorch's
 current stream waits for the upload); after it, the unit is released with a fence recorded on that
 stream, which gates reuse of its slot."""
@@ -34,7 +35,8 @@ _DTYPES = {
 
 
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    """PyTorch's current stream on a CUDA device; 0 on the host backend (synchronous)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 class NativeRuntime:
@@ -56,8 +58,8 @@ class NativeRuntime:
         """Builds the arena and publishes the views. Validates before changing the module: on any
         error the module is left as it was."""
         t = time.perf_counter()
-        if self.device.type != "cuda":
-            raise DynamicOffloadError(f"route vmm_fast_runtime runs on a CUDA device, not {self.device}")
+        if self.device.type not in ("cuda", "cpu"):
+            raise DynamicOffloadError(f"route vmm_fast_runtime runs on a CUDA device or the CPU, not {self.device}")
         checkpoint = {t["name"]: t for t in self.source["tensors"]}
         named = list(self.module.named_parameters())
         for n, p in named:
@@ -88,7 +90,13 @@ class NativeRuntime:
         headroom = int(self.values["auto_vram_headroom_gb"] * (1 << 30))
         try:
             self.arena = _native.NativeArena(
-                self.source["path"], specs, budget, headroom, int(self.values["prefetch_depth"]), self.device.index or 0
+                self.source["path"],
+                specs,
+                budget,
+                headroom,
+                int(self.values["prefetch_depth"]),
+                self.device.type,
+                self.device.index or 0,
             )
         except ValueError as e:
             raise DynamicOffloadConfigError(str(e)) from None
@@ -153,8 +161,9 @@ class NativeRuntime:
         return json.loads(self.arena.stats()) if self.arena is not None else {}
 
     def synchronize(self) -> None:
-        """Waits for the device's work."""
-        torch.cuda.synchronize(self.device)
+        """Waits for the device's work (the host backend's work is already complete)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def reclaim(self) -> tuple:
         """Releases idle slot backing; ``(slots, bytes)``."""
