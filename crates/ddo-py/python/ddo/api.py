@@ -128,7 +128,9 @@ class DynamicOffloadApplyResult:
             raise
 
     def remove(self) -> None:
-        """Removes ddo's hooks (once); weights stay where they are."""
+        """Removes ddo's hooks (once). Linear route: unit weights stay in host memory, the rest on
+        the device. Native route: the weights were the arena's memory, so after the device's work
+        completes they become meta placeholders and the arena is closed."""
         if self._removed:
             return
         self._removed = True
@@ -294,7 +296,9 @@ def enable_offload(
     running_on_wsl: Optional[bool] = None,
     **config_overrides: Any,
 ) -> DynamicOffloadApplyResult:
-    """Offloads one component by its resolved route (see the README's route table).
+    """Offloads one component by its resolved route (see the README's route table):
+    ``linear_runtime`` (default), ``vmm_fast_runtime`` (``backend="vmm"``; the module must come
+    from :func:`from_pretrained_with_dynamic_offload`), ``diffusers_group_offload`` or ``none``.
 
     Explicit keywords beat ``config``, which beats component policies, ``DDO_<COMPONENT>_*``,
     ``DDO_*``, the preset and defaults; ``config_overrides`` are config field names (an unknown
