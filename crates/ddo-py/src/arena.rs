@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ddo_arena::{Arena, Budget, Lease, UnitSpec};
-use ddo_core::{HostRegion, HostSlice, StreamId, UnitId, WeightSource};
+use ddo_core::{HostRegion, HostSlice, SourceError, StreamId, UnitId, WeightSource};
 use ddo_platform::cuda::CudaDevice;
 use ddo_platform::host::HostDevice;
 use ddo_source::{Checkpoint, CheckpointSource, REGISTRATION_SEGMENT, RegisteredRange, Registrar};
@@ -29,6 +29,8 @@ pub(crate) struct NativeArena {
     device: Device,
     registrar: Registrar,
     registered: Mutex<Vec<RegisteredRange>>,
+    /// Why files were left unregistered (ceiling or host refusal).
+    unregistered: Vec<String>,
     source: Arc<CheckpointSource>,
     leases: Mutex<HashMap<u64, Lease>>,
     next_lease: Mutex<u64>,
@@ -41,7 +43,8 @@ impl NativeArena {
     /// free) with `prefetch_depth` units of look-ahead, on `device_type` `"cuda"` (device
     /// `ordinal`) or `"cpu"` (the host backend).
     #[new]
-    #[pyo3(signature = (path, units, budget, headroom, prefetch_depth, device_type="cuda", ordinal=0))]
+    #[pyo3(signature = (path, units, budget, headroom, prefetch_depth, device_type="cuda", ordinal=0, registration_ceiling=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         path: &str,
         units: Vec<(String, Vec<String>, bool)>,
@@ -50,6 +53,7 @@ impl NativeArena {
         prefetch_depth: u32,
         device_type: &str,
         ordinal: u32,
+        registration_ceiling: Option<u64>,
     ) -> PyResult<Self> {
         let (platform, device) = match device_type {
             "cuda" => {
@@ -85,17 +89,29 @@ impl NativeArena {
             }
             specs.push(UnitSpec { name, tensors: indices, pinned });
         }
-        let total: u64 = checkpoint.files().iter().map(|f| f.identity.size).sum();
-        let ceiling = total.div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT
-            + checkpoint.files().len() as u64 * REGISTRATION_SEGMENT;
+        // Registration ceiling: the configured one, else every file (whole segments).
+        let needed: u64 = checkpoint
+            .files()
+            .iter()
+            .map(|f| f.identity.size.div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT)
+            .sum();
+        let ceiling = registration_ceiling.unwrap_or(needed);
         let registrar =
             Registrar::new(ceiling, platform.residency.clone(), platform.admission.clone());
         let mut registered = Vec::new();
+        let mut unregistered = Vec::new();
         for i in 0..checkpoint.files().len() {
             let map: Arc<dyn HostRegion> =
                 source.mapping(i).ok_or_else(|| runtime_error("no mapping"))?.clone();
-            registered
-                .push(registrar.register(HostSlice::whole(map), true).map_err(runtime_error)?);
+            // A file that does not fit the ceiling, or that the host refuses to lock, is read
+            // unregistered: slower copies, same bytes.
+            match registrar.register(HostSlice::whole(map), true) {
+                Ok(r) => registered.push(r),
+                Err(e @ (SourceError::CeilingExceeded { .. } | SourceError::Refused(_))) => {
+                    unregistered.push(e.to_string())
+                }
+                Err(e) => return Err(runtime_error(e)),
+            }
         }
         let arena = Arena::new(
             &platform,
@@ -112,6 +128,7 @@ impl NativeArena {
             device,
             registrar,
             registered: Mutex::new(registered),
+            unregistered,
             source,
             leases: Mutex::new(HashMap::new()),
             next_lease: Mutex::new(1),
@@ -209,6 +226,7 @@ impl NativeArena {
             "streamed_bytes_per_pass": plan.streamed_bytes,
             "total_bytes": self.arena.layout().payload(),
             "registered_bytes": self.registrar.charged(),
+            "unregistered_files": self.unregistered,
         })
         .to_string()
     }

@@ -105,3 +105,34 @@ def test_the_module_is_built_without_weights(tmp_path, flux):
     stats = loaded.offload.native.stats()
     assert stats["registered_bytes"] > 0
     assert loaded.bound == len(loaded.source["tensors"])
+
+
+def test_registration_stays_within_its_ceiling(tmp_path, flux):
+    model, _ = flux
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
+    base = dict(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model))
+    # Storage 0.0625 GiB (one 64 MiB segment) bounds registration; the checkpoint needs one.
+    fits = ddo.from_pretrained_with_dynamic_offload(
+        path, apply_dynamic=True, dynamic_offload_config=ddo.DynamicOffloadConfig(vmm_source_cache_gb=0.0625, **base)
+    )
+    stats = fits.offload.native.stats()
+    assert stats["registered_bytes"] == 64 << 20 and stats["unregistered_files"] == []
+    fits.offload.remove()
+    # A ceiling of 0.0625 GiB with storage 0 is explicit too; an impossible one is refused by
+    # validation before anything is loaded.
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="not a whole number of 64 MiB segments"):
+        ddo.from_pretrained_with_dynamic_offload(
+            path,
+            apply_dynamic=True,
+            dynamic_offload_config=ddo.DynamicOffloadConfig(vmm_source_cache_gb=1, vmm_source_registered_gb=0.01, **base),
+        )
+
+    # A file that does not fit the ceiling is read unregistered (slower copies, same bytes).
+    names = [n for n, _ in model.named_parameters()]
+    arena = ddo._native.NativeArena(str(path), [("all", names, True)], 1 << 30, 0, 1, "cpu", 0, 0)
+    stats = __import__("json").loads(arena.stats())
+    assert stats["registered_bytes"] == 0
+    assert len(stats["unregistered_files"]) == 1
+    assert stats["unregistered_files"][0].startswith("registration ceiling of 0 B would be exceeded")
+    arena.close()

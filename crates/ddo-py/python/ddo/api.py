@@ -99,8 +99,13 @@ class DynamicOffloadApplyResult:
                 self.native.synchronize()
             stats = self.native.stats()
             runtime = stats.pop("runtime")
-            stats.pop("host_us_per_pair", None)
+            for key in ("host_us_per_pair", "unregistered_files"):
+                stats.pop(key, None)
             setup.update(stats)
+            link = self.native.link_bytes_per_second
+            if link:
+                setup["link_bytes_per_second"] = link
+                setup["expected_copy_floor_seconds"] = stats["streamed_bytes_per_pass"] / link
         m = DynamicOffloadMetrics(
             route=route,
             configuration=s.as_metrics(),

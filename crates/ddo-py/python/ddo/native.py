@@ -34,6 +34,21 @@ _DTYPES = {
 }
 
 
+def _link_speed(device: torch.device) -> float:
+    """Host-to-device bytes per second of a 64 MiB pinned copy (best of three), for the plan's
+    expected copy floor."""
+    host = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
+    target = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    best = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = max(best, (64 << 20) / (time.perf_counter() - t))
+    return best
+
+
 def _stream(device: torch.device) -> int:
     """PyTorch's current stream on a CUDA device; 0 on the host backend (synchronous)."""
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
@@ -87,6 +102,9 @@ class NativeRuntime:
         specs += [(name, tensors, False) for (name, _), tensors in zip(units, unit_tensors) if tensors]
         self.unit_names = [s[0] for s in specs]
         budget = int(self.values["vmm_resident_weight_budget_gb"] * (1 << 30))
+        # Registration: vmm_source_registered_gb, 0 = the storage ceiling, 0 too = every file.
+        registered_gb = self.values["vmm_source_registered_gb"] or self.values["vmm_source_cache_gb"]
+        registration = int(registered_gb * (1 << 30)) if registered_gb > 0 else None
         headroom = int(self.values["auto_vram_headroom_gb"] * (1 << 30))
         try:
             self.arena = _native.NativeArena(
@@ -97,6 +115,7 @@ class NativeRuntime:
                 int(self.values["prefetch_depth"]),
                 self.device.type,
                 self.device.index or 0,
+                registration,
             )
         except ValueError as e:
             raise DynamicOffloadConfigError(str(e)) from None
@@ -117,6 +136,7 @@ class NativeRuntime:
         self.handles.append(self.module.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self.handles.append(self.module.register_forward_hook(self._root_post, always_call=True))
         self.leases: Dict[int, int] = {}
+        self.link_bytes_per_second = _link_speed(self.device) if self.device.type == "cuda" else None
         self.setup_seconds = time.perf_counter() - t
 
     def _publish(self, make) -> None:
