@@ -50,3 +50,17 @@ def link_speed(device="cuda:0") -> float:
         torch.cuda.synchronize()
         best = max(best, (1 << 30) / (time.perf_counter() - t))
     return best
+
+
+def timed(fn, steps):
+    """Runs ``fn`` ``steps`` times without grad, synchronizing around each; returns the seconds of
+    each run and the last output."""
+    times, out = [], None
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times, out

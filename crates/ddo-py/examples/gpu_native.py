@@ -21,19 +21,7 @@ import time
 import torch
 
 import ddo
-from flux_workload import flux_inputs, link_speed, random_model
-
-
-def timed(fn, steps):
-    times, out = [], None
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return times, out
+from flux_workload import flux_inputs, link_speed, random_model, timed
 
 
 def native(path, budget_gb, cls):
