@@ -20,6 +20,22 @@ import torch
 import ddo
 
 
+def forwards(module, inputs, reference, device: str, steps: int = 3) -> bool:
+    """Runs ``steps`` forwards, printing each one's time; whether every output equals
+    ``reference`` bit for bit."""
+    for step in range(steps):
+        t = time.perf_counter()
+        with torch.no_grad():
+            got = module(**inputs)[0]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        same = torch.equal(got, reference)
+        print(f"step {step}: {time.perf_counter() - t:.4f} s, output equals the resident model: {same}")
+        if not same:
+            return False
+    return True
+
+
 def main() -> int:
     from diffusers import FluxTransformer2DModel
 
@@ -67,16 +83,8 @@ def main() -> int:
     )
     result = loaded.offload
     print(f"bound {loaded.bound} of {len(loaded.source['tensors'])} checkpoint tensors; route {result.route} on {device}")
-    for step in range(3):
-        t = time.perf_counter()
-        with torch.no_grad():
-            got = loaded.module(**inputs)[0]
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        same = torch.equal(got, reference)
-        print(f"step {step}: {time.perf_counter() - t:.4f} s, output equals the resident model: {same}")
-        if not same:
-            return 1
+    if not forwards(loaded.module, inputs, reference, device):
+        return 1
     print(result.metrics_snapshot(collect_completed=True).format_profile(), end="")
     result.remove()
 
@@ -92,16 +100,8 @@ def main() -> int:
         ),
     )
     print(f"\nroute {native.offload.route} on {device}, 24 MiB weight budget")
-    for step in range(3):
-        t = time.perf_counter()
-        with torch.no_grad():
-            got = native.module(**inputs)[0]
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        same = torch.equal(got, reference)
-        print(f"step {step}: {time.perf_counter() - t:.4f} s, output equals the resident model: {same}")
-        if not same:
-            return 1
+    if not forwards(native.module, inputs, reference, device):
+        return 1
     print(native.offload.metrics_snapshot(collect_completed=True).format_profile(), end="")
     return 0
 
