@@ -626,7 +626,8 @@ impl Arena {
     }
 
     /// Uploads the next streamed units in the expected order into free slots (at most
-    /// `min(prefetch_depth, slots - 1)`), and resident units met on the way.
+    /// `min(prefetch_depth, slots - 1)`), and resident units met on the way. A slot is never taken
+    /// from a unit that runs before the one it would receive.
     fn prefetch_after(&self, state: &mut State, unit: UnitId) -> Result<(), ArenaError> {
         let n = self.layout.units.len();
         let depth = (self.plan.budget.prefetch_depth as usize)
@@ -637,6 +638,8 @@ impl Arena {
         };
         let Some(pos) = order.iter().position(|&u| u == unit) else { return Ok(()) };
         let mut streamed = 0;
+        // Units that run before the one considered: their slots must not be taken from them.
+        let mut ahead = vec![unit];
         for step in 1..order.len() {
             if streamed >= depth && depth > 0 {
                 break;
@@ -659,8 +662,14 @@ impl Arena {
             let st = &state.slots[s];
             let present = st.occupant == Some(next) && st.holder.upload.is_some();
             if present || st.holder.unsafe_ || st.holder.leases > 0 {
+                ahead.push(next);
                 continue;
             }
+            if st.occupant.is_some_and(|o| ahead.contains(&o) || st.prefetched) {
+                // The occupant runs first; `next` waits for a later look-ahead.
+                break;
+            }
+            ahead.push(next);
             if self.ensure_loaded(state, next, true)?.is_some() {
                 state.stats.prefetch_issued += 1;
             }

@@ -27,11 +27,12 @@ pub struct ResidencyPlan {
     pub slots: u32,
     /// Bytes of one slot.
     pub slot_len: u64,
-    /// Per unit: its slot, for streamed units (round-robin in unit order).
+    /// Per unit: its slot, for streamed units (see `slot_sequence`).
     pub slot_of: Vec<Option<SlotId>>,
     /// Device bytes of resident units.
     pub resident_bytes: u64,
-    /// Payload bytes uploaded per pass (streamed units).
+    /// Payload bytes uploaded per pass in steady state: streamed units sharing a slot (a unit
+    /// alone in its slot is uploaded once and stays).
     pub streamed_bytes: u64,
 }
 
@@ -124,23 +125,52 @@ impl ResidencyPlan {
         slots: u32,
         slot_len: u64,
     ) -> ResidencyPlan {
-        let mut next = 0u32;
-        let slot_of = resident
+        let streamed = resident.iter().filter(|r| !**r).count();
+        let mut sequence = slot_sequence(streamed, slots as usize).into_iter();
+        let slot_of: Vec<Option<SlotId>> = resident
             .iter()
-            .map(|&r| {
-                (!r).then(|| {
-                    let s = SlotId(next % slots.max(1));
-                    next += 1;
-                    s
-                })
-            })
+            .map(|&r| (!r).then(|| SlotId(sequence.next().expect("one slot per streamed unit"))))
             .collect();
         let resident_bytes =
             layout.units.iter().zip(&resident).filter(|(_, r)| **r).map(|(u, _)| u.len).sum();
-        let streamed_bytes =
-            layout.units.iter().zip(&resident).filter(|(_, r)| !**r).map(|(u, _)| u.payload).sum();
+        // A unit alone in its slot is uploaded once and stays: it is not streamed per pass.
+        let mut sharing = vec![0u32; slots as usize];
+        for s in slot_of.iter().flatten() {
+            sharing[s.0 as usize] += 1;
+        }
+        let streamed_bytes = layout
+            .units
+            .iter()
+            .zip(&slot_of)
+            .filter(|(_, s)| s.is_some_and(|s| sharing[s.0 as usize] > 1))
+            .map(|(u, _)| u.payload)
+            .sum();
         ResidencyPlan { budget, resident, slots, slot_len, slot_of, resident_bytes, streamed_bytes }
     }
+}
+
+/// The slot of each of `n` streamed units, in unit order, over `k` slots. A unit can be prefetched
+/// only once its slot's previous occupant has run, so within one pass and across the wrap to the
+/// next, two units sharing a slot are kept at least `d - 1` units apart for the largest `d <= k`
+/// that allows it: the sequence is made of rounds `0, 1, .., d - 1` and `0, 1, .., d - 2`. Plain
+/// round-robin would put the last unit of a pass and the first of the next in one slot whenever
+/// `k` does not divide `n`, costing a miss every pass.
+pub(crate) fn slot_sequence(n: usize, k: usize) -> Vec<u32> {
+    if k == 0 {
+        return Vec::new();
+    }
+    if n <= k {
+        return (0..n as u32).collect();
+    }
+    for d in (3..=k).rev() {
+        // n = a * d + b * (d - 1) with the most full rounds.
+        if let Some(a) = (0..=n / d).rev().find(|a| (n - a * d).is_multiple_of(d - 1)) {
+            let b = (n - a * d) / (d - 1);
+            let rounds = std::iter::repeat_n(d, a).chain(std::iter::repeat_n(d - 1, b));
+            return rounds.flat_map(|len| 0..len as u32).collect();
+        }
+    }
+    (0..n).map(|i| (i % k) as u32).collect()
 }
 
 /// Keeps at least one unit streamed when slots exist (a plan with slots and nothing to stream
@@ -246,6 +276,35 @@ mod tests {
             e.to_string(),
             "GPU budget of 30 B (24 B after 6 B of headroom) is too small: the resident units and two execution slots need at least 25 B (largest unit 10 B); raise the budget to 31 B or more"
         );
+    }
+
+    /// Smallest cyclic distance between two units sharing a slot (the wrap to the next pass
+    /// included).
+    fn min_reuse_distance(seq: &[u32]) -> usize {
+        let n = seq.len();
+        (0..n)
+            .map(|i| (1..=n).find(|&d| seq[(i + d) % n] == seq[i]).expect("the unit itself"))
+            .min()
+            .unwrap_or(n)
+    }
+
+    #[test]
+    fn units_sharing_a_slot_stay_apart_across_the_wrap() {
+        // Round-robin would give 0,1,2,3,0,1: units 4 and 5 two slots from the next pass's 0, 1.
+        assert_eq!(slot_sequence(6, 4), [0, 1, 2, 0, 1, 2]);
+        assert_eq!(slot_sequence(13, 4), [0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 0, 1, 2]);
+        assert_eq!(slot_sequence(8, 4), [0, 1, 2, 3, 0, 1, 2, 3]);
+        assert_eq!(slot_sequence(3, 4), [0, 1, 2]);
+        for k in 2..=6 {
+            for n in 0..60 {
+                let seq = slot_sequence(n, k);
+                assert_eq!(seq.len(), n);
+                assert!(seq.iter().all(|&s| (s as usize) < k));
+                if n > k && n >= (k - 1) * (k - 2) && k >= 3 {
+                    assert!(min_reuse_distance(&seq) >= k - 1, "n={n} k={k}: {seq:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -43,6 +43,7 @@ backend_tests!(
     every_lease_sees_its_units_bytes,
     addresses_are_stable_across_passes,
     prefetch_hits_after_the_first_pass,
+    no_upload_is_wasted_when_slots_do_not_divide_the_units,
     an_order_change_cancels_lookahead,
     reclaim_keeps_addresses_and_uploads_again,
     close_refuses_live_leases,
@@ -153,6 +154,30 @@ fn prefetch_hits_after_the_first_pass(env: &Env) {
     assert_eq!(second.prefetch_misses, first.prefetch_misses, "{second:?}");
     assert_eq!(second.prefetch_hits - first.prefetch_hits, 9);
     assert_eq!(second.uploads - first.uploads, 9, "each streamed unit uploads once per pass");
+}
+
+fn no_upload_is_wasted_when_slots_do_not_divide_the_units(env: &Env) {
+    // 13 and 6 streamed units over 4 slots: prefetch never takes a slot from a unit that runs
+    // first (the wrap to the next pass included), so each unit uploads once per pass, ahead.
+    for blocks in [13, 6] {
+        let (_d, source, arena) = arena(env, blocks, slot_budget(env, 4), 3);
+        assert_eq!(arena.plan().slots, 4);
+        let stream = env.platform.residency.create_stream().unwrap();
+        pass(env, &arena, &source, stream, &in_order(&arena));
+        let first = arena.stats();
+        for _ in 0..3 {
+            pass(env, &arena, &source, stream, &in_order(&arena));
+        }
+        let s = arena.stats();
+        let n = blocks as u64;
+        assert_eq!(s.prefetch_misses, 0, "{blocks} blocks: {s:?}");
+        assert_eq!(s.prefetch_hits - first.prefetch_hits, 3 * n, "{blocks} blocks: {s:?}");
+        // A unit alone in its slot stays there; the plan counts only what is uploaded again.
+        let per_pass = arena.plan().streamed_bytes;
+        assert_eq!(s.upload_bytes - first.upload_bytes, 3 * per_pass, "{blocks} blocks: {s:?}");
+        assert!(s.uploads - first.uploads <= 3 * n, "{blocks} blocks: {s:?}");
+        arena.close().unwrap();
+    }
 }
 
 fn an_order_change_cancels_lookahead(env: &Env) {
