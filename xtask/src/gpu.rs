@@ -150,7 +150,9 @@ const BENCH_USAGE: &str =
   Writes DIR with the ddo-offload wheel, the Diffusers wheels a GPU machine without network needs,
   the benchmark and check scripts, and run.sh. On the GPU machine, from a copy of this repository:
   bash DIR/run.sh native          the native route's fidelity checks
-  bash DIR/run.sh bench [CONFIGS]  the side-by-side table (one size per call fits a 10-minute limit)
+  bash DIR/run.sh bench [CONFIGS] [VARIANTS]  rows of the side-by-side table (one model size per
+                                   call fits a 10-minute limit; rows accumulate under target/)
+  bash DIR/run.sh table           the table of every row measured so far
   (the log is appended to $OUT/bench.log when OUT is set, else DIR/bench.log)";
 
 /// `cargo xtask bench-gpu --bundle DIR`: the side-by-side benchmark as a bundle.
@@ -228,14 +230,21 @@ log="${OUT:-$bundle}/bench.log"
 site="${TMPDIR:-/tmp}/ddo-site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$bundle"/wheels/*.whl || exit 1
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1
-work="${DDO_BENCH_DIR:-${TMPDIR:-/tmp}/ddo-bench}"
+# Models and rows live under the repository's target/ (kept between commands on one machine).
+work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 # One command per part keeps each under a machine's per-command limit:
 #   bash run.sh native            fidelity of the native route (Flux 512/1024/2048, SD3, AutoencoderKL)
-#   bash run.sh bench [CONFIGS]   the side-by-side table (default @CONFIGS@)
+#   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
+#   bash run.sh table             the table of every row measured so far
 case "${1:-bench}" in
-  native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work/native") ;;
-  bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work/bench") ;;
-  *) echo "usage: run.sh native | bench [CONFIGS]" >&2; exit 2 ;;
+  native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
+  bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work")
+         [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
+  table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
+  *) echo "usage: run.sh native | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
+status=${PIPESTATUS[0]}
+[ -n "${OUT:-}" ] && [ -f "$work/rows.jsonl" ] && cp "$work/rows.jsonl" "$OUT/"
+exit "$status"
 "#;

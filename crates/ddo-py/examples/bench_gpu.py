@@ -1,39 +1,41 @@
 """The side-by-side GPU benchmark on the reference workload: Flux-style FluxTransformer2DModel
 with random bf16 weights (5.0 B parameters at 512/1024/2048 and 11.9 B at 1024 by default), batch
 1, 512 text tokens. Variants: resident, Diffusers leaf+stream, Diffusers block+stream, ddo
-linear_runtime, ddo vmm_fast_runtime. Each variant runs in its own process, so peak host RSS and
-peak GPU memory (driver-level, sampled every 2 ms through NVML) are its own. One table.
+linear_runtime, ddo vmm_fast_runtime at a 3 GiB weight budget (everything streamed) and at larger
+budgets (``vmm@GIB``: more resident units, fewer streamed bytes). Each variant runs in its own
+process, so its setup time, peak host RSS and peak GPU memory (driver-level, sampled every 2 ms
+through NVML) are its own; each process first runs a one-block model at every resolution, so
+first-step times exclude CUDA's one-time kernel loading. "above base" is host RSS beyond what the
+process held before loading weights (interpreter, torch, CUDA context, kernels).
 
-    python bench_gpu.py [--configs 5:512,5:1024,5:2048,12:1024] [--steps 4] [--budget-gb 3] [--dir DIR]
+Rows are kept in DIR/rows.jsonl (a later call replaces the rows it measures again), so a table too
+long for one command can be measured in several calls on one machine; every call prints the table
+of all rows so far. The floor of a row is max(resident step, bytes the variant streams per step /
+pinned host-to-device copy speed measured in the same call).
+
+    python bench_gpu.py [--configs 5:512,5:1024,5:2048,12:1024] [--variants ...] [--steps 4] [--dir DIR]
+    python bench_gpu.py --table --dir DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-from flux_workload import flux_inputs, link_speed, random_model
+from flux_workload import flux_inputs, link_speed, saved_flux
 
 SIZES = {"5": (8, 16), "12": (19, 38)}
-VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm"]
-
-
-def build(path: str, double: int, single: int) -> int:
-    from diffusers import FluxTransformer2DModel
-
-    model = random_model(FluxTransformer2DModel, num_layers=double, num_single_layers=single)
-    model.save_pretrained(path)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
+VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "vmm@6", "vmm@9"]
+# The budget of `vmm`: every unit streamed for the 5 B model.
+STREAMING_BUDGET_GB = 3.0
 
 
 class GpuSampler:
@@ -45,16 +47,44 @@ class GpuSampler:
         pynvml.nvmlInit()
         self.nvml = pynvml
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        self.base = pynvml.nvmlDeviceGetMemoryInfo(self.handle).used
+        self.base = self.used()
         self.peak = self.base
         self.stop = False
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
+    def used(self) -> int:
+        return self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+
     def run(self) -> None:
         while not self.stop:
-            self.peak = max(self.peak, self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+            self.peak = max(self.peak, self.used())
             time.sleep(0.002)
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def warm_up(dev, resolutions: list[int]) -> None:
+    """Runs a one-block model of the same shapes at every resolution and frees it, so first-step
+    figures show the offloader's cold pass, not CUDA's one-time kernel loading that every variant
+    pays."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1).eval()
+    torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(2)
+    for res in resolutions:
+        with torch.no_grad():
+            model(**flux_inputs(res, dev, g))
+    del model
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def child(a: argparse.Namespace) -> int:
@@ -65,7 +95,14 @@ def child(a: argparse.Namespace) -> int:
     from diffusers import FluxTransformer2DModel
 
     dev = torch.device("cuda:0")
+    resolutions = [int(r) for r in a.resolutions.split(",")]
+    warm_up(dev, resolutions)
+    # What the process holds before any weight: the interpreter, torch, the CUDA context and
+    # the kernels every variant loads.
+    rss_base, gpu_context = rss_now(), sampler.used() - sampler.base
+    sampler.peak = sampler.used()
     t = time.perf_counter()
+    streamed, arena = None, None
     if a.variant == "resident":
         model = FluxTransformer2DModel.from_pretrained(a.path, torch_dtype=torch.bfloat16).to(dev).eval()
     elif a.variant.startswith("diffusers"):
@@ -76,15 +113,23 @@ def child(a: argparse.Namespace) -> int:
         extra = {} if kind == "leaf_level" else {"num_blocks_per_group": 1}
         apply_group_offloading(model, onload_device=dev, offload_device=torch.device("cpu"), offload_type=kind, use_stream=True, **extra)
     else:
-        backend = "linear" if a.variant == "linear" else "vmm"
-        config = ddo.DynamicOffloadConfig(backend=backend, vmm_resident_weight_budget_gb=a.budget_gb)
+        if a.variant == "linear":
+            config = ddo.DynamicOffloadConfig(backend="linear")
+        else:
+            budget = float(a.variant.split("@")[1]) if "@" in a.variant else STREAMING_BUDGET_GB
+            config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget)
         model = ddo.from_pretrained_with_dynamic_offload(
             a.path, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config
-        ).module
+        )
+        native = model.offload.native
+        model = model.module
     torch.cuda.synchronize()
     setup = time.perf_counter() - t
+    if a.variant.startswith("vmm"):
+        stats = native.stats()
+        streamed = stats["streamed_bytes_per_pass"]
     g = torch.Generator().manual_seed(1)
-    for res in [int(r) for r in a.resolutions.split(",")]:
+    for res in resolutions:
         x = flux_inputs(res, dev, g)
         times = []
         out = None
@@ -95,15 +140,56 @@ def child(a: argparse.Namespace) -> int:
                 out = model(**x)[0]
             torch.cuda.synchronize()
             times.append(time.perf_counter() - s)
-        checksum = float(out.double().abs().sum().item())
+        digest = hashlib.sha256(out.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:12]
+        if a.variant.startswith("vmm"):
+            arena = native.stats()["runtime"]["peak_bytes"]
         row = dict(
             variant=a.variant, resolution=res, first=times[0], step=statistics.median(times[1:]), setup=setup,
-            peak_gpu=sampler.peak - sampler.base, rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            checksum=checksum,
+            peak_gpu=sampler.peak - sampler.base, gpu_context=gpu_context, arena=arena, streamed=streamed,
+            rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_base=rss_base, digest=digest,
         )
         print("ROW " + json.dumps(row), flush=True)
     sampler.stop = True
     return 0
+
+
+def load_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def key(r: dict) -> tuple:
+    return (r["size"], r["resolution"], r["variant"])
+
+
+def table(rows: list[dict]) -> None:
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["size"], r["resolution"]), []).append(r)
+    print("\n| model | res | variant | streamed GiB/step | step s | x floor | first s (x step) | setup s | "
+          "peak GPU GiB (arena) | peak RSS GiB (x model; above base) | output = resident |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (size, res), group in sorted(groups.items(), key=lambda kv: (float(kv[0][0]), kv[0][1])):
+        group.sort(key=lambda r: order.get(r["variant"], len(order)))
+        resident = next((r for r in group if r["variant"] == "resident" and "step" in r), None)
+        nbytes = group[0]["nbytes"]
+        for r in group:
+            if "error" in r:
+                print(f"| {size} B | {res} | {r['variant']} | | failed: {r['error'][:80]} | | | | | | |")
+                continue
+            streamed = nbytes if r["variant"] != "resident" and r.get("streamed") is None else (r.get("streamed") or 0)
+            floor = max(resident["step"] if resident else 0.0, streamed / r["link"])
+            arena = f" ({r['arena'] / 2**30:.2f})" if r.get("arena") else ""
+            same = "" if resident is None else ("yes" if r["digest"] == resident["digest"] else "NO")
+            print(f"| {size} B | {res} | {r['variant']} | {streamed / 2**30:.2f} | {r['step']:.4f} | {r['step'] / floor:.3f} | "
+                  f"{r['first']:.4f} ({r['first'] / r['step']:.2f}) | {r['setup']:.1f} | {r['peak_gpu'] / 2**30:.2f}{arena} | "
+                  f"{r['rss'] / 2**30:.2f} ({r['rss'] / nbytes:.2f}; {(r['rss'] - r['rss_base']) / nbytes:.2f}) | {same} |")
+        if resident:
+            print(f"| {size} B | {res} | (resident model {nbytes / 2**30:.2f} GiB; copy {group[0]['link'] / 1e9:.1f} GB/s; "
+                  f"CUDA context {resident['gpu_context'] / 2**30:.2f} GiB) | | | | | | | | |")
 
 
 def main() -> int:
@@ -111,8 +197,8 @@ def main() -> int:
     ap.add_argument("--configs", default="5:512,5:1024,5:2048,12:1024")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--budget-gb", type=float, default=3.0)
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ddo-bench"))
+    ap.add_argument("--table", action="store_true", help="print the table of the rows in DIR and stop")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--variant")
     ap.add_argument("--path")
@@ -120,50 +206,43 @@ def main() -> int:
     a = ap.parse_args()
     if a.child:
         return child(a)
-    work = a.dir or tempfile.mkdtemp(prefix="ddo-bench-")
+    os.makedirs(a.dir, exist_ok=True)
+    rows_path = os.path.join(a.dir, "rows.jsonl")
+    if a.table:
+        table(load_rows(rows_path))
+        return 0
     by_size: dict[str, list[int]] = {}
     for c in a.configs.split(","):
         size, res = c.split(":")
+        if size not in SIZES:
+            raise SystemExit(f"unknown model size {size!r} in --configs; sizes: {', '.join(SIZES)}")
         by_size.setdefault(size, []).append(int(res))
     link = link_speed()
     print(f"pinned host->device copy: {link / 1e9:.1f} GB/s", flush=True)
-    rows = []
+    failed = False
     for size, resolutions in by_size.items():
-        double, single = SIZES[size]
-        path = os.path.join(work, f"flux-{size}b")
-        t = time.perf_counter()
-        nbytes = build(path, double, single)
-        print(f"built and saved {size} B model ({nbytes / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s", flush=True)
+        path, nbytes = saved_flux(a.dir, *SIZES[size])
         for variant in a.variants.split(","):
+            if size == "12" and "@" in variant:
+                continue  # the budget sweep runs on the 5 B model
+            t = time.perf_counter()
             cmd = [sys.executable, __file__, "--child", "--variant", variant, "--path", path,
-                   "--resolutions", ",".join(map(str, resolutions)), "--steps", str(a.steps), "--budget-gb", str(a.budget_gb)]
+                   "--resolutions", ",".join(map(str, resolutions)), "--steps", str(a.steps)]
             p = subprocess.run(cmd, capture_output=True, text=True)
-            got = [json.loads(l[4:]) for l in p.stdout.splitlines() if l.startswith("ROW ")]
-            for r in got:
-                r.update(size=size, nbytes=nbytes)
-                rows.append(r)
+            got = [json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
+            new = [dict(r, size=size, nbytes=nbytes, link=link) for r in got]
             if p.returncode != 0 or len(got) < len(resolutions):
+                failed = True
                 err = (p.stderr.strip().splitlines() or ["?"])[-1]
                 print(f"{size} B {variant}: failed: {err}", flush=True)
-                rows.extend(dict(size=size, nbytes=nbytes, variant=variant, resolution=r, error=err) for r in resolutions[len(got):])
+                new += [dict(size=size, nbytes=nbytes, link=link, variant=variant, resolution=r, error=err) for r in resolutions[len(got):]]
             else:
-                print(f"{size} B {variant}: done", flush=True)
-    print("\n| model | res | variant | step s | x floor | first s | setup s | peak GPU GiB | peak RSS GiB (x model) | checksum |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for size, resolutions in by_size.items():
-        for res in resolutions:
-            group = [r for r in rows if r["size"] == size and r["resolution"] == res]
-            resident = next((r for r in group if r["variant"] == "resident" and "step" in r), None)
-            nbytes = group[0]["nbytes"]
-            floor = max(resident["step"] if resident else 0.0, nbytes / link)
-            for r in group:
-                if "error" in r:
-                    print(f"| {size} B | {res} | {r['variant']} | failed: {r['error'][:60]} | | | | | | |")
-                    continue
-                print(f"| {size} B | {res} | {r['variant']} | {r['step']:.4f} | {r['step'] / floor:.3f} | {r['first']:.4f} | "
-                      f"{r['setup']:.1f} | {r['peak_gpu'] / 2**30:.2f} | {r['rss'] / 2**30:.2f} ({r['rss'] / nbytes:.2f}) | {r['checksum']:.6e} |")
-            print(f"| {size} B | {res} | floor | {floor:.4f} | 1.000 | | | | | |")
-    return 0
+                print(f"{size} B {variant}: done in {time.perf_counter() - t:.0f} s", flush=True)
+            kept = [r for r in load_rows(rows_path) if key(r) not in {key(n) for n in new}]
+            with open(rows_path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept + new)
+    table(load_rows(rows_path))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

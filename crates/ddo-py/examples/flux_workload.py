@@ -4,6 +4,8 @@ speed that defines the floor."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import torch
@@ -21,6 +23,29 @@ def random_model(cls, **config):
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
     return model
+
+
+def saved_flux(work: str, double: int, single: int) -> tuple[str, int]:
+    """A Flux-style model with ``double`` + ``single`` blocks saved under ``work`` (built once and
+    reused while the folder lives); returns its folder and its parameter bytes."""
+    from diffusers import FluxTransformer2DModel
+
+    path = os.path.join(work, f"flux-{double}-{single}")
+    marker = os.path.join(path, "ddo-built.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return path, json.load(f)["bytes"]
+    t = time.perf_counter()
+    model = random_model(FluxTransformer2DModel, num_layers=double, num_single_layers=single)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    del model
+    with open(marker, "w") as f:
+        json.dump({"bytes": nbytes, "parameters": params}, f)
+    print(f"built and saved a Flux-style model: {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB) "
+          f"in {time.perf_counter() - t:.0f} s", flush=True)
+    return path, nbytes
 
 
 def flux_inputs(resolution: int, device, generator: torch.Generator) -> dict:

@@ -21,7 +21,7 @@ import time
 import torch
 
 import ddo
-from flux_workload import flux_inputs, link_speed, random_model, timed
+from flux_workload import flux_inputs, link_speed, random_model, saved_flux, timed
 
 
 def native(path, budget_gb, cls):
@@ -93,14 +93,8 @@ def main() -> int:
               f"({stats['streamed_units']} streamed units, {stats['execution_slots']} slots)")
         loaded.offload.remove()
 
-    model = random_model(FluxTransformer2DModel, num_layers=a.double, num_single_layers=a.single)
-    params = sum(p.numel() for p in model.parameters())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    path = os.path.join(work, "flux")
-    t = time.perf_counter()
-    model.save_pretrained(path)
-    print(f"Flux-style model: {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB), saved in {time.perf_counter() - t:.1f} s")
-    del model
+    path, nbytes = saved_flux(work, a.double, a.single)
+    print(f"Flux-style model: {nbytes / 2**30:.2f} GiB at {path}")
 
     link = link_speed(dev)
 
@@ -116,7 +110,7 @@ def main() -> int:
           f"{stats['streamed_units']} streamed units, {stats['execution_slots']} slots of {stats['slot_bytes'] / 2**20:.0f} MiB, "
           f"budget {stats['gpu_budget_bytes'] / 2**30:.2f} GiB, registered {stats['registered_bytes'] / 2**30:.2f} GiB")
     print(f"peak host RSS after the native load: {rss_after / 2**30:.2f} GiB ({rss_after / nbytes:.2f} x model; "
-          f"{rss_before / 2**30:.2f} GiB before it, from building and saving the model)")
+          f"{rss_before / 2**30:.2f} GiB before it)")
     resident = FluxTransformer2DModel.from_pretrained(path, torch_dtype=torch.bfloat16).to(dev).eval()
 
     print("\n| resolution | resident step | floor | vmm_fast first | vmm_fast steady | ratio to floor | bit-identical |")
