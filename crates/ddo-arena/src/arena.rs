@@ -629,22 +629,37 @@ impl Arena {
     /// `min(prefetch_depth, slots - 1)`), and resident units met on the way. A slot is never taken
     /// from a unit that runs before the one it would receive.
     fn prefetch_after(&self, state: &mut State, unit: UnitId) -> Result<(), ArenaError> {
-        let n = self.layout.units.len();
+        let order = self.expected_order(state);
+        let Some(pos) = order.iter().position(|&u| u == unit) else { return Ok(()) };
+        let next: Vec<UnitId> = (1..order.len()).map(|s| order[(pos + s) % order.len()]).collect();
         let depth = (self.plan.budget.prefetch_depth as usize)
             .min((self.plan.slots as usize).saturating_sub(1));
-        let order: Vec<UnitId> = match &state.order.learned {
+        self.look_ahead(state, &next, vec![unit], depth)
+    }
+
+    /// The learned order, or the attach order before one is learned.
+    fn expected_order(&self, state: &State) -> Vec<UnitId> {
+        match &state.order.learned {
             Some(l) => l.clone(),
-            None => (0..n as u32).map(UnitId).collect(),
-        };
-        let Some(pos) = order.iter().position(|&u| u == unit) else { return Ok(()) };
+            None => (0..self.layout.units.len() as u32).map(UnitId).collect(),
+        }
+    }
+
+    /// Uploads units of `next` in turn: resident ones not on the device yet, and up to `depth`
+    /// streamed ones into their slots (0: none), stopping at a slot held by a unit of `ahead` or
+    /// by an upload not used yet.
+    fn look_ahead(
+        &self,
+        state: &mut State,
+        next: &[UnitId],
+        mut ahead: Vec<UnitId>,
+        depth: usize,
+    ) -> Result<(), ArenaError> {
         let mut streamed = 0;
-        // Units that run before the one considered: their slots must not be taken from them.
-        let mut ahead = vec![unit];
-        for step in 1..order.len() {
+        for &next in next {
             if streamed >= depth && depth > 0 {
                 break;
             }
-            let next = order[(pos + step) % order.len()];
             let i = next.0 as usize;
             if self.plan.slot_of[i].is_none() {
                 if state.residents[i].holder.upload.is_none() && !state.residents[i].holder.unsafe_
@@ -675,6 +690,28 @@ impl Arena {
             }
         }
         Ok(())
+    }
+
+    /// Starts the first pass warm: enqueues the uploads of every resident unit and of the first
+    /// streamed units in the expected order (one per slot), without waiting for them. Acquisitions
+    /// wait for these uploads on the device like for any other. Returns the bytes enqueued.
+    pub fn prime(&self) -> Result<u64, ArenaError> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ArenaError::Closed);
+        }
+        let before = state.stats.upload_bytes;
+        let order = self.expected_order(&state);
+        self.look_ahead(&mut state, &order, Vec::new(), self.plan.slots as usize)?;
+        // Resident units after the last streamed unit primed.
+        for &unit in &order {
+            let r = &state.residents[unit.0 as usize].holder;
+            if self.plan.slot_of[unit.0 as usize].is_none() && r.upload.is_none() && !r.unsafe_ {
+                let f = self.upload(&mut state, unit)?;
+                state.residents[unit.0 as usize].holder.upload = Some(f);
+            }
+        }
+        Ok(state.stats.upload_bytes - before)
     }
 
     /// Releases the physical backing of every idle slot (no lease, every fence proven complete

@@ -7,8 +7,10 @@
 //!
 //! ```text
 //! layout   units -> contiguous, aligned ranges; adjacent tensors upload in one copy
-//! plan     budget -> resident units + N slots (N >= 2, prefetch depth + 1 when it fits)
-//! arena    acquire(unit, stream) -> Lease   (upload if needed; stream waits on the upload)
+//! plan     budget -> resident units + N slots (N >= 2, prefetch depth + 1 when it fits),
+//!          each streamed unit's slot chosen so its upload overlaps the most work
+//! arena    prime()                          (enqueue resident + first streamed uploads)
+//!          acquire(unit, stream) -> Lease   (upload if needed; stream waits on the upload)
 //!          release(lease, stream)           (records the fence that gates reuse)
 //!          reclaim_idle(), close()          (free only what a fence proves idle)
 //! ```

@@ -27,7 +27,7 @@ pub struct ResidencyPlan {
     pub slots: u32,
     /// Bytes of one slot.
     pub slot_len: u64,
-    /// Per unit: its slot, for streamed units (see `slot_sequence`).
+    /// Per unit: its slot, for streamed units (see `assign_slots`).
     pub slot_of: Vec<Option<SlotId>>,
     /// Device bytes of resident units.
     pub resident_bytes: u64,
@@ -125,12 +125,8 @@ impl ResidencyPlan {
         slots: u32,
         slot_len: u64,
     ) -> ResidencyPlan {
-        let streamed = resident.iter().filter(|r| !**r).count();
-        let mut sequence = slot_sequence(streamed, slots as usize).into_iter();
-        let slot_of: Vec<Option<SlotId>> = resident
-            .iter()
-            .map(|&r| (!r).then(|| SlotId(sequence.next().expect("one slot per streamed unit"))))
-            .collect();
+        let lens: Vec<u64> = layout.units.iter().map(|u| u.len).collect();
+        let slot_of = assign_slots(&lens, &resident, slots as usize);
         let resident_bytes =
             layout.units.iter().zip(&resident).filter(|(_, r)| **r).map(|(u, _)| u.len).sum();
         // A unit alone in its slot is uploaded once and stays: it is not streamed per pass.
@@ -149,28 +145,81 @@ impl ResidencyPlan {
     }
 }
 
-/// The slot of each of `n` streamed units, in unit order, over `k` slots. A unit can be prefetched
-/// only once its slot's previous occupant has run, so within one pass and across the wrap to the
-/// next, two units sharing a slot are kept at least `d - 1` units apart for the largest `d <= k`
-/// that allows it: the sequence is made of rounds `0, 1, .., d - 1` and `0, 1, .., d - 2`. Plain
-/// round-robin would put the last unit of a pass and the first of the next in one slot whenever
-/// `k` does not divide `n`, costing a miss every pass.
-pub(crate) fn slot_sequence(n: usize, k: usize) -> Vec<u32> {
-    if k == 0 {
-        return Vec::new();
-    }
-    if n <= k {
-        return (0..n as u32).collect();
-    }
-    for d in (3..=k).rev() {
-        // n = a * d + b * (d - 1) with the most full rounds.
-        if let Some(a) = (0..=n / d).rev().find(|a| (n - a * d).is_multiple_of(d - 1)) {
-            let b = (n - a * d) / (d - 1);
-            let rounds = std::iter::repeat_n(d, a).chain(std::iter::repeat_n(d - 1, b));
-            return rounds.flat_map(|len| 0..len as u32).collect();
+/// Slots for the streamed units (`!resident[i]`), in unit order, over `k` slots. A unit's upload
+/// can start only once its slot's previous occupant has run, so it overlaps with the units that run
+/// between the two (the wrap to the next pass included). Candidates: round-robin, and rounds
+/// `0..d` / `0..d - 1` for `3 <= d <= k` (units sharing a slot stay at least `d - 1` streamed units
+/// apart, across the wrap too, where round-robin can put the last unit of a pass and the first of
+/// the next in one slot). The chosen one gives its tightest upload the most bytes of other units
+/// to overlap with, per byte uploaded (bytes stand in for compute).
+fn assign_slots(lens: &[u64], resident: &[bool], k: usize) -> Vec<Option<SlotId>> {
+    let streamed: Vec<usize> = (0..lens.len()).filter(|&i| !resident[i]).collect();
+    let n = streamed.len();
+    let mut candidates: Vec<Vec<u32>> = vec![(0..n).map(|i| (i % k.max(1)) as u32).collect()];
+    if n > k {
+        for d in 3..=k {
+            // n = a * d + b * (d - 1) with the most full rounds.
+            if let Some(a) = (0..=n / d).rev().find(|a| (n - a * d).is_multiple_of(d - 1)) {
+                let b = (n - a * d) / (d - 1);
+                let rounds = std::iter::repeat_n(d, a).chain(std::iter::repeat_n(d - 1, b));
+                candidates.push(rounds.flat_map(|len| 0..len as u32).collect());
+            }
         }
     }
-    (0..n).map(|i| (i % k) as u32).collect()
+    let mut prefix = vec![0u64; lens.len() + 1];
+    for (i, &l) in lens.iter().enumerate() {
+        prefix[i + 1] = prefix[i] + l;
+    }
+    let total = prefix[lens.len()];
+    // Bytes of the units strictly between `p` and `u`, cyclically.
+    let between = |p: usize, u: usize| {
+        if p < u { prefix[u] - prefix[p + 1] } else { total - prefix[p + 1] + prefix[u] }
+    };
+    // The tightest upload of a sequence as (overlap bytes, uploaded bytes); None: nothing re-uploads.
+    let tightest = |seq: &[u32]| -> Option<(u64, u64)> {
+        let mut last = vec![None::<usize>; k.max(1)];
+        for (j, &s) in seq.iter().enumerate() {
+            last[s as usize] = Some(j);
+        }
+        let mut worst: Option<(u64, u64)> = None;
+        for (j, &s) in seq.iter().enumerate() {
+            let prev = last[s as usize].expect("seen");
+            last[s as usize] = Some(j);
+            if prev == j {
+                continue; // alone in its slot: uploaded once
+            }
+            let u = streamed[j];
+            let cur = (between(streamed[prev], u), lens[u]);
+            let tighter = worst.is_none_or(|(g, l)| {
+                u128::from(cur.0) * u128::from(l) < u128::from(g) * u128::from(cur.1)
+            });
+            if tighter {
+                worst = Some(cur);
+            }
+        }
+        worst
+    };
+    let mut best = 0;
+    let mut best_score = tightest(&candidates[0]);
+    for (c, seq) in candidates.iter().enumerate().skip(1) {
+        let score = tightest(seq);
+        let better = match (score, best_score) {
+            (None, Some(_)) => true,
+            (Some((g, l)), Some((bg, bl))) => {
+                u128::from(g) * u128::from(bl) > u128::from(bg) * u128::from(l)
+            }
+            _ => false,
+        };
+        if better {
+            best = c;
+            best_score = score;
+        }
+    }
+    let mut seq = candidates.swap_remove(best).into_iter();
+    resident
+        .iter()
+        .map(|&r| (!r).then(|| SlotId(seq.next().expect("one slot per streamed unit"))))
+        .collect()
 }
 
 /// Keeps at least one unit streamed when slots exist (a plan with slots and nothing to stream
@@ -278,6 +327,11 @@ mod tests {
         );
     }
 
+    /// Slots of `n` equal streamed units over `k` slots, none resident.
+    fn slot_sequence(n: usize, k: usize) -> Vec<u32> {
+        assign_slots(&vec![1; n], &vec![false; n], k).into_iter().map(|s| s.unwrap().0).collect()
+    }
+
     /// Smallest cyclic distance between two units sharing a slot (the wrap to the next pass
     /// included).
     fn min_reuse_distance(seq: &[u32]) -> usize {
@@ -305,6 +359,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_long_resident_stretch_keeps_round_robin() {
+        // Nine large resident units, then six streamed ones between resident ones: the resident
+        // stretch covers the uploads at the wrap, so round-robin's wider spacing within the
+        // pass wins (and two units keep a slot to themselves).
+        let mut lens = vec![650; 9];
+        let mut resident = vec![true; 9];
+        for _ in 0..6 {
+            lens.extend([270, 270]);
+            resident.extend([false, true]);
+        }
+        let slots: Vec<u32> =
+            assign_slots(&lens, &resident, 4).into_iter().flatten().map(|s| s.0).collect();
+        assert_eq!(slots, [0, 1, 2, 3, 0, 1]);
     }
 
     #[test]

@@ -44,6 +44,7 @@ backend_tests!(
     addresses_are_stable_across_passes,
     prefetch_hits_after_the_first_pass,
     no_upload_is_wasted_when_slots_do_not_divide_the_units,
+    priming_starts_the_first_pass_warm,
     an_order_change_cancels_lookahead,
     reclaim_keeps_addresses_and_uploads_again,
     close_refuses_live_leases,
@@ -178,6 +179,28 @@ fn no_upload_is_wasted_when_slots_do_not_divide_the_units(env: &Env) {
         assert!(s.uploads - first.uploads <= 3 * n, "{blocks} blocks: {s:?}");
         arena.close().unwrap();
     }
+}
+
+fn priming_starts_the_first_pass_warm(env: &Env) {
+    let (_d, source, arena) = arena(env, 9, slot_budget(env, 3), 2);
+    let plan = arena.plan().clone();
+    let units = &arena.layout().units;
+    let resident: Vec<usize> = (0..units.len()).filter(|&i| plan.resident[i]).collect();
+    let first: Vec<usize> =
+        (0..units.len()).filter(|&i| !plan.resident[i]).take(plan.slots as usize).collect();
+    let expected: u64 = resident.iter().chain(&first).map(|&i| units[i].payload).sum();
+    assert_eq!(arena.prime().unwrap(), expected);
+    assert_eq!(arena.stats().uploads as usize, resident.len() + first.len());
+    // Before any acquisition, their bytes are on the device.
+    for &i in resident.iter().chain(&first) {
+        check_unit(env, &arena, &source, UnitId(i as u32));
+    }
+    let stream = env.platform.residency.create_stream().unwrap();
+    pass(env, &arena, &source, stream, &in_order(&arena));
+    let s = arena.stats();
+    assert_eq!((s.prefetch_misses, s.prefetch_hits), (0, 9), "{s:?}");
+    arena.close().unwrap();
+    assert!(matches!(arena.prime(), Err(ArenaError::Closed)));
 }
 
 fn an_order_change_cancels_lookahead(env: &Env) {

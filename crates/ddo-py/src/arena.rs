@@ -203,6 +203,12 @@ impl NativeArena {
         self.arena.begin_pass();
     }
 
+    /// Enqueues the uploads of the resident units and the first streamed units (not waiting for
+    /// them), so the first pass starts warm; returns the bytes enqueued.
+    fn prime(&self) -> PyResult<u64> {
+        self.arena.prime().map_err(runtime_error)
+    }
+
     /// Releases idle slot backing (addresses kept); `(slots, bytes)`.
     fn reclaim(&self) -> PyResult<(u32, u64)> {
         let r = self.arena.reclaim_idle().map_err(runtime_error)?;

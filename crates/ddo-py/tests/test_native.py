@@ -65,6 +65,18 @@ def test_views_are_built_once_at_fixed_addresses(tmp_path, flux):
     assert {n: p.data_ptr() for n, p in loaded.module.named_parameters()} == before
 
 
+def test_the_first_forward_starts_warm(tmp_path, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    loaded = load_native(tmp_path, model)
+    stats = loaded.offload.native.stats()
+    # Attach already uploaded the resident units and one streamed unit per slot.
+    assert stats["runtime"]["uploads"] == stats["resident_units"] + stats["execution_slots"], stats
+    assert torch.equal(run(loaded.module, inputs), reference)
+    runtime = loaded.offload.native.stats()["runtime"]
+    assert runtime["prefetch_misses"] == 0 and runtime["prefetch_hits"] == stats["streamed_units"], runtime
+
+
 def test_reclaim_unload_reload(tmp_path, flux):
     model, inputs = flux
     reference = run(copy.deepcopy(model), inputs)

@@ -101,6 +101,8 @@ class NativeRuntime:
         self.offset = len(specs)
         specs += [(name, tensors, False) for (name, _), tensors in zip(units, unit_tensors) if tensors]
         self.unit_names = [s[0] for s in specs]
+        # Measured before the arena uploads anything, so no copy of ours shares the link.
+        self.link_bytes_per_second = _link_speed(self.device) if self.device.type == "cuda" else None
         budget = int(self.values["vmm_resident_weight_budget_gb"] * (1 << 30))
         # Registration: vmm_source_registered_gb, 0 = the storage ceiling, 0 too = every file.
         registered_gb = self.values["vmm_source_registered_gb"] or self.values["vmm_source_cache_gb"]
@@ -121,6 +123,14 @@ class NativeRuntime:
             raise DynamicOffloadConfigError(str(e)) from None
         except RuntimeError as e:
             raise DynamicOffloadError(str(e)) from None
+        # The first forward starts warm: resident units and the first slots upload now, behind
+        # the host's remaining set-up.
+        try:
+            self.primed_bytes = self.arena.prime()
+        except RuntimeError as e:
+            arena, self.arena = self.arena, None
+            arena.close()
+            raise DynamicOffloadError(f"uploading the first units failed: {e}") from None
         views = {id(p): torch.utils.dlpack.from_dlpack(self.arena.dlpack(n)) for n, p in named}
         self._publish(lambda p: torch.nn.Parameter(views[id(p)], requires_grad=False))
         del by_id
@@ -136,7 +146,6 @@ class NativeRuntime:
         self.handles.append(self.module.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self.handles.append(self.module.register_forward_hook(self._root_post, always_call=True))
         self.leases: Dict[int, int] = {}
-        self.link_bytes_per_second = _link_speed(self.device) if self.device.type == "cuda" else None
         self.setup_seconds = time.perf_counter() - t
 
     def _publish(self, make) -> None:
