@@ -587,15 +587,17 @@ impl Arena {
         let u = &self.layout.units[unit.0 as usize];
         let base = self.reservation.range.start.offset(u.offset);
         for e in &u.extents {
-            let host = match self.source.host_range(e.file, e.file_offset, e.len) {
-                Some(h) => h,
-                None => self.read_extent(u, e)?,
+            let pieces = match self.source.host_pieces(e.file, e.file_offset, e.len) {
+                Some(p) => p,
+                None => vec![(0, self.read_extent(u, e)?)],
             };
-            let dst = DeviceRange { start: base.offset(e.offset), len: e.len };
-            self.platform
-                .residency
-                .copy_to_device(host, dst, self.copy_stream)
-                .map_err(device("enqueue a weight upload"))?;
+            for (at, host) in pieces {
+                let dst = DeviceRange { start: base.offset(e.offset + at), len: host.len() as u64 };
+                self.platform
+                    .residency
+                    .copy_to_device(host, dst, self.copy_stream)
+                    .map_err(device("enqueue a weight upload"))?;
+            }
         }
         let f = self
             .platform

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use common::*;
 use ddo_arena::{Arena, ArenaError, Budget, UnitSpec};
 use ddo_core::{Platform, StreamId, UnitId, WeightSource};
+use ddo_source::{Registrar, RetainedSource, RetainedStore};
 
 struct Env {
     platform: Platform,
@@ -45,6 +46,7 @@ backend_tests!(
     prefetch_hits_after_the_first_pass,
     no_upload_is_wasted_when_slots_do_not_divide_the_units,
     priming_starts_the_first_pass_warm,
+    a_retained_source_feeds_the_arena,
     an_order_change_cancels_lookahead,
     reclaim_keeps_addresses_and_uploads_again,
     close_refuses_live_leases,
@@ -201,6 +203,50 @@ fn priming_starts_the_first_pass_warm(env: &Env) {
     assert_eq!((s.prefetch_misses, s.prefetch_hits), (0, 9), "{s:?}");
     arena.close().unwrap();
     assert!(matches!(arena.prime(), Err(ArenaError::Closed)));
+}
+
+fn a_retained_source_feeds_the_arena(env: &Env) {
+    // Half the checkpoint in retained windows (64 KiB, so a unit's range spans several and
+    // uploads in pieces), the rest from the mapping; the windows registered where the host
+    // allows.
+    let dir = scratch();
+    let mapped = checkpoint(dir.path(), 7, WIDTH);
+    let total: u64 = mapped.slices().iter().map(|s| s.len).sum();
+    let store = RetainedStore::new(total / 2, env.platform.admission.clone());
+    let (retained, report) = RetainedSource::retain(mapped, &store, 64 << 10).unwrap();
+    assert!(report.retained_bytes > 0 && report.unretained_bytes > 0, "{report:?}");
+    let registrar =
+        Registrar::new(u64::MAX, env.platform.residency.clone(), env.platform.admission.clone());
+    let registered: Vec<_> =
+        retained.windows().into_iter().filter_map(|w| registrar.register(w, true).ok()).collect();
+    let source: Arc<dyn WeightSource> = Arc::new(retained);
+    let units = UnitSpec::by_block(source.slices());
+    let arena = Arena::new(
+        &env.platform,
+        source.clone(),
+        &units,
+        Budget { total: slot_budget(env, 2), headroom: 0, prefetch_depth: 1 },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let stream = env.platform.residency.create_stream().unwrap();
+    for _ in 0..3 {
+        pass(env, &arena, &source, stream, &in_order(&arena));
+    }
+    let split = arena
+        .layout()
+        .units
+        .iter()
+        .flat_map(|u| &u.extents)
+        .any(|e| source.host_pieces(e.file, e.file_offset, e.len).is_some_and(|p| p.len() > 1));
+    assert!(split, "some unit uploads from several windows");
+    arena.close().unwrap();
+    for r in registered {
+        registrar.unregister(r).unwrap();
+    }
+    assert_eq!(store.used(), report.retained_bytes, "unregistering keeps the stored bytes");
+    drop(arena);
+    drop(source);
+    assert_eq!(store.used(), 0);
 }
 
 fn an_order_change_cancels_lookahead(env: &Env) {

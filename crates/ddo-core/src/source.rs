@@ -42,6 +42,17 @@ pub trait WeightSource: Send + Sync {
         let _ = (file, offset, len);
         None
     }
+    /// `len` bytes at absolute `offset` of `file` in host memory as pieces in order, each
+    /// `(offset within the range, bytes)`, when the source holds the whole range in host memory
+    /// (a mapping, or retained buffers that split it); `None` otherwise (the caller reads it).
+    fn host_pieces(
+        &self,
+        file: CheckpointFileId,
+        offset: u64,
+        len: u64,
+    ) -> Option<Vec<(u64, HostSlice)>> {
+        self.host_range(file, offset, len).map(|h| vec![(0, h)])
+    }
     /// Reads several tensors into `dst` at their requested offsets.
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
         for r in requests {

@@ -1,5 +1,6 @@
 //! `NativeArena`: the GPU weight arena of one component, fed from its checkpoint's registered
-//! mapping, with tensor views handed to PyTorch as DLPack capsules over arena memory.
+//! mapping or from retained host windows, with tensor views handed to PyTorch as DLPack capsules
+//! over arena memory.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -8,9 +9,16 @@ use ddo_arena::{Arena, Budget, Lease, UnitSpec};
 use ddo_core::{HostRegion, HostSlice, SourceError, StreamId, UnitId, WeightSource};
 use ddo_platform::cuda::CudaDevice;
 use ddo_platform::host::HostDevice;
-use ddo_source::{Checkpoint, CheckpointSource, REGISTRATION_SEGMENT, RegisteredRange, Registrar};
+use ddo_source::{
+    Checkpoint, CheckpointSource, REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar,
+    RetainedReport, RetainedSource, RetainedStore,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+
+/// Retained windows of about one registration segment: whole tensors, so a unit's range
+/// uploads in copies of link-speed size.
+const RETAINED_WINDOW: u64 = REGISTRATION_SEGMENT;
 
 fn runtime_error(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
@@ -29,9 +37,13 @@ pub(crate) struct NativeArena {
     device: Device,
     registrar: Registrar,
     registered: Mutex<Vec<RegisteredRange>>,
-    /// Why files were left unregistered (ceiling or host refusal).
-    unregistered: Vec<String>,
-    source: Arc<CheckpointSource>,
+    /// Why host ranges were left unregistered (ceiling or host refusal: the first reason).
+    unregistered: Option<String>,
+    /// Host bytes copied unregistered (slower copies, same bytes).
+    unregistered_bytes: u64,
+    checkpoint: Arc<Checkpoint>,
+    /// What the retained store kept, when host bytes come from it.
+    retained: Option<RetainedReport>,
     leases: Mutex<HashMap<u64, Lease>>,
     next_lease: Mutex<u64>,
 }
@@ -43,7 +55,7 @@ impl NativeArena {
     /// free) with `prefetch_depth` units of look-ahead, on `device_type` `"cuda"` (device
     /// `ordinal`) or `"cpu"` (the host backend).
     #[new]
-    #[pyo3(signature = (path, units, budget, headroom, prefetch_depth, device_type="cuda", ordinal=0, registration_ceiling=None))]
+    #[pyo3(signature = (path, units, budget, headroom, prefetch_depth, device_type="cuda", ordinal=0, registration_ceiling=None, retained_ceiling=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         path: &str,
@@ -54,6 +66,7 @@ impl NativeArena {
         device_type: &str,
         ordinal: u32,
         registration_ceiling: Option<u64>,
+        retained_ceiling: Option<u64>,
     ) -> PyResult<Self> {
         let (platform, device) = match device_type {
             "cuda" => {
@@ -72,11 +85,6 @@ impl NativeArena {
         };
         let checkpoint =
             Arc::new(Checkpoint::open(path).map_err(|e| PyValueError::new_err(e.to_string()))?);
-        // SAFETY: ddo's contract with the caller: checkpoint files are not modified while a
-        // component streams from them (a changed file is detected before every upload).
-        let source = Arc::new(
-            unsafe { CheckpointSource::with_mmap(checkpoint.clone(), 8) }.map_err(runtime_error)?,
-        );
         let mut specs = Vec::with_capacity(units.len());
         for (name, tensors, pinned) in units {
             let mut indices = Vec::with_capacity(tensors.len());
@@ -89,33 +97,62 @@ impl NativeArena {
             }
             specs.push(UnitSpec { name, tensors: indices, pinned });
         }
-        // Registration ceiling: the configured one, else every file (whole segments).
-        let needed: u64 = checkpoint
-            .files()
+        // Host bytes: retained windows (read once, under their storage ceiling; the rest is read
+        // on demand), or the checkpoint's mapping. Either is registered, whole ranges in order,
+        // until the registration ceiling or a host refusal; the rest copies unregistered.
+        let (source, ranges, retained): (Arc<dyn WeightSource>, Vec<HostSlice>, _) =
+            match retained_ceiling.filter(|c| *c > 0) {
+                Some(ceiling) => {
+                    let reader = CheckpointSource::new(checkpoint.clone(), ReadOptions::pread())
+                        .map_err(runtime_error)?;
+                    let store = RetainedStore::new(ceiling, platform.admission.clone());
+                    let (source, report) =
+                        RetainedSource::retain(Arc::new(reader), &store, RETAINED_WINDOW)
+                            .map_err(runtime_error)?;
+                    let windows = source.windows();
+                    (Arc::new(source), windows, Some(report))
+                }
+                None => {
+                    // SAFETY: ddo's contract with the caller: checkpoint files are not modified
+                    // while a component streams from them (a changed file is detected before
+                    // every upload).
+                    let source = unsafe { CheckpointSource::with_mmap(checkpoint.clone(), 8) }
+                        .map_err(runtime_error)?;
+                    let maps = (0..checkpoint.files().len())
+                        .map(|i| {
+                            let map: Arc<dyn HostRegion> = source
+                                .mapping(i)
+                                .ok_or_else(|| runtime_error("no mapping"))?
+                                .clone();
+                            Ok(HostSlice::whole(map))
+                        })
+                        .collect::<PyResult<Vec<_>>>()?;
+                    (Arc::new(source), maps, None)
+                }
+            };
+        let needed: u64 = ranges
             .iter()
-            .map(|f| f.identity.size.div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT)
+            .map(|r| (r.len() as u64).div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT)
             .sum();
         let ceiling = registration_ceiling.unwrap_or(needed);
         let registrar =
             Registrar::new(ceiling, platform.residency.clone(), platform.admission.clone());
         let mut registered = Vec::new();
-        let mut unregistered = Vec::new();
-        for i in 0..checkpoint.files().len() {
-            let map: Arc<dyn HostRegion> =
-                source.mapping(i).ok_or_else(|| runtime_error("no mapping"))?.clone();
-            // A file that does not fit the ceiling, or that the host refuses to lock, is read
-            // unregistered: slower copies, same bytes.
-            match registrar.register(HostSlice::whole(map), true) {
+        let (mut unregistered, mut unregistered_bytes) = (None, 0u64);
+        for range in ranges {
+            let len = range.len() as u64;
+            match registrar.register(range, true) {
                 Ok(r) => registered.push(r),
                 Err(e @ (SourceError::CeilingExceeded { .. } | SourceError::Refused(_))) => {
-                    unregistered.push(e.to_string())
+                    unregistered.get_or_insert(e.to_string());
+                    unregistered_bytes += len;
                 }
                 Err(e) => return Err(runtime_error(e)),
             }
         }
         let arena = Arena::new(
             &platform,
-            source.clone() as Arc<dyn WeightSource>,
+            source,
             &specs,
             Budget { total: budget, headroom, prefetch_depth },
         )
@@ -129,7 +166,9 @@ impl NativeArena {
             registrar,
             registered: Mutex::new(registered),
             unregistered,
-            source,
+            unregistered_bytes,
+            checkpoint,
+            retained,
             leases: Mutex::new(HashMap::new()),
             next_lease: Mutex::new(1),
         })
@@ -138,8 +177,7 @@ impl NativeArena {
     /// `(device address, bytes)` of tensor `name`.
     fn tensor(&self, name: &str) -> PyResult<(u64, u64)> {
         let i = self
-            .source
-            .checkpoint()
+            .checkpoint
             .find(name)
             .ok_or_else(|| PyValueError::new_err(format!("no tensor {name:?}")))?;
         let (_, r) = self
@@ -153,11 +191,10 @@ impl NativeArena {
     /// The capsule does not own the memory: the arena must outlive every tensor made from it.
     fn dlpack(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
         let i = self
-            .source
-            .checkpoint()
+            .checkpoint
             .find(name)
             .ok_or_else(|| PyValueError::new_err(format!("no tensor {name:?}")))?;
-        let slice = &self.source.checkpoint().slices()[i];
+        let slice = &self.checkpoint.slices()[i];
         let (_, r) = self
             .arena
             .tensor_range(i)
@@ -232,7 +269,12 @@ impl NativeArena {
             "streamed_bytes_per_pass": plan.streamed_bytes,
             "total_bytes": self.arena.layout().payload(),
             "registered_bytes": self.registrar.charged(),
-            "unregistered_files": self.unregistered,
+            "unregistered": self.unregistered,
+            "unregistered_bytes": self.unregistered_bytes,
+            "retained_bytes": self.retained.as_ref().map(|r| r.retained_bytes),
+            "retained_windows": self.retained.as_ref().map(|r| r.windows),
+            "unretained_bytes": self.retained.as_ref().map(|r| r.unretained_bytes),
+            "retention_stopped": self.retained.as_ref().and_then(|r| r.stopped.clone()),
         })
         .to_string()
     }

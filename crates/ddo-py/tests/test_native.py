@@ -119,6 +119,34 @@ def test_the_module_is_built_without_weights(tmp_path, flux):
     assert loaded.bound == len(loaded.source["tensors"])
 
 
+@pytest.mark.parametrize("storage_gb", [1.0, 0.0001])
+def test_retained_windows_feed_the_arena(tmp_path, flux, storage_gb):
+    """vmm_source_cache_gb > 0: host bytes come from retained windows under that ceiling; what
+    does not fit is read from the checkpoint on demand. Outputs are the same either way."""
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model), vmm_source_cache_gb=storage_gb
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(path, apply_dynamic=True, dynamic_offload_config=config)
+    for _ in range(2):
+        assert torch.equal(run(loaded.module, inputs), reference)
+    stats = loaded.offload.native.stats()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert stats["retained_bytes"] + stats["unretained_bytes"] == total
+    assert stats["retained_bytes"] <= storage_gb * 2**30
+    if storage_gb >= 1:
+        assert stats["unretained_bytes"] == 0 and stats["retention_stopped"] is None
+        assert stats["registered_bytes"] >= stats["retained_bytes"]
+    else:
+        assert stats["retained_bytes"] < total and "retained storage ceiling" in stats["retention_stopped"]
+    profile = loaded.offload.metrics_snapshot().format_profile()
+    assert "retained" in profile, profile
+    loaded.offload.remove()
+
+
 def test_registration_stays_within_its_ceiling(tmp_path, flux):
     model, _ = flux
     path = tmp_path / "ckpt"
@@ -129,7 +157,7 @@ def test_registration_stays_within_its_ceiling(tmp_path, flux):
         path, apply_dynamic=True, dynamic_offload_config=ddo.DynamicOffloadConfig(vmm_source_cache_gb=0.0625, **base)
     )
     stats = fits.offload.native.stats()
-    assert stats["registered_bytes"] == 64 << 20 and stats["unregistered_files"] == []
+    assert stats["registered_bytes"] == 64 << 20 and stats["unregistered"] is None
     fits.offload.remove()
     # A ceiling of 0.0625 GiB with storage 0 is explicit too; an impossible one is refused by
     # validation before anything is loaded.
@@ -145,6 +173,6 @@ def test_registration_stays_within_its_ceiling(tmp_path, flux):
     arena = ddo._native.NativeArena(str(path), [("all", names, True)], 1 << 30, 0, 1, "cpu", 0, 0)
     stats = __import__("json").loads(arena.stats())
     assert stats["registered_bytes"] == 0
-    assert len(stats["unregistered_files"]) == 1
-    assert stats["unregistered_files"][0].startswith("registration ceiling of 0 B would be exceeded")
+    assert stats["unregistered_bytes"] == path.joinpath("diffusion_pytorch_model.safetensors").stat().st_size
+    assert stats["unregistered"].startswith("registration ceiling of 0 B would be exceeded")
     arena.close()

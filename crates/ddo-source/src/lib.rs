@@ -9,7 +9,8 @@
 //!   Mapping is an `unsafe` constructor: the caller promises the files do not change while
 //!   mapped; the safe default reads.
 //! - [`RetainedStore`] keeps host copies under a storage ceiling, admitted by the host first;
-//!   [`Registrar`] page-locks host ranges under a separate ceiling of whole segments.
+//!   [`Registrar`] page-locks host ranges under a separate ceiling of whole segments;
+//!   [`RetainedSource`] serves a checkpoint from retained windows as far as the ceiling allows.
 //!
 //! Every failure is a [`ddo_core::SourceError`] naming the file, the tensor and the reason; no
 //! input makes parsing panic.
@@ -21,6 +22,7 @@ mod plan;
 mod read;
 mod registration;
 mod retained;
+mod retained_source;
 mod source;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
@@ -29,4 +31,5 @@ pub use mapping::MappedFile;
 pub use read::{DIRECT_ALIGN, ReadMethod, ReadOptions};
 pub use registration::{REGISTRATION_SEGMENT, RegisteredRange, Registrar};
 pub use retained::{RetainedBuffer, RetainedStore};
+pub use retained_source::{RetainedReport, RetainedSource};
 pub use source::CheckpointSource;

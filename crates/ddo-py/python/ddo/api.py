@@ -99,7 +99,7 @@ class DynamicOffloadApplyResult:
                 self.native.synchronize()
             stats = self.native.stats()
             runtime = stats.pop("runtime")
-            for key in ("host_us_per_pair", "unregistered_files"):
+            for key in ("host_us_per_pair", "unregistered", "retention_stopped"):
                 stats.pop(key, None)
             setup.update(stats)
             link = self.native.link_bytes_per_second

@@ -1,6 +1,7 @@
 """The native route (``vmm_fast_runtime``): the component's weights live in a GPU weight arena
-fed from the registered mapping of its checkpoint (on a CPU execution device, the same arena runs
-on the host backend). Every parameter becomes a zero-copy DLPack view
+fed from the registered mapping of its checkpoint, or with ``vmm_source_cache_gb`` > 0 from
+retained host windows under that ceiling (on a CPU execution device, the same arena runs on the
+host backend). Every parameter becomes a zero-copy DLPack view
 of arena memory at a fixed address, built once. Before a block runs its unit is acquired (PyTorch's
 current stream waits for the upload); after it, the unit is released with a fence recorded on that
 stream, which gates reuse of its slot."""
@@ -104,8 +105,12 @@ class NativeRuntime:
         # Measured before the arena uploads anything, so no copy of ours shares the link.
         self.link_bytes_per_second = _link_speed(self.device) if self.device.type == "cuda" else None
         budget = int(self.values["vmm_resident_weight_budget_gb"] * (1 << 30))
-        # Registration: vmm_source_registered_gb, 0 = the storage ceiling, 0 too = every file.
-        registered_gb = self.values["vmm_source_registered_gb"] or self.values["vmm_source_cache_gb"]
+        # Host bytes: retained windows under vmm_source_cache_gb (read once; the rest is read on
+        # demand), or with 0 the checkpoint's mapping. Registration: vmm_source_registered_gb,
+        # 0 = the storage ceiling, 0 too = every file of the mapping.
+        storage_gb = self.values["vmm_source_cache_gb"]
+        retained = int(storage_gb * (1 << 30)) if storage_gb > 0 else None
+        registered_gb = self.values["vmm_source_registered_gb"] or storage_gb
         registration = int(registered_gb * (1 << 30)) if registered_gb > 0 else None
         headroom = int(self.values["auto_vram_headroom_gb"] * (1 << 30))
         try:
@@ -118,6 +123,7 @@ class NativeRuntime:
                 self.device.type,
                 self.device.index or 0,
                 registration,
+                retained,
             )
         except ValueError as e:
             raise DynamicOffloadConfigError(str(e)) from None
