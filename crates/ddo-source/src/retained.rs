@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use memmap2::MmapMut;
+
 use ddo_core::{
     AdmissionProbe, GrowthKind, GrowthRequest, HostRegion, ReadRequest, SourceError, WeightSource,
 };
@@ -26,22 +28,25 @@ impl std::fmt::Debug for RetainedStore {
     }
 }
 
-/// Retained bytes: a [`HostRegion`] the arena can copy from and register.
+/// Retained bytes: a [`HostRegion`] the arena can copy from and register. Each buffer is its own
+/// anonymous mapping, so it starts on a page and shares no page with other memory: page-locking
+/// one never touches another.
 #[derive(Debug)]
 pub struct RetainedBuffer {
-    bytes: Vec<u8>,
+    map: MmapMut,
+    len: usize,
     used: Arc<AtomicU64>,
 }
 
 impl HostRegion for RetainedBuffer {
     fn bytes(&self) -> &[u8] {
-        &self.bytes
+        &self.map[..self.len]
     }
 }
 
 impl Drop for RetainedBuffer {
     fn drop(&mut self) {
-        self.used.fetch_sub(self.bytes.len() as u64, Ordering::AcqRel);
+        self.used.fetch_sub(self.len as u64, Ordering::AcqRel);
     }
 }
 
@@ -94,15 +99,18 @@ impl RetainedStore {
             release();
             return Err(SourceError::InvalidBatch(format!("{len} bytes do not fit in memory")));
         };
-        let mut bytes = Vec::new();
-        if bytes.try_reserve_exact(size).is_err() {
-            release();
-            return Err(SourceError::InvalidBatch(format!("allocating {len} host bytes failed")));
-        }
-        bytes.resize(size, 0);
+        let map = match MmapMut::map_anon(size.max(1)) {
+            Ok(map) => map,
+            Err(e) => {
+                release();
+                return Err(SourceError::InvalidBatch(format!(
+                    "allocating {len} host bytes failed: {e}"
+                )));
+            }
+        };
         // From here the buffer owns the reservation: dropping it (on a failed read) releases it.
-        let mut buffer = RetainedBuffer { bytes, used: self.used.clone() };
-        source.read_batch(requests, &mut buffer.bytes)?;
+        let mut buffer = RetainedBuffer { map, len: size, used: self.used.clone() };
+        source.read_batch(requests, &mut buffer.map[..size])?;
         Ok(Arc::new(buffer))
     }
 }
