@@ -76,7 +76,7 @@ struct Resident {
 
 #[derive(Debug, Default)]
 struct Order {
-    learned: Option<Vec<UnitId>>,
+    learned: Option<Arc<[UnitId]>>,
     current: Vec<UnitId>,
     position: usize,
     lookahead: bool,
@@ -106,6 +106,8 @@ pub struct Arena {
     plan: ResidencyPlan,
     reservation: Reservation,
     copy_stream: StreamId,
+    /// Units in attach order: the expected order until one is learned.
+    attach_order: Arc<[UnitId]>,
     state: Mutex<State>,
 }
 
@@ -164,6 +166,7 @@ impl Arena {
                 });
             }
         };
+        let attach_order = (0..layout.units.len() as u32).map(UnitId).collect();
         Ok(Arena {
             platform,
             source,
@@ -171,6 +174,7 @@ impl Arena {
             plan,
             reservation,
             copy_stream,
+            attach_order,
             state: Mutex::new(state),
         })
     }
@@ -348,7 +352,7 @@ impl Arena {
         if o.learned.is_none() && !o.current.is_empty() {
             let mut seen = std::collections::HashSet::new();
             if o.current.iter().all(|u| seen.insert(*u)) {
-                o.learned = Some(std::mem::take(&mut o.current));
+                o.learned = Some(std::mem::take(&mut o.current).into());
             }
         }
         o.current.clear();
@@ -633,18 +637,15 @@ impl Arena {
     fn prefetch_after(&self, state: &mut State, unit: UnitId) -> Result<(), ArenaError> {
         let order = self.expected_order(state);
         let Some(pos) = order.iter().position(|&u| u == unit) else { return Ok(()) };
-        let next: Vec<UnitId> = (1..order.len()).map(|s| order[(pos + s) % order.len()]).collect();
+        let next = order[pos + 1..].iter().chain(&order[..pos]).copied();
         let depth = (self.plan.budget.prefetch_depth as usize)
             .min((self.plan.slots as usize).saturating_sub(1));
-        self.look_ahead(state, &next, vec![unit], depth)
+        self.look_ahead(state, next, vec![unit], depth)
     }
 
     /// The learned order, or the attach order before one is learned.
-    fn expected_order(&self, state: &State) -> Vec<UnitId> {
-        match &state.order.learned {
-            Some(l) => l.clone(),
-            None => (0..self.layout.units.len() as u32).map(UnitId).collect(),
-        }
+    fn expected_order(&self, state: &State) -> Arc<[UnitId]> {
+        state.order.learned.clone().unwrap_or_else(|| self.attach_order.clone())
     }
 
     /// Uploads units of `next` in turn: resident ones not on the device yet, and up to `depth`
@@ -653,22 +654,18 @@ impl Arena {
     fn look_ahead(
         &self,
         state: &mut State,
-        next: &[UnitId],
+        next: impl IntoIterator<Item = UnitId>,
         mut ahead: Vec<UnitId>,
         depth: usize,
     ) -> Result<(), ArenaError> {
         let mut streamed = 0;
-        for &next in next {
+        for next in next {
             if streamed >= depth && depth > 0 {
                 break;
             }
             let i = next.0 as usize;
             if self.plan.slot_of[i].is_none() {
-                if state.residents[i].holder.upload.is_none() && !state.residents[i].holder.unsafe_
-                {
-                    let f = self.upload(state, next)?;
-                    state.residents[i].holder.upload = Some(f);
-                }
+                self.upload_resident(state, next)?;
                 continue;
             }
             if depth == 0 {
@@ -704,16 +701,22 @@ impl Arena {
         }
         let before = state.stats.upload_bytes;
         let order = self.expected_order(&state);
-        self.look_ahead(&mut state, &order, Vec::new(), self.plan.slots as usize)?;
+        self.look_ahead(&mut state, order.iter().copied(), Vec::new(), self.plan.slots as usize)?;
         // Resident units after the last streamed unit primed.
-        for &unit in &order {
-            let r = &state.residents[unit.0 as usize].holder;
-            if self.plan.slot_of[unit.0 as usize].is_none() && r.upload.is_none() && !r.unsafe_ {
-                let f = self.upload(&mut state, unit)?;
-                state.residents[unit.0 as usize].holder.upload = Some(f);
-            }
+        for &unit in order.iter().filter(|u| self.plan.slot_of[u.0 as usize].is_none()) {
+            self.upload_resident(&mut state, unit)?;
         }
         Ok(state.stats.upload_bytes - before)
+    }
+
+    /// Uploads resident `unit` unless it is on the device (or retained unsafe).
+    fn upload_resident(&self, state: &mut State, unit: UnitId) -> Result<(), ArenaError> {
+        let holder = &state.residents[unit.0 as usize].holder;
+        if holder.upload.is_none() && !holder.unsafe_ {
+            let f = self.upload(state, unit)?;
+            state.residents[unit.0 as usize].holder.upload = Some(f);
+        }
+        Ok(())
     }
 
     /// Releases the physical backing of every idle slot (no lease, every fence proven complete
