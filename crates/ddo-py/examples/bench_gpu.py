@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from flux_workload import flux_inputs, link_speed, saved_flux
+from flux_workload import flux_inputs, link_speed, saved_flux, timed
 
 SIZES = {"5": (8, 16), "12": (19, 38)}
 VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "vmm@6", "vmm@9"]
@@ -139,15 +139,7 @@ def child(a: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(1)
     for res in resolutions:
         x = flux_inputs(res, dev, g)
-        times = []
-        out = None
-        for _ in range(a.steps):
-            torch.cuda.synchronize()
-            s = time.perf_counter()
-            with torch.no_grad():
-                out = model(**x)[0]
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - s)
+        times, out = timed(lambda: model(**x)[0], a.steps)
         digest = hashlib.sha256(out.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
             arena = native.stats()["runtime"]["peak_bytes"]

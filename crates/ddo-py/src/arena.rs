@@ -50,7 +50,9 @@ pub(crate) struct NativeArena {
 
 #[pymethods]
 impl NativeArena {
-    /// Opens the checkpoint at `path`, maps and registers it (read-only), lays out `units`
+    /// Opens the checkpoint at `path`, maps it (or, with `retained_ceiling` bytes > 0, reads it
+    /// into retained windows under that ceiling), registers the host bytes read-only within
+    /// `registration_ceiling` (default: all of them), lays out `units`
     /// (`(name, tensor names, pinned)`) and plans them under `budget` bytes (`headroom` kept
     /// free) with `prefetch_depth` units of look-ahead, on `device_type` `"cuda"` (device
     /// `ordinal`) or `"cpu"` (the host backend).

@@ -177,10 +177,11 @@ impl WeightSource for RetainedSource {
                 }
                 None => {
                     // Up to the next window (or the end) from the inner source's host memory.
+                    let i = self.windows.partition_point(|w| (w.file.0, w.start) <= (file.0, at));
                     let next = self
                         .windows
-                        .iter()
-                        .find(|w| w.file == file && w.start > at)
+                        .get(i)
+                        .filter(|w| w.file == file)
                         .map_or(end, |w| w.start.min(end));
                     (next - at, self.inner.host_range(file, at, next - at)?)
                 }
