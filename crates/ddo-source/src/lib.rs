@@ -8,6 +8,8 @@
 //!   memory mapping. Adjacent tensors coalesce into large reads that land in caller buffers.
 //!   Mapping is an `unsafe` constructor: the caller promises the files do not change while
 //!   mapped; the safe default reads.
+//! - [`HostTensorSource`] serves tensors already in host memory (a module's own parameters) in
+//!   place, small ones packed per unit so they upload in one copy.
 //! - [`RetainedStore`] keeps host copies under a storage ceiling, admitted by the host first;
 //!   [`Registrar`] page-locks host ranges under a separate ceiling of whole segments;
 //!   [`RetainedSource`] serves a checkpoint from retained windows as far as the ceiling allows.
@@ -17,6 +19,7 @@
 
 mod checkpoint;
 mod header;
+mod host_tensors;
 mod mapping;
 mod plan;
 mod read;
@@ -27,9 +30,10 @@ mod source;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
 pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
+pub use host_tensors::{HostTensor, HostTensorSource, PackReport};
 pub use mapping::MappedFile;
 pub use read::{DIRECT_ALIGN, ReadMethod, ReadOptions};
 pub use registration::{REGISTRATION_SEGMENT, RegisteredRange, Registrar};
 pub use retained::{RetainedBuffer, RetainedStore};
 pub use retained_source::{RetainedReport, RetainedSource};
-pub use source::CheckpointSource;
+pub use source::{CheckpointSource, MmapChoice};

@@ -12,6 +12,35 @@ use crate::mapping::MappedFile;
 use crate::plan::{carve, plan};
 use crate::read::{ReadMethod, ReadOptions, execute};
 
+/// Whether checkpoint files may be memory-mapped: a promise made once, by whoever owns the
+/// files, and carried to the code that maps them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MmapChoice {
+    allowed: bool,
+}
+
+impl MmapChoice {
+    /// Mapping allowed.
+    ///
+    /// # Safety
+    ///
+    /// The checkpoint's files must not be modified or truncated while any source built with
+    /// this choice (or any slice of its mappings) lives; see [`MappedFile::map`].
+    pub unsafe fn auto() -> MmapChoice {
+        MmapChoice { allowed: true }
+    }
+
+    /// Never map: read the files instead (the safe default).
+    pub fn never() -> MmapChoice {
+        MmapChoice { allowed: false }
+    }
+
+    /// Whether mapping is allowed.
+    pub fn is_allowed(self) -> bool {
+        self.allowed
+    }
+}
+
 /// A checkpoint whose bytes are read through one of the read paths.
 ///
 /// Every read batch first checks that no file changed since the checkpoint was opened; a changed
@@ -56,6 +85,20 @@ impl CheckpointSource {
             .collect::<Result<Vec<_>, _>>()?;
         let options = ReadOptions { method: ReadMethod::Mmap, workers, ..ReadOptions::default() };
         Ok(CheckpointSource { checkpoint, maps: Some(maps), options })
+    }
+
+    /// A mapped source ([`CheckpointSource::with_mmap`]) when `choice` allows mapping, `None`
+    /// otherwise (the caller reads instead).
+    pub fn mapped(
+        checkpoint: Arc<Checkpoint>,
+        workers: usize,
+        choice: MmapChoice,
+    ) -> Result<Option<Self>, SourceError> {
+        if !choice.allowed {
+            return Ok(None);
+        }
+        // SAFETY: `choice` carries the caller's promise, made through `MmapChoice::auto`.
+        unsafe { Self::with_mmap(checkpoint, workers) }.map(Some)
     }
 
     /// The checkpoint.
