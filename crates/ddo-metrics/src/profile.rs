@@ -76,6 +76,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("total_gib", s.total_bytes)
         .seconds("seconds", s.setup_seconds)
         .count("source_bound_tensors", s.source_bound_tensors)
+        .text("device", s.execution_device.as_ref())
         .render(&mut out, "");
     Line::new("plan")
         .count("units", s.unit_count)
@@ -100,10 +101,20 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
     }
     Line::new("placement").text("module", s.placement.as_ref()).render(&mut out, "");
     Line::new("host_weights")
+        .text("source", s.host_source.as_ref())
         .gib("pinned_gib", s.pinned_bytes)
         .gib("registered_gib", s.registered_bytes)
+        .gib("unregistered_gib", s.unregistered_bytes)
         .gib("retained_gib", s.retained_bytes)
+        .gib("unretained_gib", s.unretained_bytes)
+        .gib("packed_gib", s.packed_bytes)
         .render(&mut out, "");
+    if let Some(reason) = &s.unregistered_reason {
+        let _ = writeln!(out, "  unregistered: {reason}");
+    }
+    for w in s.warnings.iter().flatten() {
+        let _ = writeln!(out, "  warning: {w}");
+    }
 
     let rt = &m.runtime;
     Line::new("runtime")

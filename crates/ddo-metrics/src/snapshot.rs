@@ -108,6 +108,20 @@ optional_section! {
         registered_bytes: u64,
         /// Host bytes retained by the source store.
         retained_bytes: u64,
+        /// Checkpoint bytes the retained store could not hold (read on demand).
+        unretained_bytes: u64,
+        /// Host bytes copied unregistered (slower copies, same bytes).
+        unregistered_bytes: u64,
+        /// Why some host bytes stayed unregistered (the first reason).
+        unregistered_reason: String,
+        /// Bytes of small tensors packed per unit so it uploads in few copies.
+        packed_bytes: u64,
+        /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `host_tensors`.
+        host_source: String,
+        /// The device the component runs on (`cuda:0`, `cpu`).
+        execution_device: String,
+        /// What the host should know (misspelt variables, fallbacks).
+        warnings: Vec<String>,
         /// Tensors bound to checkpoint slices.
         source_bound_tensors: u64,
         /// Diffusers group-offload parameters (compatibility route).
@@ -211,19 +225,9 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
         "unsafe_retained_bytes",
     ];
     match route {
-        "vmm_fast_runtime" | "vmm_runtime" => STREAMING,
-        // PyTorch's allocator owns device memory on the linear route: no arena, slots or reclaim.
-        "linear_runtime" => &[
-            "passes",
-            "uploads",
-            "upload_bytes",
-            "upload_seconds",
-            "wait_seconds",
-            "prefetch_hits",
-            "prefetch_misses",
-            "prefetch_cancels",
-            "peak_bytes",
-        ],
+        // Every ddo route streams through the arena (linear_runtime from the module's own host
+        // tensors), so all measure the same counters.
+        "linear_runtime" | "vmm_fast_runtime" | "vmm_runtime" => STREAMING,
         // Diffusers' hooks do the copies; ddo only counts passes.
         "diffusers_group_offload" => &["passes"],
         _ => &[],
