@@ -1,0 +1,85 @@
+//! The use case of ddo: one component of a diffusion pipeline streamed through the GPU weight
+//! arena, for every host alike (the Python package, the demo, Rust programs).
+//!
+//! A [`ComponentSession`] takes the component's resolved [`ddo_policy::Plan`], its [`Weights`]
+//! (a safetensors checkpoint, or tensors already in host memory) and optionally its
+//! [`ModuleTree`], and owns everything after: the unit rule ([`ModuleTree::assign`]), the source
+//! (mapping, retained windows, reads, or host tensors in place with small ones packed), host
+//! registration under its ceiling, the arena under the GPU budget, per-unit leases on the
+//! caller's streams, reclaim, unload and reload, and the metrics snapshot. Routes are a type
+//! ([`SessionRoute`]): `linear_runtime` and `vmm_fast_runtime` are the same arena fed by two
+//! sources. The crate forbids `unsafe`: mapping a file is the caller's promise
+//! ([`ddo_source::MmapChoice`]), adopting a foreign stream the CUDA adapter's.
+//!
+//! ```
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let path = dir.path().join("model.safetensors");
+//! # ddo_session::testing::write_blocks(&path, 3, 1024)?;
+//! use ddo_session::{ComponentSession, SessionSpec, Weights};
+//!
+//! // Settings as a host would resolve them: here, the native route on the host backend.
+//! let plan = ddo_session::resolve("transformer", &[
+//!     ("backend", "vmm"), ("execution_device", "cpu"), ("vmm_resident_weight_budget_gb", "0.01"),
+//! ])?;
+//! let weights = Weights::Checkpoint { path, mmap: ddo_source::MmapChoice::never() };
+//! let session = ComponentSession::open(SessionSpec { plan, weights, tree: None })?;
+//! let stream = ddo_core::StreamId(0); // the host backend runs every copy synchronously
+//! for pass in 0..2 {
+//!     session.begin_pass(stream)?;
+//!     for unit in session.units()?.iter().filter(|u| !u.pinned) {
+//!         let lease = session.acquire(unit.id, stream)?;
+//!         // ... run the block on `stream`, reading session.tensor(name)?.address ...
+//!         session.release(lease, stream)?;
+//!     }
+//!     session.end_pass(stream)?;
+//! }
+//! let metrics = session.metrics(None);
+//! assert_eq!(metrics.runtime.passes, Some(2));
+//! session.close()?;
+//! # Ok(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+
+mod device;
+mod error;
+mod link;
+mod metrics;
+mod session;
+pub mod testing;
+mod tree;
+
+pub use device::ExecutionDevice;
+pub use error::SessionError;
+pub use session::{
+    ComponentSession, LeaseId, SessionRoute, SessionSpec, TensorView, UnitInfo, Weights,
+};
+pub use tree::{
+    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitRule,
+    dtype_from_torch,
+};
+
+/// Resolves one component's plan from explicit `(setting, value)` arguments (as a host's
+/// keyword arguments), the process's `DDO_*` variables, the preset and defaults.
+pub fn resolve(
+    component: &str,
+    arguments: &[(&str, &str)],
+) -> Result<ddo_policy::Plan, SessionError> {
+    let mut object = serde_json::Map::new();
+    for (k, v) in arguments {
+        let value =
+            serde_json::from_str(v).unwrap_or_else(|_| serde_json::Value::String((*v).to_owned()));
+        object.insert((*k).to_owned(), value);
+    }
+    let arguments: ddo_policy::DynamicOffloadConfig =
+        serde_json::from_value(serde_json::Value::Object(object))
+            .map_err(|e| SessionError::Config { setting: "arguments", message: e.to_string() })?;
+    let request = ddo_policy::Request {
+        component,
+        arguments,
+        environment: ddo_policy::Environment::from_process(),
+        ..ddo_policy::Request::default()
+    };
+    Ok(ddo_policy::resolve(&request)?)
+}

@@ -1,0 +1,64 @@
+//! The metrics snapshot of a session, assembled in one place.
+
+use ddo_metrics::{DynamicOffloadMetrics, HostMemorySection, RouteSection, SetupSection};
+
+use crate::ComponentSession;
+
+pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> DynamicOffloadMetrics {
+    let plan = session.plan();
+    let mut m = DynamicOffloadMetrics::new(RouteSection {
+        name: session.route().name().to_owned(),
+        component: Some(plan.component.clone()),
+        backend: Some(plan.backend.as_str().to_owned()),
+        requested_preset: Some(plan.requested_preset.as_str().to_owned()),
+        effective_preset: Some(plan.effective_preset.as_str().to_owned()),
+        execution_mode: Some(plan.execution_mode.as_str().to_owned()),
+    });
+    m.configuration = plan.configuration();
+    let mut setup = SetupSection {
+        module_count: session.module_count(),
+        link_bytes_per_second: session.link(),
+        execution_device: Some(session.device().torch_name()),
+        warnings: (!session.warnings().is_empty()).then(|| session.warnings().to_vec()),
+        ..SetupSection::default()
+    };
+    session.with_attached(|a| {
+        let Some(a) = a else {
+            setup.host_source = Some("unloaded".into());
+            return;
+        };
+        let streamed_bytes = a.plan.streamed_bytes;
+        setup.tensor_count = Some(a.tensor_count);
+        setup.total_bytes = Some(a.total_bytes);
+        setup.setup_seconds = Some(a.setup_seconds);
+        setup.unit_count = Some(a.units.len() as u64);
+        setup.resident_units = Some(a.plan.resident.iter().filter(|r| **r).count() as u64);
+        setup.streamed_units = Some(a.plan.streamed_units() as u64);
+        setup.execution_slots = Some(u64::from(a.plan.slots));
+        setup.slot_bytes = Some(a.plan.slot_len);
+        setup.gpu_budget_bytes = Some(a.plan.budget.total);
+        setup.headroom_bytes = Some(a.plan.budget.headroom);
+        setup.streamed_bytes_per_pass = Some(streamed_bytes);
+        setup.expected_copy_floor_seconds = session.link().map(|l| streamed_bytes as f64 / l);
+        setup.registered_bytes = Some(a.registered);
+        setup.unregistered_bytes = Some(a.unregistered);
+        setup.unregistered_reason = a.unregistered_reason.map(str::to_owned);
+        setup.retained_bytes = a.retained.map(|r| r.retained_bytes);
+        setup.unretained_bytes = a.retained.map(|r| r.unretained_bytes);
+        setup.packed_bytes = (a.host_kind == "host_tensors").then_some(a.packed.bytes);
+        setup.host_source = Some(a.host_kind.to_owned());
+        let mut runtime = a.stats.runtime_section();
+        runtime.passes = Some(a.stats.passes);
+        m.runtime = runtime;
+    });
+    m.setup = setup;
+    if let Some(phase) = phase {
+        m.host_memory = Some(HostMemorySection {
+            observation: ddo_core::AdmissionProbe::observe(
+                &ddo_platform::LinuxAdmissionProbe::system(),
+            ),
+            phase: Some(phase.to_owned()),
+        });
+    }
+    m
+}

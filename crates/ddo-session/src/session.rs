@@ -1,0 +1,827 @@
+//! The component session: one component's weights streamed through one arena.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use ddo_arena::{Arena, ArenaError, Budget, Layout, Lease, ReclaimReport, UnitSpec};
+use ddo_core::{
+    Dtype, HostRegion, HostSlice, SourceError, StreamId, TensorSlice, UnitId, WeightSource,
+};
+use ddo_policy::{Origin, Plan, ReadBackend, Route};
+use ddo_source::{
+    Checkpoint, CheckpointSource, HostTensor, HostTensorSource, MmapChoice, PackReport,
+    REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar, RetainedReport, RetainedSource,
+    RetainedStore,
+};
+
+use crate::SessionError;
+use crate::device::{DevicePlatform, ExecutionDevice};
+use crate::tree::{Assignment, ModuleTree, UnitRule};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Retained windows of about one registration segment: whole tensors, so a unit's range uploads
+/// in copies of link-speed size.
+const RETAINED_WINDOW: u64 = REGISTRATION_SEGMENT;
+
+/// Where a component's weights come from.
+#[derive(Debug, Clone)]
+pub enum Weights {
+    /// A safetensors checkpoint: one file, a folder of shards, or an `*.index.json`.
+    Checkpoint {
+        /// Where it is.
+        path: PathBuf,
+        /// Whether its files may be mapped (the owner's promise that they do not change).
+        mmap: MmapChoice,
+    },
+    /// Tensors already in host memory (a module loaded by its framework), served in place.
+    Host {
+        /// The allocations holding the tensors.
+        storages: Vec<HostSlice>,
+        /// The tensors, each inside one storage.
+        tensors: Vec<HostTensor>,
+    },
+}
+
+/// What a session runs: the resolved plan, the weights and (optionally) the module tree.
+#[derive(Debug, Clone)]
+pub struct SessionSpec {
+    /// The component's resolved plan (route and settings).
+    pub plan: Plan,
+    /// The weights.
+    pub weights: Weights,
+    /// The module's structure; `None` derives it from the tensor names.
+    pub tree: Option<ModuleTree>,
+}
+
+/// The routes a session runs: both on the arena, fed by different sources.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionRoute {
+    /// `linear_runtime`: the module's own host tensors, registered in place.
+    Linear,
+    /// `vmm_fast_runtime`: the checkpoint's mapping or retained windows.
+    Native,
+}
+
+impl SessionRoute {
+    /// The session route of a resolved route, or why it has none.
+    pub fn of(route: &Route) -> Result<SessionRoute, SessionError> {
+        match route {
+            Route::LinearRuntime => Ok(SessionRoute::Linear),
+            Route::VmmFastRuntime => Ok(SessionRoute::Native),
+            Route::VmmRuntime => Err(SessionError::Route {
+                route: route.name(),
+                reason: "(preset nvme_baseline) is not built yet; use preset auto",
+            }),
+            Route::DiffusersGroupOffload(_) | Route::None { .. } => Err(SessionError::Route {
+                route: route.name(),
+                reason: "does not stream through the arena; the host applies it",
+            }),
+        }
+    }
+
+    /// The route's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            SessionRoute::Linear => "linear_runtime",
+            SessionRoute::Native => "vmm_fast_runtime",
+        }
+    }
+}
+
+/// One unit of the session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitInfo {
+    /// The arena's id.
+    pub id: UnitId,
+    /// The block's module path (`transformer_blocks.3`), or `resident` for the pinned rest.
+    pub name: String,
+    /// Kept resident whatever the budget (acquired for the whole pass).
+    pub pinned: bool,
+    /// Kept resident by the plan.
+    pub resident: bool,
+}
+
+/// Where a tensor lives in the arena: fixed for the life of one attach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorView {
+    /// Device address (a host address on the host backend).
+    pub address: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+}
+
+/// A live lease handed to a host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseId(pub u64);
+
+/// Where host bytes came from and what was registered, for the profile.
+#[derive(Debug, Clone, Default)]
+struct HostReport {
+    kind: &'static str,
+    registered: u64,
+    unregistered: u64,
+    unregistered_reason: Option<String>,
+    retained: Option<RetainedReport>,
+    packed: PackReport,
+}
+
+/// One attach: the source, the arena, the registrations and the live leases.
+struct Attached {
+    arena: Arena,
+    source: Arc<dyn WeightSource>,
+    registrar: Registrar,
+    registered: Vec<RegisteredRange>,
+    units: Vec<UnitInfo>,
+    /// Every parameter name (aliases included) -> the source's slice index.
+    slices: HashMap<String, usize>,
+    leases: HashMap<u64, Lease>,
+    next_lease: u64,
+    /// Leases of pinned units held from `begin_pass` to `end_pass`.
+    pass: Vec<Lease>,
+    host: HostReport,
+    setup_seconds: f64,
+    total_bytes: u64,
+    tensor_count: u64,
+}
+
+/// One component streamed through the GPU weight arena: plan, sources, registration, arena,
+/// per-unit leases, reclaim/unload/reload and metrics, for every host (Python, the demo, Rust
+/// programs).
+///
+/// Thread-safe: calls are serialized by one lock. Work on the device is ordered by the streams
+/// the caller passes: `acquire(unit, s)` makes `s` wait for the unit's upload; `release(l, s)`
+/// records the fence after the work enqueued on `s` that gates reuse of the unit's memory.
+pub struct ComponentSession {
+    route: SessionRoute,
+    plan: Plan,
+    weights: Weights,
+    tree: Option<ModuleTree>,
+    assignment: Assignment,
+    device: ExecutionDevice,
+    platform: DevicePlatform,
+    state: Mutex<Option<Attached>>,
+    link_bytes_per_second: Option<f64>,
+    warnings: Vec<String>,
+}
+
+impl std::fmt::Debug for ComponentSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ComponentSession")
+            .field("route", &self.route)
+            .field("component", &self.plan.component)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+fn gib(setting: &'static str, value: f64) -> Result<u64, SessionError> {
+    let bytes = value * GIB;
+    if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 {
+        return Err(SessionError::Config {
+            setting,
+            message: format!("{value} GiB is not a usable size"),
+        });
+    }
+    Ok(bytes as u64)
+}
+
+impl ComponentSession {
+    /// Opens a session: resolves the device, opens the weights, finds the units, plans the
+    /// arena under the budget, registers host bytes and starts the first uploads (`prime`).
+    /// On failure nothing stays allocated.
+    pub fn open(spec: SessionSpec) -> Result<ComponentSession, SessionError> {
+        let SessionSpec { plan, weights, tree } = spec;
+        let route = SessionRoute::of(&plan.route)?;
+        match (&weights, route) {
+            (Weights::Checkpoint { .. }, SessionRoute::Native)
+            | (Weights::Host { .. }, SessionRoute::Linear) => {}
+            (Weights::Host { .. }, SessionRoute::Native) => {
+                return Err(SessionError::Route {
+                    route: "vmm_fast_runtime",
+                    reason: "streams from a checkpoint: load the component from its safetensors files",
+                });
+            }
+            (Weights::Checkpoint { .. }, SessionRoute::Linear) => {
+                return Err(SessionError::Route {
+                    route: "linear_runtime",
+                    reason: "serves a module's host tensors; for a checkpoint use backend vmm",
+                });
+            }
+        }
+        let s = &plan.settings;
+        let device_from_default =
+            matches!(plan.origins.get("execution_device"), Some(Origin::Default) | None);
+        let device = ExecutionDevice::choose(&s.execution_device, device_from_default)?;
+        let margin = gib("system_ram_headroom_gb", s.system_ram_headroom_gb)?;
+        let platform = DevicePlatform::open(device, margin)?;
+        let rule =
+            UnitRule::from_patterns(&s.vmm_module_pattern, &s.always_resident_modules_pattern)?;
+        let names: Vec<String> = match &weights {
+            Weights::Checkpoint { path, .. } => {
+                Checkpoint::open(path)?.slices().iter().map(|t| t.name.clone()).collect()
+            }
+            Weights::Host { tensors, .. } => tensors.iter().map(|t| t.name.clone()).collect(),
+        };
+        let derived;
+        let assignment = match &tree {
+            Some(t) => t.assign(&rule),
+            None => {
+                derived = ModuleTree::from_tensor_names(names.iter().map(String::as_str));
+                derived.assign(&rule)
+            }
+        };
+        if assignment.parameters.is_empty() {
+            return Err(SessionError::Weights(format!(
+                "component {:?} has no parameters: nothing to offload (use route none)",
+                plan.component
+            )));
+        }
+        let link_bytes_per_second = match &platform.cuda {
+            Some(_) => crate::link::measure(&platform.platform).ok(),
+            None => None,
+        };
+        let mut warnings = plan.warnings.clone();
+        if matches!(device, ExecutionDevice::Host) && s.execution_device.starts_with("cuda") {
+            warnings.push(format!(
+                "execution_device {} (default): no CUDA driver here, running on the host backend",
+                s.execution_device
+            ));
+        }
+        let session = ComponentSession {
+            route,
+            plan,
+            weights,
+            tree,
+            assignment,
+            device,
+            platform,
+            state: Mutex::new(None),
+            link_bytes_per_second,
+            warnings,
+        };
+        let attached = session.attach()?;
+        *session.lock() = Some(attached);
+        Ok(session)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Attached>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The route.
+    pub fn route(&self) -> SessionRoute {
+        self.route
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> ExecutionDevice {
+        self.device
+    }
+
+    /// The CUDA device, to adopt a host's streams (`None` on the host backend).
+    pub fn cuda(&self) -> Option<&Arc<ddo_platform::cuda::CudaDevice>> {
+        self.platform.cuda.as_ref()
+    }
+
+    /// The resolved plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Which unit holds each parameter (the one rule, applied).
+    pub fn assignment(&self) -> &Assignment {
+        &self.assignment
+    }
+
+    /// Warnings for the host to show (misspelt variables, device fallbacks).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    fn attach(&self) -> Result<Attached, SessionError> {
+        let t = Instant::now();
+        let p = &self.platform.platform;
+        let s = &self.plan.settings;
+        let (source, ranges, mut host): (
+            Arc<dyn WeightSource>,
+            Vec<(HostSlice, bool)>,
+            HostReport,
+        ) = match &self.weights {
+            Weights::Checkpoint { path, mmap } => self.checkpoint_source(path, *mmap)?,
+            Weights::Host { storages, tensors } => self.host_source(storages, tensors)?,
+        };
+        let slices = self.bind(source.slices())?;
+        let specs = self.unit_specs(&slices);
+        let granularity = p.residency.granularity()?;
+        let headroom = gib("auto_vram_headroom_gb", s.auto_vram_headroom_gb)?;
+        let total = match self.route {
+            SessionRoute::Native => {
+                gib("vmm_resident_weight_budget_gb", s.vmm_resident_weight_budget_gb)?
+            }
+            SessionRoute::Linear => {
+                let layout = Layout::build(source.slices(), &specs, granularity)?;
+                let largest =
+                    layout.units.iter().filter(|u| !u.pinned).map(|u| u.len).max().unwrap_or(0);
+                let pinned: u64 = layout.units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
+                let slots = u64::from(s.prefetch_depth.saturating_add(1).max(2));
+                let resident = gib("resident_module_budget_gb", s.resident_module_budget_gb)?;
+                largest
+                    .checked_mul(slots)
+                    .and_then(|v| v.checked_add(pinned))
+                    .and_then(|v| v.checked_add(resident))
+                    .and_then(|v| v.checked_add(headroom))
+                    .ok_or_else(|| SessionError::Capacity {
+                        setting: "resident_module_budget_gb",
+                        message: "the budget overflows".into(),
+                    })?
+            }
+        };
+        // Register host bytes before the arena exists, so the first uploads run at link speed.
+        let registrar = self.registrar(&ranges)?;
+        let mut registered = Vec::new();
+        let register = self.route == SessionRoute::Native || self.plan.effective_pin_cpu_memory;
+        for (range, read_only) in ranges {
+            let len = range.len() as u64;
+            if !register {
+                host.unregistered += len;
+                host.unregistered_reason.get_or_insert_with(|| "pin_cpu_memory is off".into());
+                continue;
+            }
+            match registrar.register(range, read_only) {
+                Ok(r) => {
+                    host.registered += len;
+                    registered.push(r);
+                }
+                Err(
+                    e @ (SourceError::CeilingExceeded { .. }
+                    | SourceError::Refused(_)
+                    | SourceError::Device(_)),
+                ) if self.route == SessionRoute::Native || s.allow_pin_memory_fallback => {
+                    host.unregistered += len;
+                    host.unregistered_reason.get_or_insert(e.to_string());
+                }
+                Err(e) => {
+                    Self::unregister_all(&registrar, &mut registered);
+                    return Err(SessionError::Source(e));
+                }
+            }
+        }
+        let budget = Budget { total, headroom, prefetch_depth: s.prefetch_depth };
+        let arena = match Arena::new(p, source.clone(), &specs, budget) {
+            Ok(a) => a,
+            Err(e) => {
+                Self::unregister_all(&registrar, &mut registered);
+                return Err(self.arena_error(e));
+            }
+        };
+        if let Err(e) = arena.prime() {
+            let _ = arena.close();
+            Self::unregister_all(&registrar, &mut registered);
+            return Err(SessionError::Arena(e));
+        }
+        let plan = arena.plan();
+        let units = specs
+            .iter()
+            .enumerate()
+            .map(|(i, u)| UnitInfo {
+                id: UnitId(i as u32),
+                name: u.name.clone(),
+                pinned: u.pinned,
+                resident: plan.resident[i],
+            })
+            .collect();
+        let total_bytes = arena.layout().payload();
+        Ok(Attached {
+            arena,
+            source,
+            registrar,
+            registered,
+            units,
+            slices,
+            leases: HashMap::new(),
+            next_lease: 1,
+            pass: Vec::new(),
+            host,
+            setup_seconds: t.elapsed().as_secs_f64(),
+            total_bytes,
+            tensor_count: self.assignment.parameters.len() as u64,
+        })
+    }
+
+    fn arena_error(&self, e: ArenaError) -> SessionError {
+        match e.original() {
+            ArenaError::BudgetTooSmall { .. } => SessionError::Capacity {
+                setting: match self.route {
+                    SessionRoute::Native => {
+                        "vmm_resident_weight_budget_gb / --ddo-vmm-resident-weight-budget-gb"
+                    }
+                    SessionRoute::Linear => "auto_vram_headroom_gb lower, or prefetch_depth",
+                },
+                message: e.original().to_string(),
+            },
+            _ => SessionError::Arena(e),
+        }
+    }
+
+    fn unregister_all(registrar: &Registrar, registered: &mut Vec<RegisteredRange>) {
+        while let Some(r) = registered.pop() {
+            // A failed unregistration keeps the pages locked (counted unsafe), never freed.
+            let _ = registrar.unregister(r);
+        }
+    }
+
+    /// The checkpoint's source: retained windows under `vmm_source_cache_gb`, else the mapping
+    /// (`load_safetensors_backend` auto/mmap) or reads on demand (pread/direct).
+    #[allow(clippy::type_complexity)]
+    fn checkpoint_source(
+        &self,
+        path: &PathBuf,
+        mmap: MmapChoice,
+    ) -> Result<(Arc<dyn WeightSource>, Vec<(HostSlice, bool)>, HostReport), SessionError> {
+        let s = &self.plan.settings;
+        let p = &self.platform.platform;
+        let checkpoint = Arc::new(Checkpoint::open(path)?);
+        let workers = s.pin_cpu_workers.max(1) as usize;
+        let reads = |backend: ReadBackend| match backend {
+            ReadBackend::Direct => ReadOptions { workers, ..ReadOptions::direct() },
+            _ => ReadOptions { workers, ..ReadOptions::pread() },
+        };
+        let cache = gib("vmm_source_cache_gb", s.vmm_source_cache_gb)?;
+        if cache > 0 {
+            let reader = CheckpointSource::new(checkpoint, reads(s.load_safetensors_backend))?;
+            let store = RetainedStore::new(cache, p.admission.clone());
+            let (source, report) =
+                RetainedSource::retain(Arc::new(reader), &store, RETAINED_WINDOW)?;
+            let windows = source.windows().into_iter().map(|w| (w, false)).collect();
+            let host =
+                HostReport { kind: "retained", retained: Some(report), ..HostReport::default() };
+            return Ok((Arc::new(source), windows, host));
+        }
+        let mapped = match s.load_safetensors_backend {
+            ReadBackend::Auto | ReadBackend::Mmap => {
+                CheckpointSource::mapped(checkpoint.clone(), workers, mmap)?
+            }
+            ReadBackend::Pread | ReadBackend::Direct => None,
+        };
+        match mapped {
+            Some(source) => {
+                let maps = (0..checkpoint.files().len())
+                    .filter_map(|i| {
+                        source
+                            .mapping(i)
+                            .map(|m| (HostSlice::whole(m.clone() as Arc<dyn HostRegion>), true))
+                    })
+                    .collect();
+                Ok((
+                    Arc::new(source),
+                    maps,
+                    HostReport { kind: "mapping", ..HostReport::default() },
+                ))
+            }
+            None => {
+                let source = CheckpointSource::new(checkpoint, reads(s.load_safetensors_backend))?;
+                Ok((
+                    Arc::new(source),
+                    Vec::new(),
+                    HostReport { kind: "reads", ..HostReport::default() },
+                ))
+            }
+        }
+    }
+
+    /// The module's host tensors in place; tensors up to `small_tensor_threshold_kb` packed per
+    /// unit. The storages still serving tensors are registered in place.
+    #[allow(clippy::type_complexity)]
+    fn host_source(
+        &self,
+        storages: &[HostSlice],
+        tensors: &[HostTensor],
+    ) -> Result<(Arc<dyn WeightSource>, Vec<(HostSlice, bool)>, HostReport), SessionError> {
+        let s = &self.plan.settings;
+        let mut source = HostTensorSource::new(storages.to_vec(), tensors.to_vec())?;
+        let threshold = u64::from(s.small_tensor_threshold_kb) * 1024;
+        if threshold > 0 {
+            let index: HashMap<&str, usize> =
+                source.slices().iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+            let mut groups: Vec<Vec<usize>> = vec![Vec::new(); self.assignment.units.len() + 1];
+            for p in &self.assignment.parameters {
+                let Some(&i) = p.names.iter().find_map(|n| index.get(n.as_str())) else { continue };
+                if source.slices()[i].len <= threshold {
+                    groups[p.unit.map_or(0, |u| u + 1)].push(i);
+                }
+            }
+            let store = RetainedStore::new(u64::MAX, self.platform.platform.admission.clone());
+            source.pack(&groups, &store)?;
+        }
+        let ranges = source.storages_in_use().into_iter().map(|(_, r)| (r, true)).collect();
+        let packed = source.packed();
+        Ok((
+            Arc::new(source),
+            ranges,
+            HostReport { kind: "host_tensors", packed, ..HostReport::default() },
+        ))
+    }
+
+    fn registrar(&self, ranges: &[(HostSlice, bool)]) -> Result<Registrar, SessionError> {
+        let s = &self.plan.settings;
+        let needed: u64 = ranges
+            .iter()
+            .map(|(r, _)| (r.len() as u64).div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT)
+            .sum();
+        let ceiling = match self.route {
+            SessionRoute::Native => {
+                let registered = if s.vmm_source_registered_gb > 0.0 {
+                    s.vmm_source_registered_gb
+                } else {
+                    s.vmm_source_cache_gb
+                };
+                if registered > 0.0 { gib("vmm_source_registered_gb", registered)? } else { needed }
+            }
+            SessionRoute::Linear if s.pin_weight_budget_gb > 0.0 => {
+                gib("pin_weight_budget_gb", s.pin_weight_budget_gb)?.div_ceil(REGISTRATION_SEGMENT)
+                    * REGISTRATION_SEGMENT
+            }
+            SessionRoute::Linear => needed,
+        };
+        let p = &self.platform.platform;
+        Ok(Registrar::new(ceiling, p.residency.clone(), p.admission.clone()))
+    }
+
+    /// Every parameter name -> the source's slice; checks declared dtypes and shapes.
+    fn bind(&self, slices: &[TensorSlice]) -> Result<HashMap<String, usize>, SessionError> {
+        let index: HashMap<&str, usize> =
+            slices.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+        let what = match self.weights {
+            Weights::Checkpoint { .. } => "the checkpoint",
+            Weights::Host { .. } => "the host tensors",
+        };
+        let mut out = HashMap::new();
+        for p in &self.assignment.parameters {
+            let Some(&i) = p.names.iter().find_map(|n| index.get(n.as_str())) else {
+                return Err(SessionError::Weights(format!(
+                    "parameter {} has no tensor in {what}; route {} streams every weight from it",
+                    p.names[0],
+                    self.route.name()
+                )));
+            };
+            let t = &slices[i];
+            let dtype_differs = p.dtype.is_some_and(|d| d != t.dtype);
+            let shape_differs = p.shape.as_ref().is_some_and(|s| *s != t.shape);
+            if dtype_differs || shape_differs {
+                return Err(SessionError::Weights(format!(
+                    "parameter {} is {} {:?} but {what} stores {} {:?}; load the model with torch_dtype matching the checkpoint",
+                    p.names[0],
+                    p.dtype.map_or("?", Dtype::as_str),
+                    p.shape.clone().unwrap_or_default(),
+                    t.dtype.as_str(),
+                    t.shape
+                )));
+            }
+            for n in &p.names {
+                out.insert(n.clone(), i);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The arena's units: the resident rest (pinned, first) and one per streamed block.
+    fn unit_specs(&self, slices: &HashMap<String, usize>) -> Vec<UnitSpec> {
+        let a = &self.assignment;
+        let slice_of = |p: usize| slices[&a.parameters[p].names[0]];
+        let mut specs = Vec::with_capacity(a.units.len() + 1);
+        let rest: Vec<usize> = a.resident().into_iter().map(slice_of).collect();
+        if !rest.is_empty() {
+            specs.push(UnitSpec { name: "resident".into(), tensors: rest, pinned: true });
+        }
+        for u in &a.units {
+            specs.push(UnitSpec {
+                name: u.path.clone(),
+                tensors: u.parameters.iter().map(|&p| slice_of(p)).collect(),
+                pinned: false,
+            });
+        }
+        specs
+    }
+
+    fn attached<'a>(
+        guard: &'a mut MutexGuard<'_, Option<Attached>>,
+    ) -> Result<&'a mut Attached, SessionError> {
+        guard.as_mut().ok_or_else(|| {
+            SessionError::Lifecycle("the component is unloaded: call reload() first".into())
+        })
+    }
+
+    /// The units of the current attach, in arena id order.
+    pub fn units(&self) -> Result<Vec<UnitInfo>, SessionError> {
+        let mut g = self.lock();
+        Ok(Self::attached(&mut g)?.units.clone())
+    }
+
+    /// Where parameter `name` (any alias) lives for this attach.
+    pub fn tensor(&self, name: &str) -> Result<TensorView, SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        let &i = a.slices.get(name).ok_or_else(|| {
+            SessionError::Weights(format!("no parameter {name:?} in this session"))
+        })?;
+        let (_, range) = a
+            .arena
+            .tensor_range(i)
+            .ok_or_else(|| SessionError::Weights(format!("parameter {name:?} is in no unit")))?;
+        let slice = &a.source.slices()[i];
+        Ok(TensorView {
+            address: range.start.0,
+            len: range.len,
+            dtype: slice.dtype,
+            shape: slice.shape.clone(),
+        })
+    }
+
+    /// The device bytes of parameter `name` now (waits for all device work; verification only).
+    /// A streamed unit's bytes are meaningful only while a lease on it is live.
+    pub fn read_tensor(&self, name: &str) -> Result<Vec<u8>, SessionError> {
+        let view = self.tensor(name)?;
+        let mut out = vec![0u8; view.len as usize];
+        let range =
+            ddo_core::DeviceRange { start: ddo_core::DeviceAddress(view.address), len: view.len };
+        self.platform.platform.residency.read_back(range, &mut out)?;
+        Ok(out)
+    }
+
+    /// Starts a forward pass on `stream`: leases left from an interrupted pass are given back
+    /// (after the work already enqueued on `stream`), the order of the first pass is learned,
+    /// and the pinned units are acquired for the pass.
+    pub fn begin_pass(&self, stream: StreamId) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        Self::release_stale(a, stream)?;
+        a.arena.begin_pass();
+        for u in a.units.iter().filter(|u| u.pinned) {
+            let lease = a.arena.acquire(u.id, stream)?;
+            a.pass.push(lease);
+        }
+        Ok(())
+    }
+
+    fn release_stale(a: &mut Attached, stream: StreamId) -> Result<(), SessionError> {
+        let stale: Vec<Lease> = a.pass.drain(..).chain(a.leases.drain().map(|(_, l)| l)).collect();
+        for lease in stale {
+            a.arena.release(lease, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Ends a forward pass: gives back the pinned units (and any lease still live) after the
+    /// work enqueued on `stream`.
+    pub fn end_pass(&self, stream: StreamId) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        Self::release_stale(a, stream)
+    }
+
+    /// Ensures `unit` is on the device for work enqueued on `stream` after this call.
+    pub fn acquire(&self, unit: UnitId, stream: StreamId) -> Result<LeaseId, SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        let lease = a.arena.acquire(unit, stream)?;
+        let id = a.next_lease;
+        a.next_lease += 1;
+        a.leases.insert(id, lease);
+        Ok(LeaseId(id))
+    }
+
+    /// Gives `lease` back after the work enqueued on `stream` that used it.
+    pub fn release(&self, lease: LeaseId, stream: StreamId) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        let l = a
+            .leases
+            .remove(&lease.0)
+            .ok_or_else(|| SessionError::Lifecycle(format!("lease {} is not live", lease.0)))?;
+        a.arena.release(l, stream)?;
+        Ok(())
+    }
+
+    /// Releases the memory of idle execution slots (addresses kept; the next use uploads again).
+    pub fn reclaim(&self) -> Result<ReclaimReport, SessionError> {
+        let mut g = self.lock();
+        Ok(Self::attached(&mut g)?.arena.reclaim_idle()?)
+    }
+
+    /// Frees the weights' device memory and host registrations once every fence completed.
+    /// Refused while a lease is live. Tensor views of this attach become invalid.
+    pub fn unload(&self) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        if !a.leases.is_empty() || !a.pass.is_empty() {
+            return Err(SessionError::Lifecycle(format!(
+                "unload during a forward pass ({} lease(s) live): end the pass first",
+                a.leases.len() + a.pass.len()
+            )));
+        }
+        a.arena.close()?;
+        Self::unregister_all(&a.registrar, &mut a.registered);
+        *g = None;
+        Ok(())
+    }
+
+    /// Whether the weights are unloaded.
+    pub fn is_unloaded(&self) -> bool {
+        self.lock().is_none()
+    }
+
+    /// Attaches again after [`unload`](Self::unload): the checkpoint is opened again (and its
+    /// identity recorded anew); addresses differ from the previous attach.
+    pub fn reload(&self) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        if g.is_some() {
+            return Err(SessionError::Lifecycle(
+                "reload needs an unloaded component (call unload() first)".into(),
+            ));
+        }
+        *g = Some(self.attach()?);
+        Ok(())
+    }
+
+    /// A metrics snapshot; `phase` labels the host-memory observation (`None` skips it).
+    pub fn metrics(&self, phase: Option<&str>) -> ddo_metrics::DynamicOffloadMetrics {
+        crate::metrics::snapshot(self, phase)
+    }
+
+    pub(crate) fn with_attached<R>(&self, f: impl FnOnce(Option<&AttachedView<'_>>) -> R) -> R {
+        let g = self.lock();
+        match g.as_ref() {
+            Some(a) => {
+                let plan = a.arena.plan();
+                let view = AttachedView {
+                    stats: a.arena.stats(),
+                    plan,
+                    units: &a.units,
+                    registered: a.host.registered,
+                    registered_charged: a.registrar.charged(),
+                    unregistered: a.host.unregistered,
+                    unregistered_reason: a.host.unregistered_reason.as_deref(),
+                    retained: a.host.retained.as_ref(),
+                    packed: a.host.packed,
+                    host_kind: a.host.kind,
+                    setup_seconds: a.setup_seconds,
+                    total_bytes: a.total_bytes,
+                    tensor_count: a.tensor_count,
+                };
+                f(Some(&view))
+            }
+            None => f(None),
+        }
+    }
+
+    pub(crate) fn module_count(&self) -> Option<u64> {
+        self.tree.as_ref().map(|t| t.modules.len() as u64)
+    }
+
+    pub(crate) fn link(&self) -> Option<f64> {
+        self.link_bytes_per_second
+    }
+
+    /// Closes the session: unloads (refused while leases are live).
+    pub fn close(self) -> Result<(), SessionError> {
+        if self.is_unloaded() { Ok(()) } else { self.unload() }
+    }
+}
+
+/// What metrics read of one attach.
+pub(crate) struct AttachedView<'a> {
+    pub(crate) stats: ddo_arena::ArenaStats,
+    pub(crate) plan: &'a ddo_arena::ResidencyPlan,
+    pub(crate) units: &'a [UnitInfo],
+    pub(crate) registered: u64,
+    #[allow(dead_code)]
+    pub(crate) registered_charged: u64,
+    pub(crate) unregistered: u64,
+    pub(crate) unregistered_reason: Option<&'a str>,
+    pub(crate) retained: Option<&'a RetainedReport>,
+    pub(crate) packed: PackReport,
+    pub(crate) host_kind: &'static str,
+    pub(crate) setup_seconds: f64,
+    pub(crate) total_bytes: u64,
+    pub(crate) tensor_count: u64,
+}
+
+impl Drop for ComponentSession {
+    fn drop(&mut self) {
+        let mut g = self.lock();
+        if let Some(a) = g.as_mut() {
+            let stream = a.arena.copy_stream();
+            let _ = Self::release_stale(a, stream);
+            if a.arena.close().is_ok() {
+                Self::unregister_all(&a.registrar, &mut a.registered);
+            }
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! Small checkpoints for tests, examples and demos: written by hand in the safetensors format,
+//! with deterministic bytes, so nothing needs model weights.
+
+use std::io::Write;
+use std::path::Path;
+
+/// Writes a Flux-like checkpoint of `blocks` repeated blocks (`blocks.N.attn.weight` of `width`
+/// x `width` BF16 and `blocks.N.norm.weight` of `width`) plus `embed.weight` and `norm_out.weight`
+/// outside them. Byte `i` of tensor `t` is `(t * 31 + i) % 251`.
+pub fn write_blocks(path: &Path, blocks: usize, width: u64) -> std::io::Result<()> {
+    let mut tensors: Vec<(String, Vec<u64>)> = vec![("embed.weight".into(), vec![width, 8])];
+    for b in 0..blocks {
+        tensors.push((format!("blocks.{b}.attn.weight"), vec![width, width]));
+        tensors.push((format!("blocks.{b}.norm.weight"), vec![width]));
+    }
+    tensors.push(("norm_out.weight".into(), vec![width]));
+    write(path, &tensors)
+}
+
+/// Writes BF16 tensors `(name, shape)` in order; byte `i` of tensor `t` is `(t * 31 + i) % 251`.
+pub fn write(path: &Path, tensors: &[(String, Vec<u64>)]) -> std::io::Result<()> {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0u64;
+    for (name, shape) in tensors {
+        let len = shape.iter().product::<u64>() * 2;
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + len]}),
+        );
+        offset += len;
+    }
+    let mut text = serde_json::Value::Object(header).to_string();
+    while !(8 + text.len()).is_multiple_of(8) {
+        text.push(' ');
+    }
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    f.write_all(&(text.len() as u64).to_le_bytes())?;
+    f.write_all(text.as_bytes())?;
+    for (t, (_, shape)) in tensors.iter().enumerate() {
+        let len = shape.iter().product::<u64>() * 2;
+        let bytes: Vec<u8> = (0..len).map(|i| ((t as u64 * 31 + i) % 251) as u8).collect();
+        f.write_all(&bytes)?;
+    }
+    f.flush()
+}
+
+/// The bytes [`write`] stores for tensor number `t` of `len` bytes.
+pub fn expected_bytes(t: usize, len: u64) -> Vec<u8> {
+    (0..len).map(|i| ((t as u64 * 31 + i) % 251) as u8).collect()
+}

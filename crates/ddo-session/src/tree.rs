@@ -1,0 +1,403 @@
+//! The module tree as data, and the one rule that finds execution units in it.
+//!
+//! A host describes its model as a [`ModuleTree`]: every module's path (marked when it is a list
+//! of repeated blocks) and every parameter name with a storage key (aliases of one shared
+//! parameter share the key). A Rust program with only a checkpoint builds the same tree from
+//! tensor names ([`ModuleTree::from_tensor_names`]). [`ModuleTree::assign`] then decides, once,
+//! for everyone: which blocks are streamed units and which parameters stay resident.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ddo_core::Dtype;
+use regex::Regex;
+
+use crate::SessionError;
+
+/// One module of the tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuleNode {
+    /// Dotted path from the root (`transformer_blocks.3`); the root is `""`.
+    pub path: String,
+    /// A list of repeated blocks (PyTorch's `ModuleList`).
+    pub is_list: bool,
+}
+
+/// One parameter name. Aliases of a shared (tied) parameter carry the same `key`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParameterRef {
+    /// Dotted name (`transformer_blocks.3.attn.to_q.weight`).
+    pub name: String,
+    /// Identity of the parameter's storage: equal keys are one parameter.
+    pub key: u64,
+    /// The parameter's element type, when the host knows it (checked against the weights).
+    pub dtype: Option<Dtype>,
+    /// The parameter's shape, when the host knows it (checked against the weights).
+    pub shape: Option<Vec<u64>>,
+}
+
+/// A model's structure: modules in definition order (root first) and parameters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModuleTree {
+    /// Modules in definition order.
+    pub modules: Vec<ModuleNode>,
+    /// Parameters in definition order, every alias listed.
+    pub parameters: Vec<ParameterRef>,
+}
+
+/// Which modules are streamed and which are kept on the device (regexes with search semantics
+/// on module paths, as Python's `re.search`).
+#[derive(Debug, Clone)]
+pub struct UnitRule {
+    /// Only blocks whose path matches are streamed (`vmm_module_pattern`; `.*` = all).
+    pub streamed: Regex,
+    /// Parameters of modules matching any of these stay resident
+    /// (`always_resident_modules_pattern`).
+    pub always_resident: Vec<Regex>,
+}
+
+impl Default for UnitRule {
+    fn default() -> Self {
+        UnitRule { streamed: Regex::new(".*").expect("valid"), always_resident: Vec::new() }
+    }
+}
+
+impl UnitRule {
+    /// The rule from the settings' patterns; an invalid regex names the setting.
+    pub fn from_patterns(streamed: &str, always_resident: &[String]) -> Result<Self, SessionError> {
+        let compile = |setting: &'static str, p: &str| {
+            Regex::new(p).map_err(|e| SessionError::Config {
+                setting,
+                message: format!("{p:?} is not a valid regular expression: {e}"),
+            })
+        };
+        Ok(UnitRule {
+            streamed: compile("vmm_module_pattern", streamed)?,
+            always_resident: always_resident
+                .iter()
+                .map(|p| compile("always_resident_modules_pattern", p))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+}
+
+/// One distinct parameter: its names (the first is canonical) and where it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parameter {
+    /// Every name of the parameter, first one canonical.
+    pub names: Vec<String>,
+    /// The storage key.
+    pub key: u64,
+    /// The streamed unit that owns it, or `None` when it stays resident.
+    pub unit: Option<usize>,
+    /// Element type as the host declared it.
+    pub dtype: Option<Dtype>,
+    /// Shape as the host declared it.
+    pub shape: Option<Vec<u64>>,
+}
+
+/// A streamed unit: one repeated block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundUnit {
+    /// The block's module path (`transformer_blocks.3`).
+    pub path: String,
+    /// Indices into [`Assignment::parameters`].
+    pub parameters: Vec<usize>,
+}
+
+/// The outcome of the unit rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    /// Streamed units in module order.
+    pub units: Vec<FoundUnit>,
+    /// Every distinct parameter, in order of first appearance.
+    pub parameters: Vec<Parameter>,
+}
+
+impl Assignment {
+    /// Indices of the parameters that stay resident.
+    pub fn resident(&self) -> Vec<usize> {
+        (0..self.parameters.len()).filter(|&i| self.parameters[i].unit.is_none()).collect()
+    }
+}
+
+impl ModuleTree {
+    /// The tree implied by dotted tensor names: every proper prefix is a module; a module whose
+    /// children are all numbered (`blocks.0`, `blocks.1`) is a list. Each name is its own
+    /// parameter (key = its index).
+    pub fn from_tensor_names<'a>(names: impl IntoIterator<Item = &'a str>) -> ModuleTree {
+        let mut modules: Vec<String> = vec![String::new()];
+        let mut seen: HashMap<String, ()> = HashMap::from([(String::new(), ())]);
+        let mut children: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut parameters = Vec::new();
+        for (i, name) in names.into_iter().enumerate() {
+            let parts: Vec<&str> = name.split('.').collect();
+            for depth in 1..parts.len() {
+                let path = parts[..depth].join(".");
+                if seen.insert(path.clone(), ()).is_none() {
+                    let parent = parts[..depth - 1].join(".");
+                    children.entry(parent).or_default().push(parts[depth - 1].to_owned());
+                    modules.push(path);
+                }
+            }
+            parameters.push(ParameterRef {
+                name: name.to_owned(),
+                key: i as u64,
+                dtype: None,
+                shape: None,
+            });
+        }
+        let modules = modules
+            .into_iter()
+            .map(|path| {
+                let is_list = children
+                    .get(&path)
+                    .is_some_and(|c| !c.is_empty() && c.iter().all(|s| s.parse::<u64>().is_ok()));
+                ModuleNode { path, is_list }
+            })
+            .collect();
+        ModuleTree { modules, parameters }
+    }
+
+    /// Applies the unit rule: the children of every list with at least two children that hold
+    /// parameters become units, outermost lists only, in module order; blocks the rule does not
+    /// stream, parameters of always-resident modules, and parameters shared between units or
+    /// with the rest stay resident.
+    pub fn assign(&self, rule: &UnitRule) -> Assignment {
+        let holds_params = |path: &str| {
+            let prefix = format!("{path}.");
+            self.parameters.iter().any(|p| p.name.starts_with(&prefix))
+        };
+        let mut unit_paths: Vec<String> = Vec::new();
+        for m in &self.modules {
+            let inside = unit_paths.iter().any(|u| m.path.starts_with(&format!("{u}.")));
+            if inside || !m.is_list {
+                continue;
+            }
+            let depth = if m.path.is_empty() { 0 } else { m.path.split('.').count() };
+            let children: Vec<&str> = self
+                .modules
+                .iter()
+                .map(|c| c.path.as_str())
+                .filter(|c| {
+                    let direct = if m.path.is_empty() {
+                        !c.is_empty()
+                    } else {
+                        c.starts_with(&format!("{}.", m.path))
+                    };
+                    direct && c.split('.').count() == depth + 1 && holds_params(c)
+                })
+                .collect();
+            if children.len() >= 2 {
+                unit_paths.extend(children.into_iter().map(str::to_owned));
+            }
+        }
+        let unit_of_name = |name: &str| -> Option<usize> {
+            let module = name.rsplit_once('.').map_or("", |(m, _)| m);
+            if rule.always_resident.iter().any(|r| r.is_match(module)) {
+                return None;
+            }
+            unit_paths.iter().position(|u| name.starts_with(&format!("{u}.")))
+        };
+        // One entry per key; a key whose names fall in different places stays resident.
+        let mut parameters: Vec<Parameter> = Vec::new();
+        let mut by_key: HashMap<u64, usize> = HashMap::new();
+        for p in &self.parameters {
+            let unit = unit_of_name(&p.name);
+            match by_key.get(&p.key) {
+                Some(&i) => {
+                    let entry = &mut parameters[i];
+                    if entry.unit != unit {
+                        entry.unit = None;
+                    }
+                    entry.names.push(p.name.clone());
+                }
+                None => {
+                    by_key.insert(p.key, parameters.len());
+                    parameters.push(Parameter {
+                        names: vec![p.name.clone()],
+                        key: p.key,
+                        unit,
+                        dtype: p.dtype,
+                        shape: p.shape.clone(),
+                    });
+                }
+            }
+        }
+        let streamed: Vec<bool> = unit_paths.iter().map(|u| rule.streamed.is_match(u)).collect();
+        let mut units: Vec<FoundUnit> = Vec::new();
+        let mut index = vec![None; unit_paths.len()];
+        for (i, p) in parameters.iter_mut().enumerate() {
+            let Some(u) = p.unit else { continue };
+            if !streamed[u] {
+                p.unit = None;
+                continue;
+            }
+            let slot = *index[u].get_or_insert_with(|| {
+                units.push(FoundUnit { path: unit_paths[u].clone(), parameters: Vec::new() });
+                units.len() - 1
+            });
+            units[slot].parameters.push(i);
+            p.unit = Some(slot);
+        }
+        // Units in module order (the first parameter seen may belong to a later block).
+        let mut order: Vec<usize> = (0..units.len()).collect();
+        order.sort_by_key(|&u| unit_paths.iter().position(|p| *p == units[u].path));
+        let mut remap = vec![0; units.len()];
+        for (new, &old) in order.iter().enumerate() {
+            remap[old] = new;
+        }
+        for p in &mut parameters {
+            if let Some(u) = p.unit.as_mut() {
+                *u = remap[*u];
+            }
+        }
+        let mut sorted = vec![None; units.len()];
+        for (old, u) in units.into_iter().enumerate() {
+            sorted[remap[old]] = Some(u);
+        }
+        Assignment { units: sorted.into_iter().flatten().collect(), parameters }
+    }
+}
+
+/// The element type of a PyTorch dtype name (`torch.bfloat16`, `bfloat16`).
+pub fn dtype_from_torch(name: &str) -> Option<Dtype> {
+    let name = name.strip_prefix("torch.").unwrap_or(name);
+    Some(match name {
+        "bfloat16" => Dtype::BF16,
+        "float16" | "half" => Dtype::F16,
+        "float32" | "float" => Dtype::F32,
+        "float64" | "double" => Dtype::F64,
+        "int64" | "long" => Dtype::I64,
+        "int32" | "int" => Dtype::I32,
+        "int16" | "short" => Dtype::I16,
+        "int8" => Dtype::I8,
+        "uint8" => Dtype::U8,
+        "bool" => Dtype::Bool,
+        "uint16" => Dtype::U16,
+        "uint32" => Dtype::U32,
+        "uint64" => Dtype::U64,
+        "float8_e4m3fn" => Dtype::F8E4M3,
+        "float8_e5m2" => Dtype::F8E5M2,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree(lists: &[&str], modules: &[&str], params: &[(&str, u64)]) -> ModuleTree {
+        let mut m = vec![ModuleNode { path: String::new(), is_list: false }];
+        m.extend(
+            modules
+                .iter()
+                .map(|p| ModuleNode { path: (*p).to_owned(), is_list: lists.contains(p) }),
+        );
+        ModuleTree {
+            modules: m,
+            parameters: params
+                .iter()
+                .map(|(n, k)| ParameterRef {
+                    name: (*n).to_owned(),
+                    key: *k,
+                    dtype: None,
+                    shape: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn names(a: &Assignment) -> Vec<&str> {
+        a.units.iter().map(|u| u.path.as_str()).collect()
+    }
+
+    #[test]
+    fn blocks_of_outermost_lists_become_units_in_module_order() {
+        let t = ModuleTree::from_tensor_names([
+            "embed.weight",
+            "blocks.0.attn.weight",
+            "blocks.0.inner.0.w",
+            "blocks.0.inner.1.w",
+            "blocks.1.attn.weight",
+            "single.0.w",
+            "single.1.w",
+            "norm.weight",
+        ]);
+        let a = t.assign(&UnitRule::default());
+        assert_eq!(names(&a), vec!["blocks.0", "blocks.1", "single.0", "single.1"]);
+        assert_eq!(a.units[0].parameters.len(), 3, "a nested list stays inside its block");
+        let resident: Vec<&str> =
+            a.resident().iter().map(|&i| a.parameters[i].names[0].as_str()).collect();
+        assert_eq!(resident, vec!["embed.weight", "norm.weight"]);
+    }
+
+    #[test]
+    fn a_list_with_one_block_is_no_unit_but_lists_inside_it_are() {
+        let t = tree(
+            &["outer", "outer.0.inner"],
+            &["outer", "outer.0", "outer.0.inner", "outer.0.inner.0", "outer.0.inner.1"],
+            &[("outer.0.inner.0.w", 1), ("outer.0.inner.1.w", 2)],
+        );
+        assert_eq!(
+            names(&t.assign(&UnitRule::default())),
+            vec!["outer.0.inner.0", "outer.0.inner.1"]
+        );
+    }
+
+    #[test]
+    fn shared_parameters_stay_resident_wherever_their_aliases_are() {
+        let t = tree(
+            &["blocks"],
+            &["blocks", "blocks.0", "blocks.1", "blocks.2", "head"],
+            &[
+                ("blocks.0.w", 1),
+                ("blocks.0.tied", 9),
+                ("blocks.1.w", 2),
+                ("blocks.1.tied", 9),
+                ("blocks.2.w", 3),
+                ("blocks.2.own", 7),
+                ("head.own_alias", 7),
+            ],
+        );
+        let a = t.assign(&UnitRule::default());
+        let resident: Vec<Vec<&str>> = a
+            .resident()
+            .iter()
+            .map(|&i| a.parameters[i].names.iter().map(String::as_str).collect())
+            .collect();
+        assert_eq!(
+            resident,
+            vec![vec!["blocks.0.tied", "blocks.1.tied"], vec!["blocks.2.own", "head.own_alias"]]
+        );
+        assert_eq!(a.units.iter().map(|u| u.parameters.len()).collect::<Vec<_>>(), vec![1, 1, 1]);
+    }
+
+    #[test]
+    fn patterns_choose_streamed_blocks_and_resident_modules() {
+        let t = ModuleTree::from_tensor_names([
+            "double.0.attn.w",
+            "double.0.proj_out.w",
+            "double.1.attn.w",
+            "single.0.w",
+            "single.1.w",
+        ]);
+        let rule =
+            UnitRule::from_patterns("^single", &[r"(^|\.)proj_out(\.|$)".to_owned()]).unwrap();
+        let a = t.assign(&rule);
+        assert_eq!(names(&a), vec!["single.0", "single.1"]);
+        let rule = UnitRule::from_patterns(".*", &[r"(^|\.)proj_out(\.|$)".to_owned()]).unwrap();
+        let a = t.assign(&rule);
+        let resident: Vec<&str> =
+            a.resident().iter().map(|&i| a.parameters[i].names[0].as_str()).collect();
+        assert_eq!(resident, vec!["double.0.proj_out.w"]);
+        let err = UnitRule::from_patterns("(", &[]).unwrap_err();
+        assert!(err.to_string().contains("vmm_module_pattern"), "{err}");
+    }
+
+    #[test]
+    fn torch_dtype_names() {
+        assert_eq!(dtype_from_torch("torch.bfloat16"), Some(Dtype::BF16));
+        assert_eq!(dtype_from_torch("float32"), Some(Dtype::F32));
+        assert_eq!(dtype_from_torch("torch.complex64"), None);
+    }
+}

@@ -1,0 +1,367 @@
+//! The session on the host backend: both routes, every acting setting, lifecycle and errors.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ddo_core::{Dtype, HostRegion, HostSlice, StreamId};
+use ddo_session::{ComponentSession, SessionError, SessionSpec, Weights, testing};
+use ddo_source::{HostTensor, MmapChoice};
+
+const S: StreamId = StreamId(0);
+/// Block width: a block is 1024 x 1024 BF16 (2 MiB) plus a norm, so 4 MiB on the host backend.
+const W: u64 = 1024;
+
+fn checkpoint(dir: &Path, blocks: usize) -> PathBuf {
+    let path = dir.join("model.safetensors");
+    testing::write_blocks(&path, blocks, W).unwrap();
+    path
+}
+
+fn resolve(extra: &[(&str, &str)]) -> ddo_policy::Plan {
+    let mut args = vec![("execution_device", "cpu")];
+    args.extend_from_slice(extra);
+    let arguments: serde_json::Map<String, serde_json::Value> = args
+        .iter()
+        .map(|(k, v)| {
+            let value = serde_json::from_str(v).unwrap_or(serde_json::Value::String((*v).into()));
+            ((*k).to_owned(), value)
+        })
+        .collect();
+    let request = ddo_policy::Request {
+        component: "transformer",
+        arguments: serde_json::from_value(serde_json::Value::Object(arguments)).unwrap(),
+        ..ddo_policy::Request::default()
+    };
+    ddo_policy::resolve(&request).unwrap()
+}
+
+fn native(path: &Path, extra: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {
+    let mut args = vec![("backend", "vmm"), ("vmm_resident_weight_budget_gb", "0.02")];
+    args.extend_from_slice(extra);
+    // SAFETY: the test's checkpoint is not modified while the session lives.
+    let mmap = unsafe { MmapChoice::auto() };
+    ComponentSession::open(SessionSpec {
+        plan: resolve(&args),
+        weights: Weights::Checkpoint { path: path.to_owned(), mmap },
+        tree: None,
+    })
+}
+
+/// Runs `passes` forward passes, checking every streamed tensor's bytes under its lease.
+fn run_and_check(session: &ComponentSession, passes: usize, expect: &dyn Fn(&str) -> Vec<u8>) {
+    for _ in 0..passes {
+        session.begin_pass(S).unwrap();
+        for unit in session.units().unwrap().iter().filter(|u| !u.pinned) {
+            let lease = session.acquire(unit.id, S).unwrap();
+            for suffix in ["attn.weight", "norm.weight"] {
+                let name = format!("{}.{suffix}", unit.name);
+                assert_eq!(session.read_tensor(&name).unwrap(), expect(&name), "{name}");
+            }
+            session.release(lease, S).unwrap();
+        }
+        for name in ["embed.weight", "norm_out.weight"] {
+            assert_eq!(session.read_tensor(name).unwrap(), expect(name), "{name}");
+        }
+        session.end_pass(S).unwrap();
+    }
+}
+
+fn checkpoint_bytes(blocks: usize) -> impl Fn(&str) -> Vec<u8> {
+    let mut names = vec![("embed.weight".to_owned(), W * 8 * 2)];
+    for b in 0..blocks {
+        names.push((format!("blocks.{b}.attn.weight"), W * W * 2));
+        names.push((format!("blocks.{b}.norm.weight"), W * 2));
+    }
+    names.push(("norm_out.weight".into(), W * 2));
+    move |name: &str| {
+        let t = names.iter().position(|(n, _)| n == name).unwrap();
+        testing::expected_bytes(t, names[t].1)
+    }
+}
+
+fn setup(session: &ComponentSession) -> ddo_metrics::SetupSection {
+    session.metrics(None).setup
+}
+
+#[test]
+fn the_native_route_streams_every_block_from_the_mapping() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let session = native(&path, &[]).unwrap();
+    let units = session.units().unwrap();
+    assert_eq!(units.len(), 7, "the resident rest and six blocks");
+    assert!(units[0].pinned && units[0].name == "resident");
+    run_and_check(&session, 3, &checkpoint_bytes(6));
+    let m = session.metrics(Some("test"));
+    m.validate().unwrap();
+    assert_eq!(m.route.name, "vmm_fast_runtime");
+    assert_eq!(m.runtime.passes, Some(3));
+    assert_eq!(m.setup.host_source.as_deref(), Some("mapping"));
+    assert!(m.setup.streamed_units.unwrap() > 0);
+    assert_eq!(m.host_memory.unwrap().phase.as_deref(), Some("test"));
+    session.close().unwrap();
+}
+
+#[test]
+fn read_backends_and_retained_windows_serve_the_same_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 4);
+    for (args, kind) in [
+        (vec![("load_safetensors_backend", "pread")], "reads"),
+        (vec![("load_safetensors_backend", "direct")], "reads"),
+        (vec![("vmm_source_cache_gb", "1")], "retained"),
+    ] {
+        let session = native(&path, &args).unwrap();
+        assert_eq!(setup(&session).host_source.as_deref(), Some(kind), "{args:?}");
+        run_and_check(&session, 2, &checkpoint_bytes(4));
+        if kind == "retained" {
+            assert!(setup(&session).retained_bytes.unwrap() > 0);
+        }
+    }
+    // Without the owner's promise nothing is mapped: the bytes are read.
+    let session = ComponentSession::open(SessionSpec {
+        plan: resolve(&[("backend", "vmm"), ("vmm_resident_weight_budget_gb", "0.02")]),
+        weights: Weights::Checkpoint { path, mmap: MmapChoice::never() },
+        tree: None,
+    })
+    .unwrap();
+    assert_eq!(setup(&session).host_source.as_deref(), Some("reads"));
+    run_and_check(&session, 1, &checkpoint_bytes(4));
+}
+
+#[test]
+fn a_retained_store_the_host_refuses_reads_on_demand() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 4);
+    // A RAM margin no machine has: admission refuses every retained byte.
+    let session =
+        native(&path, &[("vmm_source_cache_gb", "1"), ("system_ram_headroom_gb", "100000")])
+            .unwrap();
+    let s = setup(&session);
+    assert_eq!(s.retained_bytes, Some(0));
+    assert!(s.unretained_bytes.unwrap() > 0);
+    run_and_check(&session, 1, &checkpoint_bytes(4));
+}
+
+#[test]
+fn budget_prefetch_and_headroom_shape_the_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 8);
+    let small = native(&path, &[("prefetch_depth", "1")]).unwrap();
+    let s = setup(&small);
+    assert_eq!(s.execution_slots, Some(2));
+    let deep = native(&path, &[("prefetch_depth", "3")]).unwrap();
+    assert_eq!(setup(&deep).execution_slots, Some(4));
+    let large = native(&path, &[("vmm_resident_weight_budget_gb", "1")]).unwrap();
+    assert_eq!(setup(&large).streamed_units, Some(0), "a budget that holds everything");
+    let err = native(&path, &[("auto_vram_headroom_gb", "0.019")]).unwrap_err();
+    assert!(matches!(err, SessionError::Capacity { .. }), "{err}");
+    assert!(err.to_string().contains("vmm_resident_weight_budget_gb"), "{err}");
+}
+
+#[test]
+fn module_patterns_choose_what_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let only_late = native(&path, &[("vmm_module_pattern", r"blocks\.[45]")]).unwrap();
+    let streamed: Vec<String> =
+        only_late.units().unwrap().iter().filter(|u| !u.pinned).map(|u| u.name.clone()).collect();
+    assert_eq!(streamed, vec!["blocks.4", "blocks.5"]);
+    drop(only_late);
+    let norms_resident = native(
+        &path,
+        &[
+            ("vmm_resident_weight_budget_gb", "0.04"),
+            ("always_resident_modules_pattern", r#"["\\.norm$"]"#),
+        ],
+    )
+    .unwrap();
+    let a = norms_resident.assignment();
+    let norm = a.parameters.iter().find(|p| p.names[0] == "blocks.0.norm.weight").unwrap();
+    assert_eq!(norm.unit, None);
+    run_and_check(&norms_resident, 1, &checkpoint_bytes(6));
+}
+
+#[test]
+fn an_interrupted_pass_leaves_the_session_usable() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let session = native(&path, &[]).unwrap();
+    session.begin_pass(S).unwrap();
+    let units = session.units().unwrap();
+    // A block raised between acquire and release: its lease is never given back.
+    let _lost = session.acquire(units[1].id, S).unwrap();
+    let err = session.unload().unwrap_err();
+    assert!(err.to_string().contains("during a forward pass"), "{err}");
+    // The next pass gives the lost leases back and runs correctly.
+    run_and_check(&session, 2, &checkpoint_bytes(6));
+    session.unload().unwrap();
+    assert!(session.is_unloaded());
+    let err = session.begin_pass(S).unwrap_err();
+    assert!(err.to_string().contains("unloaded"), "{err}");
+    session.reload().unwrap();
+    run_and_check(&session, 1, &checkpoint_bytes(6));
+    assert!(session.reload().is_err(), "reload of a loaded component");
+}
+
+#[test]
+fn reclaim_releases_idle_slots_and_the_next_pass_uploads_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let session = native(&path, &[]).unwrap();
+    run_and_check(&session, 1, &checkpoint_bytes(6));
+    let r = session.reclaim().unwrap();
+    assert!(r.slots > 0 && r.bytes > 0, "{r:?}");
+    run_and_check(&session, 1, &checkpoint_bytes(6));
+}
+
+#[test]
+fn weights_that_do_not_fit_the_module_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 3);
+    let mut tree =
+        ddo_session::ModuleTree::from_tensor_names(["blocks.0.attn.weight", "missing.weight"]);
+    tree.parameters[0].dtype = Some(Dtype::BF16);
+    let open = |tree| {
+        ComponentSession::open(SessionSpec {
+            plan: resolve(&[("backend", "vmm")]),
+            weights: Weights::Checkpoint { path: path.clone(), mmap: MmapChoice::never() },
+            tree: Some(tree),
+        })
+    };
+    let err = open(tree.clone()).unwrap_err().to_string();
+    assert!(err.contains("parameter missing.weight has no tensor in the checkpoint"), "{err}");
+    tree.parameters.pop();
+    tree.parameters[0].dtype = Some(Dtype::F32);
+    let err = open(tree).unwrap_err().to_string();
+    assert!(err.contains("is F32 [] but the checkpoint stores BF16 [1024, 1024]"), "{err}");
+    let err = open(ddo_session::ModuleTree::default()).unwrap_err().to_string();
+    assert!(err.contains("has no parameters"), "{err}");
+    let bad = ComponentSession::open(SessionSpec {
+        plan: resolve(&[("backend", "linear")]),
+        weights: Weights::Checkpoint { path: path.clone(), mmap: MmapChoice::never() },
+        tree: None,
+    })
+    .unwrap_err();
+    assert!(bad.to_string().contains("for a checkpoint use backend vmm"), "{bad}");
+}
+
+// ---- the linear route: host tensors in place ----------------------------------------------
+
+#[derive(Debug)]
+struct Buffer(Vec<u8>);
+impl HostRegion for Buffer {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The checkpoint's tensors as host tensors, one storage each.
+fn host_weights(blocks: usize) -> Weights {
+    let expect = checkpoint_bytes(blocks);
+    let mut names = vec![("embed.weight".to_owned(), vec![W, 8])];
+    for b in 0..blocks {
+        names.push((format!("blocks.{b}.attn.weight"), vec![W, W]));
+        names.push((format!("blocks.{b}.norm.weight"), vec![W]));
+    }
+    names.push(("norm_out.weight".into(), vec![W]));
+    let storages = names
+        .iter()
+        .map(|(n, _)| HostSlice::whole(Arc::new(Buffer(expect(n))) as Arc<dyn HostRegion>))
+        .collect();
+    let tensors = names
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| HostTensor {
+            name,
+            dtype: Dtype::BF16,
+            shape,
+            storage: i,
+            offset: 0,
+        })
+        .collect();
+    Weights::Host { storages, tensors }
+}
+
+fn linear(extra: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {
+    let mut args = vec![("backend", "linear")];
+    args.extend_from_slice(extra);
+    ComponentSession::open(SessionSpec {
+        plan: resolve(&args),
+        weights: host_weights(6),
+        tree: None,
+    })
+}
+
+#[test]
+fn the_linear_route_streams_host_tensors_through_the_arena() {
+    let session = linear(&[]).unwrap();
+    let m = session.metrics(None);
+    assert_eq!(m.route.name, "linear_runtime");
+    assert_eq!(m.setup.host_source.as_deref(), Some("host_tensors"));
+    assert_eq!(m.setup.streamed_units, Some(6), "no resident budget: every block streams");
+    run_and_check(&session, 3, &checkpoint_bytes(6));
+    let m = session.metrics(None);
+    m.validate().unwrap();
+    assert!(m.runtime.uploads.unwrap() >= 18);
+}
+
+#[test]
+fn small_tensors_are_packed_per_unit_under_the_threshold() {
+    // Each block's 2 KiB norm alone is small; the 2 MiB weight is not.
+    let packed = linear(&[("small_tensor_threshold_kb", "4")]).unwrap();
+    assert_eq!(setup(&packed).packed_bytes, Some(0), "one small tensor per unit: nothing to pack");
+    let packed = linear(&[("small_tensor_threshold_kb", "4096")]).unwrap();
+    assert!(setup(&packed).packed_bytes.unwrap() > 6 * W * W * 2);
+    run_and_check(&packed, 1, &checkpoint_bytes(6));
+    let none = linear(&[("small_tensor_threshold_kb", "0")]).unwrap();
+    assert_eq!(setup(&none).packed_bytes, Some(0));
+}
+
+#[test]
+fn pinning_settings_decide_what_is_registered() {
+    let pinned = linear(&[("pin_cpu_memory", "true")]).unwrap();
+    let s = setup(&pinned);
+    assert!(s.registered_bytes.unwrap() > 0);
+    assert_eq!(s.unregistered_bytes, Some(0));
+    let unpinned = linear(&[("pin_cpu_memory", "false")]).unwrap();
+    let s = setup(&unpinned);
+    assert_eq!(s.registered_bytes, Some(0));
+    assert_eq!(s.unregistered_reason.as_deref(), Some("pin_cpu_memory is off"));
+    run_and_check(&unpinned, 1, &checkpoint_bytes(6));
+    // 64 MiB of registration: each storage is charged a whole segment, so one fits.
+    let limited =
+        linear(&[("pin_cpu_memory", "true"), ("pin_weight_budget_gb", "0.0625")]).unwrap();
+    let s = setup(&limited);
+    assert!(s.registered_bytes.unwrap() > 0 && s.unregistered_bytes.unwrap() > 0, "{s:?}");
+    assert!(s.unregistered_reason.unwrap().contains("registration"));
+    let strict = linear(&[
+        ("pin_cpu_memory", "true"),
+        ("pin_weight_budget_gb", "0.0625"),
+        ("allow_pin_memory_fallback", "false"),
+    ])
+    .unwrap_err();
+    assert!(strict.to_string().contains("registration"), "{strict}");
+}
+
+#[test]
+fn the_resident_budget_keeps_blocks_on_the_device() {
+    let none = linear(&[]).unwrap();
+    assert_eq!(setup(&none).resident_units, Some(1), "only the pinned rest");
+    let some = linear(&[("resident_module_budget_gb", "0.008")]).unwrap();
+    assert_eq!(setup(&some).resident_units, Some(3), "two 4 MiB blocks beside the rest");
+    run_and_check(&some, 2, &checkpoint_bytes(6));
+}
+
+#[test]
+fn execution_device_is_validated() {
+    let plan = resolve(&[("backend", "linear")]);
+    let mut plan = plan;
+    plan.settings.execution_device = "abc".into();
+    let err = ComponentSession::open(SessionSpec { plan, weights: host_weights(2), tree: None })
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "execution_device: \"abc\" is not a device; use cuda, cuda:N or cpu"
+    );
+}
