@@ -4,7 +4,8 @@
 //! A host describes what it wants as a [`Request`]: explicit arguments, an optional
 //! [`DynamicOffloadConfig`], per-component policies, and an injected [`Environment`].
 //! [`resolve`] turns it into a [`Plan`]: the backend, the effective [`Preset`], the [`Route`] and
-//! every [`Settings`] value with the [`Origin`] that decided it. The crate is pure (no I/O beyond
+//! every [`Settings`] value with the [`Origin`] that decided it; every `DDO_*` variable ddo does
+//! not read becomes a warning on the plan. The crate is pure (no I/O beyond
 //! [`Environment::from_process`]); the Python package calls it rather than re-implementing the
 //! rules.
 #![forbid(unsafe_code)]
@@ -18,6 +19,7 @@ mod preset;
 mod resolve;
 mod route;
 mod value;
+mod variables;
 
 pub use config::{
     ComponentPolicy, DEFAULT_ALWAYS_RESIDENT_PATTERN, DynamicOffloadConfig, ENV_ALIASES,

@@ -23,6 +23,7 @@ use crate::env::component_env_name;
 use crate::preset::{Backend, ExecutionMode, Preset, VaeDefault, resolve_backend};
 use crate::route::{GroupOffload, Placement, Route, RouteChoice};
 use crate::value::{OffloadType, SettingValue};
+use crate::variables::{COMPONENT_KEYS, unknown_variable_warnings};
 use crate::{ComponentPolicy, ConfigError, DynamicOffloadConfig, Environment, Origin, Settings};
 
 /// Size of one host registration segment.
@@ -72,6 +73,9 @@ pub struct Plan {
     pub running_on_wsl: bool,
     /// Whether weights are pinned after the WSL rule.
     pub effective_pin_cpu_memory: bool,
+    /// What the host should log and report: one line per `DDO_*` variable of the environment
+    /// that ddo does not read, with the closest name it does read when one is near.
+    pub warnings: Vec<String>,
 }
 
 impl Plan {
@@ -187,6 +191,7 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
         origins,
         running_on_wsl: request.running_on_wsl,
         effective_pin_cpu_memory,
+        warnings: unknown_variable_warnings(env),
     })
 }
 
@@ -281,6 +286,7 @@ impl ComponentKeys<'_, '_> {
         key: &'static str,
         get: impl Fn(&ComponentPolicy) -> Option<T>,
     ) -> Result<Option<(T, Origin)>, ConfigError> {
+        debug_assert!(COMPONENT_KEYS.contains(&key), "{key} is missing from COMPONENT_KEYS");
         if let Some(v) = get(&self.request.group) {
             return Ok(Some((v, Origin::Argument)));
         }

@@ -12,6 +12,9 @@ fn var() -> impl Strategy<Value = String> {
             "DDO_VAE_ROUTE",
             "DDO_VAE_OFFLOAD_STREAM",
             "DDO_VAE_NUM_BLOCKS_PER_GROUP",
+            "DDO_PREFETCH_DEPT",
+            "DDO_",
+            "DDO_vae_ROUTE",
         ]
         .map(String::from),
     );

@@ -1,0 +1,176 @@
+//! Which `DDO_*` variables ddo reads, and a warning for every other one, so that a misspelt
+//! variable is reported (with the closest name ddo reads) instead of silently doing nothing.
+//!
+//! A variable is known when it is `DDO_<KEY>` for a setting key or its alias, `DDO_PRESET`,
+//! `DDO_BACKEND`, a key of a preset table (host hints such as `DDO_EXECUTION_MODE` or
+//! `DDO_RUNNER_ATTENTION_BACKEND` that presets carry), a variable of ddo's test tooling, or
+//! `DDO_<COMPONENT>_<KEY>` for a setting key or component key (`DDO_RUNNER_<COMPONENT>_<KEY>` is
+//! that form too). Component names are free, so a misspelt component name cannot be told from
+//! another component.
+
+use crate::{ENV_ALIASES, ENV_PREFIX, Environment, Preset, SETTING_KEYS};
+
+/// Keys read per component, as `DDO_<COMPONENT>_<KEY>` then `DDO_RUNNER_<COMPONENT>_<KEY>`.
+pub(crate) const COMPONENT_KEYS: &[&str] = &[
+    "ROUTE",
+    "GROUP_OFFLOAD",
+    "DYNAMIC_OFFLOAD",
+    "OFFLOAD_TYPE",
+    "OFFLOAD_STREAM",
+    "OFFLOAD_RECORD_STREAM",
+    "OFFLOAD_LOW_CPU_MEM_USAGE",
+    "NUM_BLOCKS_PER_GROUP",
+];
+
+/// Keys read to select the preset and the backend.
+const SELECTION_KEYS: &[&str] = &["PRESET", "BACKEND"];
+
+/// Keys ddo's own test and benchmark tooling reads.
+const TOOLING_KEYS: &[&str] = &["TEST_TMPDIR", "BENCH_GIB", "BENCH_DIR"];
+
+/// One warning per `DDO_*` variable of `env` that ddo does not read, in name order; variables
+/// without the prefix are not ddo's business and are skipped.
+pub(crate) fn unknown_variable_warnings(env: &Environment) -> Vec<String> {
+    let exact = exact_keys();
+    env.iter()
+        .filter_map(|(name, _)| name.strip_prefix(ENV_PREFIX).map(|body| (name, body)))
+        .filter(|(_, body)| !exact.contains(body) && !is_component_form(body))
+        .map(|(name, body)| match suggestion(body, &exact) {
+            Some(near) => format!("{name} is not a ddo variable; did you mean {ENV_PREFIX}{near}?"),
+            None => format!("{name} is not a ddo variable; ddo ignores it"),
+        })
+        .collect()
+}
+
+/// Every key read under its own name, without the prefix: settings, aliases, selection, preset
+/// table keys and tooling.
+fn exact_keys() -> Vec<&'static str> {
+    let mut keys: Vec<&'static str> = SETTING_KEYS.iter().map(|(_, key)| *key).collect();
+    keys.extend(ENV_ALIASES.iter().map(|(_, alias)| *alias));
+    keys.extend(SELECTION_KEYS);
+    keys.extend(Preset::ALL.iter().flat_map(|p| p.values().iter().map(|(key, _)| *key)));
+    keys.extend(TOOLING_KEYS);
+    let mut seen = std::collections::BTreeSet::new();
+    keys.retain(|key| seen.insert(*key));
+    keys
+}
+
+/// Keys that follow a component name.
+fn per_component_keys() -> impl Iterator<Item = &'static str> {
+    SETTING_KEYS.iter().map(|(_, key)| *key).chain(COMPONENT_KEYS.iter().copied())
+}
+
+/// `<COMPONENT>_<KEY>`: a non-empty component name as [`crate::component_env_name`] writes it,
+/// then a setting key or component key.
+fn is_component_form(body: &str) -> bool {
+    body.match_indices('_').any(|(i, _)| {
+        let (component, key) = (&body[..i], &body[i + 1..]);
+        !component.is_empty()
+            && component.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+            && per_component_keys().any(|k| k == key)
+    })
+}
+
+/// The known key closest to `body` (case ignored), when it is close enough to be a misspelling:
+/// at most two edits, or a third of the name's length for long names. For `<COMPONENT>_<KEY>`
+/// forms only the key part is compared (the component name is free). Exact keys win ties.
+fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
+    let upper = body.to_ascii_uppercase();
+    let near = |written: &str, candidate: &str| {
+        let d = edit_distance(written, candidate);
+        (d <= (written.len() / 3).max(2)).then_some(d)
+    };
+    let exact_matches =
+        exact.iter().filter_map(|key| near(&upper, key).map(|d| (d, (*key).to_owned())));
+    let component_matches = upper.match_indices('_').filter(|(i, _)| *i > 0).flat_map(|(i, _)| {
+        let (component, written) = (&upper[..i], &upper[i + 1..]);
+        per_component_keys()
+            .filter_map(move |key| near(written, key).map(|d| (d, format!("{component}_{key}"))))
+    });
+    let mut best: Option<(usize, String)> = None;
+    for (d, candidate) in exact_matches.chain(component_matches) {
+        if best.as_ref().is_none_or(|(bd, _)| d < *bd) {
+            best = Some((d, candidate));
+        }
+    }
+    best.map(|(_, candidate)| candidate)
+}
+
+/// Levenshtein distance over bytes (names are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (diagonal + usize::from(ca != cb)).min(above + 1).min(row[j] + 1);
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warnings(names: &[&str]) -> Vec<String> {
+        unknown_variable_warnings(&Environment::from_pairs(names.iter().map(|n| (*n, "1"))))
+    }
+
+    #[test]
+    fn distances() {
+        assert_eq!(edit_distance("", ""), 0);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("PREFETCH_DEPT", "PREFETCH_DEPTH"), 1);
+        assert_eq!(edit_distance("AB", ""), 2);
+    }
+
+    #[test]
+    fn every_form_that_resolution_reads_is_known() {
+        let known = [
+            "DDO_PRESET",
+            "DDO_BACKEND",
+            "DDO_PREFETCH_DEPTH",
+            "DDO_SAFETENSORS_BACKEND",
+            "DDO_TRANSFORMER_PREFETCH_DEPTH",
+            "DDO_VAE_ROUTE",
+            "DDO_TEXT_ENCODER_2_OFFLOAD_STREAM",
+            "DDO_RUNNER_TRANSFORMER_NUM_BLOCKS_PER_GROUP",
+            "DDO_MODEL_ROUTE",
+            "DDO_EXECUTION_MODE",
+            "DDO_PLAN",
+            "DDO_RUNNER_ATTENTION_BACKEND",
+            "DDO_PURGE_WINDOWS_STANDBY_BEFORE_RUN",
+            "DDO_TEST_TMPDIR",
+        ];
+        assert_eq!(warnings(&known), Vec::<String>::new());
+    }
+
+    #[test]
+    fn misspellings_get_the_closest_name() {
+        assert_eq!(
+            warnings(&[
+                "DDO_PREFETCH_DEPT",
+                "DDO_TRANSFORMER_PREFETCH_DEPHT",
+                "DDO_prefetch_depth"
+            ]),
+            [
+                "DDO_PREFETCH_DEPT is not a ddo variable; did you mean DDO_PREFETCH_DEPTH?",
+                "DDO_TRANSFORMER_PREFETCH_DEPHT is not a ddo variable; did you mean DDO_TRANSFORMER_PREFETCH_DEPTH?",
+                "DDO_prefetch_depth is not a ddo variable; did you mean DDO_PREFETCH_DEPTH?",
+            ]
+        );
+        assert_eq!(
+            warnings(&["DDO_VMM_LIBRARY_PATH", "DDO_", "PATH", "DDOX"]),
+            [
+                "DDO_ is not a ddo variable; ddo ignores it",
+                "DDO_VMM_LIBRARY_PATH is not a ddo variable; ddo ignores it",
+            ]
+        );
+        // A lower-case component name is never read (names are upper-cased).
+        assert_eq!(warnings(&["DDO_vae_ROUTE"]).len(), 1);
+    }
+}
