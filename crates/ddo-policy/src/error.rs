@@ -102,6 +102,18 @@ pub enum ConfigError {
         /// What was expected.
         expected: String,
     },
+    /// A module pattern that is not a valid regular expression.
+    #[error("{field} = {pattern:?} (from {origin}) is not a valid regular expression: {reason}")]
+    InvalidPattern {
+        /// The setting.
+        field: String,
+        /// The pattern (for a list setting, the entry that is invalid).
+        pattern: String,
+        /// Where it came from.
+        origin: Origin,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A route that cannot run under the resolved preset.
     #[error("{0}")]
     RouteConflict(String),

@@ -18,6 +18,7 @@ mod origin;
 mod preset;
 mod resolve;
 mod route;
+mod validate;
 mod value;
 mod variables;
 

@@ -73,6 +73,9 @@ pub struct Plan {
     pub running_on_wsl: bool,
     /// Whether weights are pinned after the WSL rule.
     pub effective_pin_cpu_memory: bool,
+    /// Whether `execution_device` is the default (no argument, config, variable or preset set
+    /// it): a host may then run on `cpu` when the machine has no CUDA device.
+    pub execution_device_is_default: bool,
     /// What the host should log and report: one line per `DDO_*` variable of the environment
     /// that ddo does not read, with the closest name it does read when one is near.
     pub warnings: Vec<String>,
@@ -155,7 +158,7 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
             .map(|v| (v.to_owned(), Origin::Preset(effective_preset.as_str().to_owned())))
     };
     let settings = Settings::resolve(&typed, &text, &mut origins)?;
-    validate(&settings, &origins)?;
+    crate::validate::validate(&settings, &origins)?;
 
     let effective_pin_cpu_memory =
         settings.pin_cpu_memory && !(request.running_on_wsl && settings.disable_pin_on_wsl);
@@ -187,79 +190,13 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
         effective_preset,
         execution_mode: effective_preset.execution_mode(),
         route,
-        settings,
-        origins,
         running_on_wsl: request.running_on_wsl,
         effective_pin_cpu_memory,
+        execution_device_is_default: origins["execution_device"] == Origin::Default,
         warnings: unknown_variable_warnings(env),
+        settings,
+        origins,
     })
-}
-
-fn validate(s: &Settings, origins: &BTreeMap<String, Origin>) -> Result<(), ConfigError> {
-    let origin = |field: &str| origins.get(field).cloned().unwrap_or(Origin::Default);
-    for (field, value) in s.float_fields() {
-        if !value.is_finite() || value < 0.0 {
-            return Err(ConfigError::InvalidSize {
-                field: field.into(),
-                value,
-                origin: origin(field),
-            });
-        }
-    }
-    let out_of_range = |field: &str, value: String, range: &str| ConfigError::OutOfRange {
-        field: field.into(),
-        value,
-        origin: origin(field),
-        range: range.into(),
-    };
-    if s.pin_weight_budget_ratio > 1.0 {
-        return Err(out_of_range(
-            "pin_weight_budget_ratio",
-            s.pin_weight_budget_ratio.to_string(),
-            "0 to 1",
-        ));
-    }
-    if s.vmm_source_cache_gb > MAX_SOURCE_CACHE_GB {
-        return Err(out_of_range(
-            "vmm_source_cache_gb",
-            s.vmm_source_cache_gb.to_string(),
-            "0 to 32 GiB",
-        ));
-    }
-    if s.prefetch_depth > MAX_PREFETCH_DEPTH {
-        return Err(out_of_range("prefetch_depth", s.prefetch_depth.to_string(), "0 to 16 units"));
-    }
-    if s.pin_cpu_workers == 0 || s.pin_cpu_workers > 64 {
-        return Err(out_of_range(
-            "pin_cpu_workers",
-            s.pin_cpu_workers.to_string(),
-            "1 to 64 threads",
-        ));
-    }
-    let registered = s.vmm_source_registered_gb;
-    if registered > 0.0 {
-        if registered > s.vmm_source_cache_gb {
-            return Err(ConfigError::RegistrationExceedsStorage {
-                registered,
-                storage: s.vmm_source_cache_gb,
-                origin: origin("vmm_source_registered_gb"),
-            });
-        }
-        let per_gib = (1024 / REGISTRATION_SEGMENT_MIB) as f64;
-        let segments = registered * per_gib;
-        if (segments - segments.round()).abs() > 1e-9 {
-            let step = 1.0 / per_gib;
-            let below = segments.floor() / per_gib;
-            return Err(ConfigError::RegistrationNotWholeSegments {
-                registered,
-                origin: origin("vmm_source_registered_gb"),
-                segment_mib: REGISTRATION_SEGMENT_MIB,
-                step,
-                suggestion: if below > 0.0 { below } else { step },
-            });
-        }
-    }
-    Ok(())
 }
 
 /// Lookup of the component keys (route, group offload parameters) through their layers.

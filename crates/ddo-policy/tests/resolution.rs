@@ -550,6 +550,96 @@ fn native_routes_need_a_budget_and_staging() {
 }
 
 #[test]
+fn execution_device_accepts_cuda_cuda_n_and_cpu() {
+    for device in ["cuda", "cuda:0", "cuda:3", "cpu"] {
+        let r = Request {
+            arguments: args(|c| c.execution_device = Some(device.into())),
+            ..req("transformer")
+        };
+        assert_eq!(plan(&r).settings.execution_device, device);
+    }
+    let r = Request { arguments: args(|c| c.execution_device = Some("abc".into())), ..req("vae") };
+    assert_eq!(
+        err(&r),
+        "execution_device = \"abc\" (from argument) is not valid; allowed: cuda, cuda:N, cpu"
+    );
+    let r =
+        Request { environment: env(&[("DDO_EXECUTION_DEVICE", "cuda:x")]), ..req("transformer") };
+    assert_eq!(
+        err(&r),
+        "execution_device = \"cuda:x\" (from DDO_EXECUTION_DEVICE) is not valid; allowed: cuda, cuda:N, cpu"
+    );
+    let r = Request {
+        config: Some(args(|c| c.execution_device = Some("cpu:0".into()))),
+        ..req("transformer")
+    };
+    assert_eq!(
+        err(&r),
+        "execution_device = \"cpu:0\" (from config) is not valid; allowed: cuda, cuda:N, cpu"
+    );
+}
+
+#[test]
+fn the_plan_says_whether_the_execution_device_is_the_default() {
+    let p = plan(&req("transformer"));
+    assert_eq!(p.settings.execution_device, "cuda:0");
+    assert!(p.execution_device_is_default);
+    // Set to the default's own value, it is still the user's choice.
+    let r = Request {
+        arguments: args(|c| c.execution_device = Some("cuda:0".into())),
+        ..req("transformer")
+    };
+    assert!(!plan(&r).execution_device_is_default);
+    let r = Request {
+        environment: env(&[("DDO_TRANSFORMER_EXECUTION_DEVICE", "cpu")]),
+        ..req("transformer")
+    };
+    let p = plan(&r);
+    assert_eq!(p.settings.execution_device, "cpu");
+    assert!(!p.execution_device_is_default);
+    let json = serde_json::to_value(&p).unwrap();
+    assert_eq!(json["execution_device_is_default"], false);
+}
+
+#[test]
+fn module_patterns_must_be_valid_regular_expressions() {
+    let r = Request {
+        arguments: args(|c| {
+            c.vmm_module_pattern = Some(r"transformer_blocks\.\d+".into());
+            c.always_resident_modules_pattern =
+                Some(vec![r"(^|\.)proj_out$".into(), "norm_out".into()]);
+        }),
+        ..req("transformer")
+    };
+    let p = plan(&r);
+    assert_eq!(p.settings.always_resident_modules_pattern.len(), 2);
+    let r = Request {
+        arguments: args(|c| c.vmm_module_pattern = Some("(abc".into())),
+        ..req("transformer")
+    };
+    assert_eq!(
+        err(&r),
+        "vmm_module_pattern = \"(abc\" (from argument) is not a valid regular expression: unclosed group"
+    );
+    let r = Request {
+        environment: env(&[("DDO_ALWAYS_RESIDENT_MODULE_PATTERNS", "norm_out;[a-")]),
+        ..req("transformer")
+    };
+    assert_eq!(
+        err(&r),
+        "always_resident_modules_pattern = \"[a-\" (from DDO_ALWAYS_RESIDENT_MODULE_PATTERNS) is not a valid regular expression: unclosed character class"
+    );
+    let r = Request {
+        config: Some(args(|c| c.vmm_module_pattern = Some("blocks(?=\\.)".into()))),
+        ..req("transformer")
+    };
+    assert_eq!(
+        err(&r),
+        "vmm_module_pattern = \"blocks(?=\\\\.)\" (from config) is not a valid regular expression: look-around, including look-ahead and look-behind, is not supported"
+    );
+}
+
+#[test]
 fn unknown_config_fields_are_refused() {
     let e = serde_json::from_str::<DynamicOffloadConfig>(r#"{"prefetch_dept": 2}"#).unwrap_err();
     assert!(e.to_string().starts_with("unknown field `prefetch_dept`, expected one of"), "{e}");
