@@ -8,9 +8,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::value::{AutoBudgetPolicy, OffloadType, ReadBackend, Selection, SettingValue};
 
-/// Declares every setting once: its field, type, default, variable key and documentation.
+/// Declares every setting once: its field, type, default, variable key and documentation; a
+/// setting ddo does not implement carries `unsupported = "what ddo does instead"`, which adds
+/// that text to its documentation and refuses any value other than the default at resolution.
 macro_rules! settings {
-    ($( $(#[doc = $doc:literal])* $field:ident : $ty:ty = $default:expr, $key:literal; )*) => {
+    ($(
+        $(#[doc = $doc:literal])*
+        $field:ident : $ty:ty = $default:expr, $key:literal $(, unsupported = $instead:literal)? ;
+    )*) => {
         /// What a user sets. Every field is optional; an unset field is decided by the layers below
         /// it (see [`crate::resolve`]). Deserializing refuses unknown fields, so a misspelt setting
         /// is an error, never silently ignored.
@@ -32,6 +37,7 @@ macro_rules! settings {
             pub components: BTreeMap<String, ComponentPolicy>,
             $(
                 $(#[doc = $doc])*
+                $( #[doc = concat!("\n\nNot supported by ddo: only the default is accepted; ", $instead, ".")] )?
                 #[doc = concat!("\n\nVariable: `DDO_", $key, "`.")]
                 #[serde(default, skip_serializing_if = "Option::is_none")]
                 pub $field: Option<$ty>,
@@ -41,11 +47,19 @@ macro_rules! settings {
         /// Every setting, decided.
         #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
         pub struct Settings {
-            $( $(#[doc = $doc])* pub $field: $ty, )*
+            $(
+                $(#[doc = $doc])*
+                $( #[doc = concat!("\n\nNot supported by ddo: only the default is accepted; ", $instead, ".")] )?
+                pub $field: $ty,
+            )*
         }
 
         /// `(field, variable key without DDO_)` of every setting, in declaration order.
         pub const SETTING_KEYS: &[(&str, &str)] = &[ $( (stringify!($field), $key), )* ];
+
+        /// `(field, what ddo does instead)` of every setting ddo does not implement: resolution
+        /// refuses any value of these other than the default.
+        pub const UNSUPPORTED_SETTINGS: &[(&str, &str)] = &[ $( $( (stringify!($field), $instead), )? )* ];
 
         impl DynamicOffloadConfig {
             /// Whether no field is set.
@@ -98,8 +112,38 @@ macro_rules! settings {
                 $( push_float(&mut out, stringify!($field), &self.$field); )*
                 out
             }
+
+            /// The unsupported settings whose value is not the default, in declaration order.
+            pub(crate) fn unsupported_values(&self) -> Vec<UnsupportedValue> {
+                #[allow(unused_mut)]
+                let mut out = Vec::new();
+                $( $(
+                    let default: $ty = $default;
+                    if self.$field != default {
+                        out.push(UnsupportedValue {
+                            field: stringify!($field),
+                            value: self.$field.to_text(),
+                            default: default.to_text(),
+                            instead: $instead,
+                        });
+                    }
+                )? )*
+                out
+            }
         }
     };
+}
+
+/// An unsupported setting set to something other than its default.
+pub(crate) struct UnsupportedValue {
+    /// The setting.
+    pub(crate) field: &'static str,
+    /// Its value, as error messages show it.
+    pub(crate) value: String,
+    /// Its default, as error messages show it.
+    pub(crate) default: String,
+    /// What ddo does instead.
+    pub(crate) instead: &'static str,
 }
 
 /// Parses the text of a setting; the error names the variable (or preset) it came from.
@@ -131,71 +175,96 @@ fn push_float<T: 'static>(out: &mut Vec<(&'static str, f64)>, field: &'static st
     }
 }
 
-/// The regex of modules kept whole on the execution device by default.
-pub const DEFAULT_ALWAYS_RESIDENT_PATTERN: &str =
-    r"(^|\.)(proj_in|time_embed|prompt_adaln|norm_out|proj_out)(\.|$)";
-
 settings! {
-    /// Device that runs the model (`cuda:0`, or `cpu` on the host backend).
+    /// Device that runs the model: `cuda` (the current CUDA device), `cuda:N` or `cpu` (the host
+    /// backend); any other text is refused at resolution. The plan's
+    /// `execution_device_is_default` says whether it came from the default, so a host without
+    /// CUDA picks `cpu` only when the user said nothing.
     execution_device: String = "cuda:0".to_owned(), "EXECUTION_DEVICE";
     /// Device where offloaded weights live.
-    offload_device: String = "cpu".to_owned(), "OFFLOAD_DEVICE";
-    /// GPU residency ceiling of the native arena in GiB: resident units and execution slots.
+    offload_device: String = "cpu".to_owned(), "OFFLOAD_DEVICE",
+        unsupported = "ddo keeps offloaded weights in host memory";
+    /// GPU weight budget (GiB) of the arena on the native route (`vmm_fast_runtime`): resident
+    /// units and execution slots.
     vmm_resident_weight_budget_gb: f64 = 4.0, "VMM_RESIDENT_WEIGHT_BUDGET_GB";
-    /// GPU bytes (GiB) of whole modules the linear route keeps resident.
+    /// On the linear route, GPU bytes (GiB) of units kept resident beyond the execution slots: the
+    /// arena budget is this plus the slots.
     resident_module_budget_gb: f64 = 0.0, "RESIDENT_MODULE_BUDGET_GB";
-    /// Cap on an automatic resident-module budget (GiB; 0 = no cap).
-    max_resident_module_budget_gb: f64 = 6.0, "MAX_RESIDENT_MODULE_BUDGET_GB";
-    /// GPU memory (GiB) kept free for activations; 0 = the automatic headroom table.
+    /// Cap on the peer library's automatic resident-module budget (GiB; 0 = no cap).
+    max_resident_module_budget_gb: f64 = 6.0, "MAX_RESIDENT_MODULE_BUDGET_GB",
+        unsupported = "it only caps the automatic (balanced) budget, which ddo does not build; ddo's arena plans residency itself under the GPU budget (vmm_resident_weight_budget_gb / resident_module_budget_gb)";
+    /// GPU memory (GiB) of the arena budget kept free for activations: the arena plans its units
+    /// and slots under the budget minus this headroom (0 = none).
     auto_vram_headroom_gb: f64 = 0.0, "AUTO_VRAM_HEADROOM_GB";
-    /// Automatic budget policy of the linear route.
-    auto_budget_policy: AutoBudgetPolicy = AutoBudgetPolicy::Off, "AUTO_BUDGET_POLICY";
-    /// Model-to-VRAM ratio from which the balanced policy pins everything and keeps nothing resident.
-    auto_full_pin_min_model_to_vram_ratio: f64 = 4.0, "AUTO_FULL_PIN_MIN_MODEL_TO_VRAM_RATIO";
-    /// Pin (page-lock) offloaded weights for fast copies.
+    /// The peer library's automatic budget policy (`off` or `balanced`).
+    auto_budget_policy: AutoBudgetPolicy = AutoBudgetPolicy::Off, "AUTO_BUDGET_POLICY",
+        unsupported = "ddo's arena plans residency itself under the GPU budget (vmm_resident_weight_budget_gb / resident_module_budget_gb); an automatic budget from the card is not built yet";
+    /// Model-to-VRAM ratio from which the peer library's balanced policy pins everything.
+    auto_full_pin_min_model_to_vram_ratio: f64 = 4.0, "AUTO_FULL_PIN_MIN_MODEL_TO_VRAM_RATIO",
+        unsupported = "it only tunes the automatic (balanced) budget, which ddo does not build; ddo's arena plans residency itself under the GPU budget (vmm_resident_weight_budget_gb / resident_module_budget_gb)";
+    /// On the linear route, register (page-lock) the module's host tensors in place so copies
+    /// run at full speed; the plan's `effective_pin_cpu_memory` applies `disable_pin_on_wsl`.
     pin_cpu_memory: bool = false, "PIN_CPU_MEMORY";
-    /// On a pinning failure, continue unpinned instead of failing.
+    /// When the host refuses registration: continue unregistered (true) or fail (false).
     allow_pin_memory_fallback: bool = true, "ALLOW_PIN_MEMORY_FALLBACK";
-    /// Do not pin when running on WSL.
+    /// Do not register host tensors on WSL: `effective_pin_cpu_memory` is `pin_cpu_memory` and
+    /// not (WSL and this); on WSL it also turns Diffusers group-offload streams off unless an
+    /// argument asks for them.
     disable_pin_on_wsl: bool = true, "DISABLE_PIN_ON_WSL";
-    /// Threads that pin weights in parallel.
+    /// Threads that read checkpoint bytes into retained host memory (1 to 64).
     pin_cpu_workers: u32 = 4, "PIN_CPU_WORKERS";
-    /// Keep pinned weights in a process-wide cache across attaches.
-    cache_pinned_weights: bool = false, "CACHE_PINNED_WEIGHTS";
-    /// Explicit pin budget (GiB; 0 = automatic).
+    /// The peer library's process-wide cache of pinned weights kept across attaches.
+    cache_pinned_weights: bool = false, "CACHE_PINNED_WEIGHTS",
+        unsupported = "ddo registers host tensors in place up to pin_weight_budget_gb; there is no cache of pinned copies to keep across attaches";
+    /// Registration ceiling (GiB) of the linear route: host bytes it registers in place at most
+    /// (0 = everything).
     pin_weight_budget_gb: f64 = 0.0, "PIN_WEIGHT_BUDGET_GB";
-    /// Pin budget as a fraction of the candidate bytes (0..1; 0 = unset).
-    pin_weight_budget_ratio: f64 = 0.0, "PIN_WEIGHT_BUDGET_RATIO";
-    /// Cap on the pin budget (GiB; 0 = no cap).
-    max_pin_weight_budget_gb: f64 = 0.0, "MAX_PIN_WEIGHT_BUDGET_GB";
-    /// Which weights to pin first under a partial budget.
-    pin_weight_selection: Selection = Selection::Spread, "PIN_WEIGHT_SELECTION";
-    /// Host RAM (GiB) kept free when sizing pinned and retained memory.
+    /// The peer library's pin budget as a fraction of the candidate bytes.
+    pin_weight_budget_ratio: f64 = 0.0, "PIN_WEIGHT_BUDGET_RATIO",
+        unsupported = "ddo registers host tensors in place up to pin_weight_budget_gb; set that ceiling in GiB";
+    /// The peer library's cap on an automatic pin budget (GiB).
+    max_pin_weight_budget_gb: f64 = 0.0, "MAX_PIN_WEIGHT_BUDGET_GB",
+        unsupported = "ddo registers host tensors in place up to pin_weight_budget_gb; set that ceiling directly (there is no automatic pin budget to cap)";
+    /// The peer library's order of weights to pin under a partial budget.
+    pin_weight_selection: Selection = Selection::Spread, "PIN_WEIGHT_SELECTION",
+        unsupported = "ddo registers host tensors in place up to pin_weight_budget_gb and chooses which itself";
+    /// Host RAM (GiB) kept free by host-memory admission (the safety margin of admission).
     system_ram_headroom_gb: f64 = 6.0, "SYSTEM_RAM_HEADROOM_GB";
     /// Retained host storage ceiling of the checkpoint source (GiB, 0..32; 0 = read from the mapping).
     vmm_source_cache_gb: f64 = 0.0, "VMM_SOURCE_CACHE_GB";
     /// Host registration ceiling (GiB, whole 64 MiB segments, at most the storage; 0 = same as storage).
     vmm_source_registered_gb: f64 = 0.0, "VMM_SOURCE_REGISTERED_GB";
-    /// Host staging memory (GiB) for the disk route's reads.
-    vmm_staging_buffer_gb: f64 = 0.625, "VMM_STAGING_BUFFER_GB";
-    /// How checkpoint bytes are read.
+    /// Host staging memory (GiB) of the disk route's reads.
+    vmm_staging_buffer_gb: f64 = 0.625, "VMM_STAGING_BUFFER_GB",
+        unsupported = "the disk route (vmm_runtime) that uses host staging is not built yet";
+    /// How the native route reads the checkpoint: `auto` and `mmap` = the mapping; `pread` =
+    /// positioned reads; `direct` = O_DIRECT reads.
     load_safetensors_backend: ReadBackend = ReadBackend::Auto, "LOAD_SAFETENSORS_BACKEND";
-    /// Regex of the modules whose weights the native arena owns.
+    /// Regex (Python `re.search` semantics on the module path) of the modules whose repeated
+    /// blocks are streamed; other parameters stay resident. It must also compile as a Rust
+    /// `regex` (no look-around, no back-references): resolution refuses one that does not.
     vmm_module_pattern: String = ".*".to_owned(), "VMM_MODULE_PATTERN";
-    /// Regexes of modules left untouched.
-    skip_modules_pattern: Vec<String> = Vec::new(), "SKIP_MODULES_PATTERN";
-    /// Regexes of modules always kept whole on the execution device.
-    always_resident_modules_pattern: Vec<String> = vec![DEFAULT_ALWAYS_RESIDENT_PATTERN.to_owned()], "ALWAYS_RESIDENT_MODULE_PATTERNS";
-    /// Regexes of resident-module candidates; `auto` = the repeated block list.
-    resident_module_patterns: Vec<String> = Vec::new(), "RESIDENT_MODULE_PATTERNS";
-    /// Which candidates become resident first under the budget.
-    resident_module_selection: Selection = Selection::Spread, "RESIDENT_MODULE_SELECTION";
-    /// Tensors up to this size (KiB) stay resident on the execution device.
+    /// The peer library's regexes of modules left untouched.
+    skip_modules_pattern: Vec<String> = Vec::new(), "SKIP_MODULES_PATTERN",
+        unsupported = "use always_resident_modules_pattern (modules kept on the device) or vmm_module_pattern (modules whose blocks are streamed)";
+    /// Regexes (Python `re.search` semantics on the module path) of modules kept whole on the
+    /// execution device; none by default. Each must also compile as a Rust `regex`: resolution
+    /// refuses one that does not.
+    always_resident_modules_pattern: Vec<String> = Vec::new(), "ALWAYS_RESIDENT_MODULE_PATTERNS";
+    /// The peer library's regexes of resident-module candidates (`auto` = the repeated blocks).
+    resident_module_patterns: Vec<String> = Vec::new(), "RESIDENT_MODULE_PATTERNS",
+        unsupported = "ddo chooses resident units itself (the repeated blocks of the module tree); use always_resident_modules_pattern to keep modules on the device";
+    /// The peer library's order of resident-module candidates under the budget.
+    resident_module_selection: Selection = Selection::Spread, "RESIDENT_MODULE_SELECTION",
+        unsupported = "ddo chooses resident units itself (the repeated blocks of the module tree); use always_resident_modules_pattern to keep modules on the device";
+    /// On the linear route, tensors up to this size (KiB) are packed together into one host
+    /// buffer per unit so a unit uploads in few copies (0 = pack nothing).
     small_tensor_threshold_kb: u32 = 1024, "SMALL_TENSOR_THRESHOLD_KB";
-    /// Units kept in flight ahead of execution.
+    /// Streamed units kept in flight ahead of execution (0 to 16).
     prefetch_depth: u32 = 2, "PREFETCH_DEPTH";
-    /// Allow explicit reclaim of idle execution-slot backing (addresses are kept).
-    vmm_execution_backing_reclaim: bool = false, "VMM_EXECUTION_BACKING_RECLAIM";
+    /// The peer library's reclaim of idle execution-slot backing.
+    vmm_execution_backing_reclaim: bool = false, "VMM_EXECUTION_BACKING_RECLAIM",
+        unsupported = "call result.reclaim() to release idle slot memory";
     /// Print what ddo does.
     verbose: bool = false, "VERBOSE";
     /// Print the profile after runs.

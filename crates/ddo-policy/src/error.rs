@@ -102,6 +102,22 @@ pub enum ConfigError {
         /// What was expected.
         expected: String,
     },
+    /// A setting ddo does not implement, set to something other than its default.
+    #[error(
+        "{field} = {value} (from {origin}) is not supported by ddo: {instead}; leave it unset or at its default {default}"
+    )]
+    Unsupported {
+        /// The setting.
+        field: &'static str,
+        /// The value given, as written in messages (text quoted).
+        value: String,
+        /// Where it came from.
+        origin: Origin,
+        /// What ddo does instead.
+        instead: &'static str,
+        /// The one value accepted, as written in messages.
+        default: String,
+    },
     /// A module pattern that is not a valid regular expression.
     #[error("{field} = {pattern:?} (from {origin}) is not a valid regular expression: {reason}")]
     InvalidPattern {

@@ -4,8 +4,9 @@
 //! A host describes what it wants as a [`Request`]: explicit arguments, an optional
 //! [`DynamicOffloadConfig`], per-component policies, and an injected [`Environment`].
 //! [`resolve`] turns it into a [`Plan`]: the backend, the effective [`Preset`], the [`Route`] and
-//! every [`Settings`] value with the [`Origin`] that decided it; every `DDO_*` variable ddo does
-//! not read becomes a warning on the plan. The crate is pure (no I/O beyond
+//! every [`Settings`] value with the [`Origin`] that decided it. Settings ddo does not implement
+//! ([`UNSUPPORTED_SETTINGS`]) are refused unless left at their default, and every `DDO_*` variable
+//! ddo does not read becomes a warning on the plan. The crate is pure (no I/O beyond
 //! [`Environment::from_process`]); the Python package calls it rather than re-implementing the
 //! rules.
 #![forbid(unsafe_code)]
@@ -23,8 +24,8 @@ mod value;
 mod variables;
 
 pub use config::{
-    ComponentPolicy, DEFAULT_ALWAYS_RESIDENT_PATTERN, DynamicOffloadConfig, ENV_ALIASES,
-    SETTING_KEYS, Settings,
+    ComponentPolicy, DynamicOffloadConfig, ENV_ALIASES, SETTING_KEYS, Settings,
+    UNSUPPORTED_SETTINGS,
 };
 pub use env::{ENV_PREFIX, Environment, component_env_name};
 pub use error::ConfigError;

@@ -11,13 +11,14 @@ choice! {
     Preset {
         /// Resolves per backend.
         Auto = "auto",
-        /// Linear route, pinned host copies, balanced automatic budget.
+        /// Linear route, registered host copies, nothing resident beyond the execution slots.
         OneShotFast = "one_shot_fast",
-        /// Linear route, no pinning, small resident budget.
+        /// Linear route, no registration, a small resident budget.
         LowRamSafe = "low_ram_safe",
-        /// Linear route for WSL: no pinning, no group-offload streams.
+        /// Linear route for WSL: no registration, no group-offload streams.
         WslCompat = "wsl_compat",
-        /// Linear route for a long-lived process: pinned weights cached across attaches.
+        /// Linear route for a long-lived process: registered host copies, a larger resident
+        /// budget, the VAE resident.
         WarmProcess = "warm_process",
         /// Native route reading weights from disk every pass, bounded host memory.
         NvmeBaseline = "nvme_baseline",
@@ -90,7 +91,8 @@ impl Preset {
     /// The preset's value table: `(KEY, value)` pairs, keys without the `DDO_` prefix. Keys that
     /// name a setting feed that setting; `RUNNER_<COMPONENT>_*` keys feed component routes; the
     /// remaining host hints (`RUNNER_ATTENTION_BACKEND`, ...) are kept for hosts and not acted on.
-    /// Native presets never inherit linear preset values.
+    /// Native presets never inherit linear preset values. Tables set only settings ddo implements
+    /// (see [`crate::UNSUPPORTED_SETTINGS`]), so every preset resolves.
     pub const fn values(self) -> &'static [(&'static str, &'static str)] {
         match self {
             Preset::Auto | Preset::OneShotFast => ONE_SHOT_FAST,
@@ -190,12 +192,8 @@ const ONE_SHOT_FAST: &[(&str, &str)] = &[
     ("PIN_CPU_MEMORY", "1"),
     ("ALLOW_PIN_MEMORY_FALLBACK", "1"),
     ("PIN_CPU_WORKERS", "4"),
-    ("AUTO_BUDGET_POLICY", "balanced"),
-    ("MAX_RESIDENT_MODULE_BUDGET_GB", "0"),
     ("SYSTEM_RAM_HEADROOM_GB", "8"),
     ("RESIDENT_MODULE_BUDGET_GB", "0"),
-    ("RESIDENT_MODULE_PATTERNS", "auto"),
-    ("RESIDENT_MODULE_SELECTION", "spread"),
     ("SMALL_TENSOR_THRESHOLD_KB", "1024"),
     TEXT_ENCODER_LEAF[0],
     TEXT_ENCODER_LEAF[1],
@@ -216,10 +214,7 @@ const WSL_COMPAT: &[(&str, &str)] = &[
     ("ALLOW_PIN_MEMORY_FALLBACK", "1"),
     ("DISABLE_PIN_ON_WSL", "1"),
     ("PIN_CPU_WORKERS", "1"),
-    ("AUTO_BUDGET_POLICY", "off"),
     ("RESIDENT_MODULE_BUDGET_GB", "6"),
-    ("RESIDENT_MODULE_PATTERNS", "auto"),
-    ("RESIDENT_MODULE_SELECTION", "spread"),
     ("SMALL_TENSOR_THRESHOLD_KB", "1024"),
     TEXT_ENCODER_LEAF[0],
     TEXT_ENCODER_LEAF[1],
@@ -235,11 +230,7 @@ const WARM_PROCESS: &[(&str, &str)] = &[
     ("PIN_CPU_MEMORY", "1"),
     ("ALLOW_PIN_MEMORY_FALLBACK", "1"),
     ("PIN_CPU_WORKERS", "4"),
-    ("CACHE_PINNED_WEIGHTS", "1"),
-    ("AUTO_BUDGET_POLICY", "off"),
     ("RESIDENT_MODULE_BUDGET_GB", "6"),
-    ("RESIDENT_MODULE_PATTERNS", "auto"),
-    ("RESIDENT_MODULE_SELECTION", "spread"),
     ("SMALL_TENSOR_THRESHOLD_KB", "1024"),
     TEXT_ENCODER_LEAF[0],
     TEXT_ENCODER_LEAF[1],
@@ -256,10 +247,7 @@ const LOW_RAM_SAFE: &[(&str, &str)] = &[
     ("PIN_CPU_MEMORY", "0"),
     ("ALLOW_PIN_MEMORY_FALLBACK", "1"),
     ("PIN_CPU_WORKERS", "1"),
-    ("AUTO_BUDGET_POLICY", "off"),
     ("RESIDENT_MODULE_BUDGET_GB", "3"),
-    ("RESIDENT_MODULE_PATTERNS", "auto"),
-    ("RESIDENT_MODULE_SELECTION", "spread"),
     ("SMALL_TENSOR_THRESHOLD_KB", "1024"),
     TEXT_ENCODER_LEAF[0],
     TEXT_ENCODER_LEAF[1],
@@ -285,7 +273,6 @@ const VMM_FAST: &[(&str, &str)] = &[
 const NVME_BASELINE: &[(&str, &str)] = &[
     ("EXECUTION_MODE", "vmm_runtime"),
     ("VMM_RESIDENT_WEIGHT_BUDGET_GB", "4"),
-    ("VMM_STAGING_BUFFER_GB", "0.625"),
     ("PREFETCH_DEPTH", "1"),
     ("LOAD_SAFETENSORS_BACKEND", "direct"),
     TEXT_ENCODER_LEAF[0],
@@ -334,6 +321,19 @@ mod tests {
             match p {
                 Preset::Auto => assert_eq!(mode, Some("linear_runtime")),
                 _ => assert_eq!(mode, Some(p.execution_mode().as_str()), "{p}"),
+            }
+        }
+    }
+
+    #[test]
+    fn no_preset_sets_an_unsupported_setting() {
+        for p in Preset::ALL {
+            for (key, _) in p.values() {
+                let field = crate::SETTING_KEYS.iter().find(|(_, k)| k == key).map(|(f, _)| *f);
+                assert!(
+                    !crate::UNSUPPORTED_SETTINGS.iter().any(|(u, _)| Some(*u) == field),
+                    "{p} sets {key}"
+                );
             }
         }
     }

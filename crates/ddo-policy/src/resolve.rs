@@ -172,12 +172,6 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
             origins["vmm_resident_weight_budget_gb"]
         )));
     }
-    if route == Route::VmmRuntime && settings.vmm_staging_buffer_gb <= 0.0 {
-        return Err(ConfigError::RouteConflict(format!(
-            "route vmm_runtime reads through host staging and needs vmm_staging_buffer_gb > 0 (it is {}, from {})",
-            settings.vmm_staging_buffer_gb, origins["vmm_staging_buffer_gb"]
-        )));
-    }
 
     Ok(Plan {
         component: if request.component.is_empty() {

@@ -1,5 +1,5 @@
-//! Checks of resolved settings: sizes, ranges, the registration ceiling, the execution device
-//! and module patterns. Every error names the setting, the value,
+//! Checks of resolved settings: settings ddo does not implement, sizes, ranges, the registration
+//! ceiling, the execution device and module patterns. Every error names the setting, the value,
 //! where it came from and what is allowed.
 
 use std::collections::BTreeMap;
@@ -16,6 +16,16 @@ pub(crate) fn validate(
     origins: &BTreeMap<String, Origin>,
 ) -> Result<(), ConfigError> {
     let origin = |field: &str| origins.get(field).cloned().unwrap_or(Origin::Default);
+    // Unsupported settings first: a range check on a value ddo refuses anyway would mislead.
+    if let Some(found) = s.unsupported_values().into_iter().next() {
+        return Err(ConfigError::Unsupported {
+            field: found.field,
+            value: found.value,
+            origin: origin(found.field),
+            instead: found.instead,
+            default: found.default,
+        });
+    }
     for (field, value) in s.float_fields() {
         if !value.is_finite() || value < 0.0 {
             return Err(ConfigError::InvalidSize {
@@ -31,13 +41,6 @@ pub(crate) fn validate(
         origin: origin(field),
         range: range.into(),
     };
-    if s.pin_weight_budget_ratio > 1.0 {
-        return Err(out_of_range(
-            "pin_weight_budget_ratio",
-            s.pin_weight_budget_ratio.to_string(),
-            "0 to 1",
-        ));
-    }
     if s.vmm_source_cache_gb > MAX_SOURCE_CACHE_GB {
         return Err(out_of_range(
             "vmm_source_cache_gb",

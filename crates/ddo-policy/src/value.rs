@@ -10,6 +10,8 @@ pub trait SettingValue: Sized + Clone + fmt::Debug {
     fn parse_text(text: &str) -> Option<Self>;
     /// The value as JSON, for metrics.
     fn to_json(&self) -> serde_json::Value;
+    /// The value as error messages show it: numbers and booleans as they are, text quoted.
+    fn to_text(&self) -> String;
 }
 
 impl SettingValue for bool {
@@ -26,6 +28,9 @@ impl SettingValue for bool {
     fn to_json(&self) -> serde_json::Value {
         (*self).into()
     }
+    fn to_text(&self) -> String {
+        self.to_string()
+    }
 }
 
 impl SettingValue for u32 {
@@ -37,6 +42,9 @@ impl SettingValue for u32 {
     }
     fn to_json(&self) -> serde_json::Value {
         (*self).into()
+    }
+    fn to_text(&self) -> String {
+        self.to_string()
     }
 }
 
@@ -50,6 +58,9 @@ impl SettingValue for f64 {
     fn to_json(&self) -> serde_json::Value {
         serde_json::Number::from_f64(*self).map_or(serde_json::Value::Null, Into::into)
     }
+    fn to_text(&self) -> String {
+        self.to_string()
+    }
 }
 
 impl SettingValue for String {
@@ -61,6 +72,9 @@ impl SettingValue for String {
     }
     fn to_json(&self) -> serde_json::Value {
         self.clone().into()
+    }
+    fn to_text(&self) -> String {
+        format!("{self:?}")
     }
 }
 
@@ -79,6 +93,9 @@ impl SettingValue for Vec<String> {
     }
     fn to_json(&self) -> serde_json::Value {
         self.clone().into()
+    }
+    fn to_text(&self) -> String {
+        format!("{self:?}")
     }
 }
 
@@ -123,23 +140,26 @@ macro_rules! choice {
             fn to_json(&self) -> serde_json::Value {
                 self.as_str().into()
             }
+            fn to_text(&self) -> String {
+                format!("{:?}", self.as_str())
+            }
         }
     };
 }
 pub(crate) use choice;
 
 choice! {
-    /// How the linear route sizes its resident-module budget.
+    /// The peer library's automatic budget policy; ddo accepts only `off`.
     AutoBudgetPolicy {
         /// Use the configured budgets as they are.
         Off = "off",
-        /// Size the resident and pin budgets from VRAM and RAM.
+        /// The peer library's budget sized from VRAM and RAM; ddo refuses it.
         Balanced = "balanced"
     }
 }
 
 choice! {
-    /// Order in which candidates (resident modules, pinned weights) are chosen under a budget.
+    /// The peer library's order of candidates under a budget; ddo accepts only the default.
     Selection {
         /// Model order.
         First = "first",
@@ -151,9 +171,9 @@ choice! {
 }
 
 choice! {
-    /// How checkpoint bytes are read.
+    /// How the native route reads checkpoint bytes.
     ReadBackend {
-        /// Pick per route: mmap for the fast routes, O_DIRECT for the disk route.
+        /// The mapping, as `mmap`.
         Auto = "auto",
         /// Memory-map the files.
         Mmap = "mmap",
@@ -190,5 +210,10 @@ mod tests {
         assert_eq!(ReadBackend::parse_text("DIRECT"), Some(ReadBackend::Direct));
         assert_eq!(Selection::allowed(), "first, spread, largest");
         assert_eq!(AutoBudgetPolicy::expected(), "one of: off, balanced");
+        assert_eq!(1.5f64.to_text(), "1.5");
+        assert_eq!(0.0f64.to_text(), "0");
+        assert_eq!("cpu".to_owned().to_text(), "\"cpu\"");
+        assert_eq!(vec!["a".to_owned()].to_text(), "[\"a\"]");
+        assert_eq!(Selection::First.to_text(), "\"first\"");
     }
 }

@@ -398,11 +398,13 @@ fn negative_nan_and_infinite_sizes() {
         err(&r),
         "resident_module_budget_gb = NaN (from config) must be a finite number >= 0 (GiB)"
     );
-    let r =
-        Request { environment: env(&[("DDO_VMM_STAGING_BUFFER_GB", "inf")]), ..req("transformer") };
+    let r = Request {
+        environment: env(&[("DDO_SYSTEM_RAM_HEADROOM_GB", "inf")]),
+        ..req("transformer")
+    };
     assert_eq!(
         err(&r),
-        "vmm_staging_buffer_gb = inf (from DDO_VMM_STAGING_BUFFER_GB) must be a finite number >= 0 (GiB)"
+        "system_ram_headroom_gb = inf (from DDO_SYSTEM_RAM_HEADROOM_GB) must be a finite number >= 0 (GiB)"
     );
 }
 
@@ -413,14 +415,6 @@ fn ranges() {
     assert_eq!(
         err(&r),
         "vmm_source_cache_gb = 40 (from argument) is out of range; allowed: 0 to 32 GiB"
-    );
-    let r = Request {
-        arguments: args(|c| c.pin_weight_budget_ratio = Some(1.5)),
-        ..req("transformer")
-    };
-    assert_eq!(
-        err(&r),
-        "pin_weight_budget_ratio = 1.5 (from argument) is out of range; allowed: 0 to 1"
     );
     let r = Request { environment: env(&[("DDO_PREFETCH_DEPTH", "99")]), ..req("transformer") };
     assert_eq!(
@@ -504,9 +498,9 @@ fn unparsable_variables_name_the_variable() {
             "environment variable DDO_VMM_SOURCE_CACHE_GB=\"lots\" is not a number",
         ),
         (
-            "DDO_PIN_WEIGHT_SELECTION",
+            "DDO_LOAD_SAFETENSORS_BACKEND",
             "random",
-            "environment variable DDO_PIN_WEIGHT_SELECTION=\"random\" is not one of: first, spread, largest",
+            "environment variable DDO_LOAD_SAFETENSORS_BACKEND=\"random\" is not one of: auto, mmap, pread, direct",
         ),
         (
             "DDO_TRANSFORMER_OFFLOAD_STREAM",
@@ -524,7 +518,7 @@ fn unparsable_variables_name_the_variable() {
 }
 
 #[test]
-fn native_routes_need_a_budget_and_staging() {
+fn native_routes_need_a_budget() {
     let r = Request {
         arguments: args(|c| {
             c.backend = Some("vmm".into());
@@ -535,17 +529,6 @@ fn native_routes_need_a_budget_and_staging() {
     assert_eq!(
         err(&r),
         "route vmm_fast_runtime needs vmm_resident_weight_budget_gb > 0 (it is 0, from argument); set a GPU budget in GiB"
-    );
-    let r = Request {
-        arguments: args(|c| {
-            c.preset = Some("nvme_baseline".into());
-            c.vmm_staging_buffer_gb = Some(0.0);
-        }),
-        ..req("transformer")
-    };
-    assert_eq!(
-        err(&r),
-        "route vmm_runtime reads through host staging and needs vmm_staging_buffer_gb > 0 (it is 0, from argument)"
     );
 }
 
@@ -637,6 +620,17 @@ fn module_patterns_must_be_valid_regular_expressions() {
         err(&r),
         "vmm_module_pattern = \"blocks(?=\\\\.)\" (from config) is not a valid regular expression: look-around, including look-ahead and look-behind, is not supported"
     );
+}
+
+#[test]
+fn nothing_is_always_resident_by_default() {
+    for preset in Preset::ALL {
+        let r =
+            Request { environment: env(&[("DDO_PRESET", preset.as_str())]), ..req("transformer") };
+        let p = plan(&r);
+        assert!(p.settings.always_resident_modules_pattern.is_empty(), "{preset}");
+        assert_eq!(p.origins["always_resident_modules_pattern"], Origin::Default, "{preset}");
+    }
 }
 
 #[test]
