@@ -150,14 +150,17 @@ impl AddressBook {
     }
 
     /// Live mappings, reservations and backings, for teardown.
+    #[cfg(feature = "cuda")]
     pub(crate) fn mappings(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.mappings.iter().map(|(&s, &(l, _))| (s, l))
     }
 
+    #[cfg(feature = "cuda")]
     pub(crate) fn reservations(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.reservations.iter().map(|(&s, &l)| (s, l))
     }
 
+    #[cfg(feature = "cuda")]
     pub(crate) fn backings(&self) -> impl Iterator<Item = BackingId> + '_ {
         self.backings.keys().copied()
     }

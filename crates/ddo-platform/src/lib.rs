@@ -1,7 +1,9 @@
 //! Adapters of ddo's ports to real platforms.
 //!
 //! - [`cuda`]: NVIDIA GPUs through the CUDA driver, loaded at run time (no toolkit is needed to
-//!   build; a machine without a driver gets [`ddo_core::DeviceError::DriverNotFound`]).
+//!   build; a machine without a driver gets [`ddo_core::DeviceError::DriverNotFound`]). It needs
+//!   the `cuda` feature, on by default; without it the module keeps its API and opening a device
+//!   fails with an error that says ddo was built without CUDA.
 //! - [`host`]: the host backend, real host memory with the same virtual-memory semantics, for
 //!   machines without a GPU and for tests.
 //! - [`linux`]: host-memory observation and admission from `/proc`, cgroup v2 and rlimits, read
@@ -33,7 +35,8 @@ pub fn host_platform(device: Arc<host::HostDevice>) -> Platform {
 }
 
 /// The CUDA device `ordinal` as a [`Platform`] (primary context), with the Linux admission
-/// probe. Fails with [`DeviceError::DriverNotFound`] where no driver is installed.
+/// probe. Fails with [`DeviceError::DriverNotFound`] where no driver is installed, and with a
+/// platform error saying ddo was built without CUDA when the `cuda` feature is off.
 pub fn cuda_platform(ordinal: u32) -> Result<(Platform, Arc<cuda::CudaDevice>), DeviceError> {
     let device = cuda::CudaDevice::new(ordinal)?;
     let platform = Platform {

@@ -1,19 +1,40 @@
-//! The CUDA adapter, in three layers as in cudarc: raw bindings ([`sys`], cudarc's, loaded at
-//! run time), one checked function per driver call ([`result`]), and [`CudaDevice`], which owns
-//! the handles and implements the device ports.
+//! The CUDA adapter, in three layers as in cudarc: raw bindings (`sys`, cudarc's, loaded at run
+//! time), one checked function per driver call (`result`), and [`CudaDevice`], which owns the
+//! handles and implements the device ports.
 //!
 //! It uses the device's primary context, so memory, streams and events interoperate with PyTorch
 //! in the same process. Before any driver call it checks that the driver library exists; without
 //! it every entry point answers [`ddo_core::DeviceError::DriverNotFound`] instead of panicking.
+//!
+//! Built without the `cuda` feature (on by default), this module keeps [`CudaDevice`] and
+//! [`driver_present`] with the same API, but no device can be opened: every constructor answers
+//! that ddo was built without CUDA, and [`driver_present`] is false. The raw layers (`sys`,
+//! `result`) exist only with the feature.
 
+#[cfg(feature = "cuda")]
 mod device;
+#[cfg(not(feature = "cuda"))]
+mod not_built;
+#[cfg(feature = "cuda")]
 pub mod result;
 
+#[cfg(feature = "cuda")]
 pub use cudarc::driver::sys;
+#[cfg(feature = "cuda")]
 pub use device::CudaDevice;
+#[cfg(not(feature = "cuda"))]
+pub use not_built::CudaDevice;
 
-/// Whether a CUDA driver library can be loaded on this machine. Never panics.
+/// Whether a CUDA driver library can be loaded on this machine. Never panics. Always false when
+/// ddo-platform is built without its `cuda` feature.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to open the library by its usual names; no symbol is called.
-    unsafe { sys::is_culib_present() }
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only tries to open the library by its usual names; no symbol is called.
+        unsafe { sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
 }
