@@ -1,4 +1,5 @@
-//! [`CudaDevice`]: owned driver handles behind the device ports.
+//! [`CudaDevice`]: owned driver handles behind the device ports. Driver calls go through
+//! cudarc's result layer (`driver`), or this crate's ([`super::result`]) where cudarc has none.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -11,7 +12,10 @@ use ddo_core::{
     HostSlice, Registration, Reservation, Residency, StreamId,
 };
 
-use super::result::{self, CudaError};
+use cudarc::driver::result::{self as driver, DriverError};
+
+use super::error::{CudaError, Named};
+use super::result::{host_memory, vmm};
 use super::sys;
 
 /// Events kept outstanding before `record` starts retiring completed ones.
@@ -54,16 +58,17 @@ impl CudaDevice {
         if !super::driver_present() {
             return Err(DeviceError::DriverNotFound);
         }
-        result::init()?;
-        let count = result::device_count()?;
+        driver::init().named("cuInit")?;
+        let count = driver::device::get_count().named("cuDeviceGetCount")?;
         let Ok(index) = i32::try_from(ordinal) else {
             return Err(DeviceError::InvalidDevice { ordinal, count: count as u32 });
         };
         if index >= count {
             return Err(DeviceError::InvalidDevice { ordinal, count: count as u32 });
         }
-        let dev = result::device_get(index)?;
-        let ctx = result::primary_ctx_retain(dev)?;
+        let dev = driver::device::get(index).named("cuDeviceGet")?;
+        // SAFETY: `dev` came from cuDeviceGet; the retain is balanced by the release in drop.
+        let ctx = unsafe { driver::primary_ctx::retain(dev) }.named("cuDevicePrimaryCtxRetain")?;
         let device = CudaDevice {
             ordinal,
             dev,
@@ -72,7 +77,7 @@ impl CudaDevice {
             state: Mutex::new(State { next_value: 1, ..State::default() }),
         };
         device.bind()?;
-        let granularity = result::mem_granularity(index)? as u64;
+        let granularity = vmm::granularity(index).named("cuMemGetAllocationGranularity")? as u64;
         let mut device = device;
         device.granularity = granularity;
         device.state.get_mut().expect("state").streams.insert(0, false);
@@ -86,7 +91,7 @@ impl CudaDevice {
     /// Makes the primary context current on the calling thread.
     fn bind(&self) -> Result<(), CudaError> {
         // SAFETY: `ctx` is the retained primary context, live until drop.
-        unsafe { result::ctx_set_current(self.ctx as sys::CUcontext) }
+        unsafe { driver::ctx::set_current(self.ctx as sys::CUcontext) }.named("cuCtxSetCurrent")
     }
 
     /// Introduces a stream created elsewhere (PyTorch's current stream) so ports accept it.
@@ -107,14 +112,14 @@ impl CudaDevice {
     /// Free and total device memory in bytes.
     pub fn memory_info(&self) -> Result<(u64, u64), DeviceError> {
         self.bind()?;
-        let (free, total) = result::mem_get_info()?;
+        let (free, total) = driver::mem_get_info().named("cuMemGetInfo")?;
         Ok((free as u64, total as u64))
     }
 
     /// Waits for all work on the device (tests and phase boundaries only).
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         self.bind()?;
-        Ok(result::ctx_synchronize()?)
+        Ok(driver::ctx::synchronize().named("cuCtxSynchronize")?)
     }
 
     fn known_stream(state: &State, stream: StreamId) -> Result<sys::CUstream, DeviceError> {
@@ -125,6 +130,19 @@ impl CudaDevice {
                 "stream {:#x} is not known to this device; adopt it first",
                 stream.0
             )))
+        }
+    }
+
+    /// `cuEventQuery`: `Ok(true)` when `event` completed, `Ok(false)` when not yet.
+    ///
+    /// # Safety
+    /// 1. `event` is a live event of this device.
+    unsafe fn event_complete(event: usize) -> Result<bool, CudaError> {
+        // SAFETY: forwarded.
+        match unsafe { driver::event::query(event as sys::CUevent) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(e).named("cuEventQuery"),
         }
     }
 
@@ -149,7 +167,8 @@ impl Residency for CudaDevice {
     fn reserve(&self, len: u64) -> Result<Reservation, DeviceError> {
         AddressBook::check_aligned(self.granularity, "reservation length", len)?;
         self.bind()?;
-        let ptr = result::mem_address_reserve(len as usize, self.granularity as usize)?;
+        let ptr = vmm::address_reserve(len as usize, self.granularity as usize)
+            .named("cuMemAddressReserve")?;
         self.state.lock().expect("state").book.add_reservation(ptr, len);
         Ok(Reservation { range: DeviceRange { start: DeviceAddress(ptr), len } })
     }
@@ -160,7 +179,7 @@ impl Residency for CudaDevice {
         state.book.check_release_reservation(reservation.range)?;
         self.bind()?;
         // SAFETY: a reservation of this device with nothing mapped in it (checked above).
-        unsafe { result::mem_address_free(start, len as usize) }?;
+        unsafe { vmm::address_free(start, len as usize) }.named("cuMemAddressFree")?;
         state.book.remove_reservation(start);
         Ok(())
     }
@@ -168,8 +187,9 @@ impl Residency for CudaDevice {
     fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
         AddressBook::check_aligned(self.granularity, "backing length", len)?;
         self.bind()?;
-        let handle =
-            result::mem_create(len as usize, self.index()).map_err(|e| e.into_device(len))?;
+        let handle = vmm::create(len as usize, self.index())
+            .named("cuMemCreate")
+            .map_err(|e| e.into_device(len))?;
         self.state.lock().expect("state").book.add_backing(BackingId(handle), len);
         Ok(BackingId(handle))
     }
@@ -178,9 +198,17 @@ impl Residency for CudaDevice {
         let mut state = self.state.lock().expect("state");
         state.book.check_map(range, backing, self.granularity)?;
         self.bind()?;
+        let (ptr, len) = (range.start.0, range.len as usize);
         // SAFETY: the range is an aligned, unmapped part of a live reservation and the backing
         // is live with the same length (checked above under the lock).
-        unsafe { result::mem_map(range.start.0, range.len as usize, backing.0, self.index()) }?;
+        unsafe { vmm::map(ptr, len, backing.0) }.named("cuMemMap")?;
+        // SAFETY: the range was just mapped, whole.
+        let access = unsafe { vmm::set_access(ptr, len, self.index()) }.named("cuMemSetAccess");
+        if let Err(e) = access {
+            // SAFETY: undoes the mapping made above; nothing has used it.
+            let _ = unsafe { vmm::unmap(ptr, len) };
+            return Err(e.into());
+        }
         state.book.add_mapping(range, backing);
         Ok(())
     }
@@ -191,7 +219,7 @@ impl Residency for CudaDevice {
         self.bind()?;
         // SAFETY: exactly one mapping of this device; the caller (the arena) has proven with a
         // fence that no enqueued work uses it.
-        unsafe { result::mem_unmap(range.start.0, range.len as usize) }?;
+        unsafe { vmm::unmap(range.start.0, range.len as usize) }.named("cuMemUnmap")?;
         state.book.remove_mapping(range.start.0);
         Ok(())
     }
@@ -201,14 +229,15 @@ impl Residency for CudaDevice {
         state.book.check_release_backing(backing)?;
         self.bind()?;
         // SAFETY: a live allocation of this device mapped nowhere (checked above).
-        unsafe { result::mem_release(backing.0) }?;
+        unsafe { vmm::release(backing.0) }.named("cuMemRelease")?;
         state.book.remove_backing(backing);
         Ok(())
     }
 
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         self.bind()?;
-        let s = result::stream_create()? as u64;
+        let s = driver::stream::create(driver::stream::StreamKind::NonBlocking)
+            .named("cuStreamCreate")? as u64;
         self.state.lock().expect("state").streams.insert(s, true);
         Ok(StreamId(s))
     }
@@ -226,14 +255,10 @@ impl Residency for CudaDevice {
         self.bind()?;
         // SAFETY: `dst` is inside a live mapping (checked); `src` is kept alive in `pending`
         // until a fence recorded after this copy on `stream` completes; the stream is known.
-        unsafe {
-            result::memcpy_htod_async(
-                dst.start.0,
-                src.as_bytes().as_ptr() as *const c_void,
-                src.len(),
-                raw,
-            )
-        }?;
+        // cudarc's further conditions (the element type and stream the memory was allocated
+        // with) concern its own allocations: these are bytes into a mapping, on any stream.
+        unsafe { driver::memcpy_htod_async(dst.start.0, src.as_bytes(), raw) }
+            .named("cuMemcpyHtoDAsync")?;
         state.pending.push((stream.0, src));
         Ok(())
     }
@@ -243,9 +268,10 @@ impl Residency for CudaDevice {
         let state = self.state.lock().expect("state");
         state.book.check_mapped(src)?;
         self.bind()?;
-        result::ctx_synchronize()?;
-        // SAFETY: `src` is inside a live mapping (checked, held by the lock); `dst` has its length.
-        unsafe { result::memcpy_dtoh(dst.as_mut_ptr() as *mut c_void, src.start.0, dst.len()) }?;
+        driver::ctx::synchronize().named("cuCtxSynchronize")?;
+        // SAFETY: `src` is inside a live mapping (checked, held by the lock); `dst` has its length
+        // (checked); the copy is synchronous and in bytes.
+        unsafe { driver::memcpy_dtoh_sync(dst, src.start.0) }.named("cuMemcpyDtoH")?;
         Ok(())
     }
 
@@ -264,7 +290,8 @@ impl Residency for CudaDevice {
         self.bind()?;
         // SAFETY: the slice's region stays alive as long as the returned Registration holds it;
         // unregistration happens before that (or never, which only keeps pages locked).
-        unsafe { result::mem_host_register(ptr as *mut c_void, slice.len(), read_only) }?;
+        unsafe { host_memory::register(ptr as *mut c_void, slice.len(), read_only) }
+            .named("cuMemHostRegister")?;
         state.registrations.insert(ptr, slice.len());
         Ok(Registration { slice, handle: ptr })
     }
@@ -279,7 +306,8 @@ impl Residency for CudaDevice {
         }
         self.bind()?;
         // SAFETY: registered by this device (checked).
-        unsafe { result::mem_host_unregister(registration.handle as *mut c_void) }?;
+        unsafe { host_memory::unregister(registration.handle as *mut c_void) }
+            .named("cuMemHostUnregister")?;
         state.registrations.remove(&registration.handle);
         Ok(())
     }
@@ -295,7 +323,7 @@ impl Fence for CudaDevice {
                 state.events.iter().take(16).map(|(&v, (e, _))| (v, *e)).collect();
             for (value, event) in oldest {
                 // SAFETY: a live event of this device.
-                if unsafe { result::event_query(event as sys::CUevent) }? {
+                if unsafe { Self::event_complete(event) }? {
                     Self::retire(&mut state, value);
                 } else {
                     break;
@@ -304,10 +332,12 @@ impl Fence for CudaDevice {
         }
         let event = match state.free_events.pop() {
             Some(e) => e,
-            None => result::event_create()? as usize,
+            None => driver::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .named("cuEventCreate")? as usize,
         };
         // SAFETY: live event and known stream of this context.
-        if let Err(e) = unsafe { result::event_record(event as sys::CUevent, raw) } {
+        let recorded = unsafe { driver::event::record(event as sys::CUevent, raw) };
+        if let Err(e) = recorded.named("cuEventRecord") {
             state.free_events.push(event);
             return Err(e.into());
         }
@@ -331,7 +361,7 @@ impl Fence for CudaDevice {
         let Some(&(event, _)) = state.events.get(&value.0) else { return Ok(true) };
         self.bind()?;
         // SAFETY: a live event of this device.
-        let done = unsafe { result::event_query(event as sys::CUevent) }?;
+        let done = unsafe { Self::event_complete(event) }?;
         if done {
             Self::retire(&mut state, value.0);
         }
@@ -356,7 +386,7 @@ impl Fence for CudaDevice {
         // SAFETY: a live event: events are recycled only after their value retires, which
         // happens under the lock after completion, so a recycled event is re-recorded only
         // for a later value and synchronizing on it waits no less than needed.
-        unsafe { result::event_synchronize(event as sys::CUevent) }?;
+        unsafe { driver::event::synchronize(event as sys::CUevent) }.named("cuEventSynchronize")?;
         Self::retire(&mut self.state.lock().expect("state"), value.0);
         Ok(())
     }
@@ -373,14 +403,21 @@ impl Fence for CudaDevice {
         let Some(&(event, _)) = state.events.get(&value.0) else { return Ok(()) };
         self.bind()?;
         // SAFETY: live event and known stream of this context.
-        unsafe { result::stream_wait_event(raw, event as sys::CUevent) }?;
+        unsafe {
+            driver::stream::wait_event(
+                raw,
+                event as sys::CUevent,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .named("cuStreamWaitEvent")?;
         Ok(())
     }
 }
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        if self.bind().is_err() || result::ctx_synchronize().is_err() {
+        if self.bind().is_err() || driver::ctx::synchronize().is_err() {
             // Completion cannot be proven: keep every allocation (never force-free).
             return;
         }
@@ -389,29 +426,43 @@ impl Drop for CudaDevice {
         // each was created by this device and is released exactly once here.
         unsafe {
             for (ptr, len) in state.book.mappings() {
-                let _ = result::mem_unmap(ptr, len as usize);
+                let _ = vmm::unmap(ptr, len as usize);
             }
             for handle in state.book.backings() {
-                let _ = result::mem_release(handle.0);
+                let _ = vmm::release(handle.0);
             }
             for (ptr, len) in state.book.reservations() {
-                let _ = result::mem_address_free(ptr, len as usize);
+                let _ = vmm::address_free(ptr, len as usize);
             }
             for &ptr in state.registrations.keys() {
-                let _ = result::mem_host_unregister(ptr as *mut c_void);
+                let _ = host_memory::unregister(ptr as *mut c_void);
             }
             for (event, _) in std::mem::take(&mut state.events).into_values() {
-                let _ = result::event_destroy(event as sys::CUevent);
+                let _ = driver::event::destroy(event as sys::CUevent);
             }
             for event in state.free_events.drain(..) {
-                let _ = result::event_destroy(event as sys::CUevent);
+                let _ = driver::event::destroy(event as sys::CUevent);
             }
             for (&s, &owned) in &state.streams {
                 if owned {
-                    let _ = result::stream_destroy(s as sys::CUstream);
+                    let _ = driver::stream::destroy(s as sys::CUstream);
                 }
             }
-            let _ = result::primary_ctx_release(self.dev);
+            let _ = driver::primary_ctx::release(self.dev);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_machine_without_a_driver_gets_driver_not_found() {
+        if super::super::driver_present() {
+            return; // A GPU machine: the arena's cuda_backend tests cover opening a device.
+        }
+        let e = CudaDevice::new(0).unwrap_err();
+        assert!(matches!(e, DeviceError::DriverNotFound), "{e:?}");
     }
 }

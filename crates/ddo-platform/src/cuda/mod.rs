@@ -1,6 +1,8 @@
 //! The CUDA adapter, in three layers as in cudarc: raw bindings (`sys`, cudarc's, loaded at run
-//! time), one checked function per driver call (`result`), and [`CudaDevice`], which owns the
-//! handles and implements the device ports.
+//! time), checked driver calls (cudarc's `driver::result`, plus `result` for the virtual-memory
+//! and host-registration calls cudarc has only as raw bindings), and [`CudaDevice`], which owns
+//! the handles and implements the device ports. Every failed call becomes one `CudaError` naming
+//! the driver function, mapped in one place to a [`ddo_core::DeviceError`].
 //!
 //! It uses the device's primary context, so memory, streams and events interoperate with PyTorch
 //! in the same process. Before any driver call it checks that the driver library exists; without
@@ -9,10 +11,12 @@
 //! Built without the `cuda` feature (on by default), this module keeps [`CudaDevice`] and
 //! [`driver_present`] with the same API, but no device can be opened: every constructor answers
 //! that ddo was built without CUDA, and [`driver_present`] is false. The raw layers (`sys`,
-//! `result`) exist only with the feature.
+//! `result`, `CudaError`) exist only with the feature.
 
 #[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod error;
 #[cfg(not(feature = "cuda"))]
 mod not_built;
 #[cfg(feature = "cuda")]
@@ -22,6 +26,8 @@ pub mod result;
 pub use cudarc::driver::sys;
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
+#[cfg(feature = "cuda")]
+pub use error::CudaError;
 #[cfg(not(feature = "cuda"))]
 pub use not_built::CudaDevice;
 
