@@ -4,61 +4,31 @@
 //! JSON text across the boundary) so the package holds no second copy of the rules. Every error
 //! becomes a Python `ValueError` with the Rust message; nothing panics across the boundary.
 
-mod arena;
 mod dlpack;
+mod errors;
+mod plan;
+mod session;
 
 use std::collections::BTreeMap;
 
 use ddo_core::AdmissionProbe;
-use ddo_policy::{ComponentPolicy, DynamicOffloadConfig, Environment, Request};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use ddo_policy::DynamicOffloadConfig;
 use pyo3::prelude::*;
 
+use crate::errors::{DynamicOffloadError, config_error};
+
 fn value_error(e: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(e.to_string())
+    config_error(e)
 }
 
 fn parse<T: serde::de::DeserializeOwned>(what: &str, json: &str) -> PyResult<T> {
-    serde_json::from_str(json).map_err(|e| PyValueError::new_err(format!("invalid {what}: {e}")))
+    serde_json::from_str(json).map_err(|e| config_error(format!("invalid {what}: {e}")))
 }
 
 /// The version of the native extension.
 #[pyfunction]
 fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
-}
-
-/// Resolves one component's plan. `arguments`, `group` and `config` are JSON objects (config may
-/// be `None`); `environ` maps variable names to values. Returns the plan as JSON.
-#[pyfunction]
-#[pyo3(signature = (component, arguments, group, config, environ, running_on_wsl))]
-fn resolve(
-    component: &str,
-    arguments: &str,
-    group: &str,
-    config: Option<&str>,
-    environ: BTreeMap<String, String>,
-    running_on_wsl: bool,
-) -> PyResult<String> {
-    let arguments: DynamicOffloadConfig = parse("arguments", arguments)?;
-    let group: ComponentPolicy = parse("component arguments", group)?;
-    let config: Option<DynamicOffloadConfig> = config.map(|c| parse("config", c)).transpose()?;
-    let request = Request {
-        component,
-        arguments,
-        group,
-        config,
-        environment: Environment::from_pairs(environ),
-        running_on_wsl,
-    };
-    let plan = ddo_policy::resolve(&request).map_err(value_error)?;
-    let mut json = serde_json::to_value(&plan).map_err(value_error)?;
-    json["configuration"] = serde_json::to_value(plan.configuration()).map_err(value_error)?;
-    json["origins"] = serde_json::to_value(
-        plan.origins.iter().map(|(k, v)| (k.clone(), v.to_string())).collect::<BTreeMap<_, _>>(),
-    )
-    .map_err(value_error)?;
-    Ok(json.to_string())
 }
 
 /// Validates a configuration object (JSON) without resolving it; raises on unknown fields.
@@ -88,10 +58,7 @@ fn preset_values() -> String {
 fn resolve_backend(backend: &str, preset: &str) -> PyResult<(String, String)> {
     use ddo_policy::{Backend, Origin, Preset, SettingValue};
     let b = Backend::parse_text(backend).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "backend = {backend:?} is not valid; allowed: {}",
-            Backend::allowed()
-        ))
+        config_error(format!("backend = {backend:?} is not valid; allowed: {}", Backend::allowed()))
     })?;
     let p = Preset::parse(preset, Origin::Argument).map_err(value_error)?;
     let effective = ddo_policy::resolve_backend(b, p).map_err(value_error)?;
@@ -140,7 +107,7 @@ fn inspect_checkpoint(path: &str) -> PyResult<String> {
     } else {
         ddo_source::Checkpoint::open(path)
     }
-    .map_err(value_error)?;
+    .map_err(|e| errors::DynamicOffloadCheckpointError::new_err(e.to_string()))?;
     let tensors: Vec<serde_json::Value> = c
         .slices()
         .iter()
@@ -156,56 +123,56 @@ fn inspect_checkpoint(path: &str) -> PyResult<String> {
     Ok(serde_json::json!({"files": files, "tensors": tensors}).to_string())
 }
 
-/// Plans a component for the native arena: `units` are `(name, bytes, pinned)` in execution
-/// order. Returns the plan as JSON, or raises `ValueError` when the budget cannot hold the pinned
-/// units and two execution slots (the message says how many bytes are needed).
+/// The configuration's field names, in declaration order (`preset`, `backend`, `route`,
+/// `components`, then every setting).
 #[pyfunction]
-fn plan_units(
-    units: Vec<(String, u64, bool)>,
-    budget: u64,
-    headroom: u64,
-    prefetch_depth: u32,
-    granularity: u64,
-) -> PyResult<String> {
-    use ddo_arena::{Budget, Layout, ResidencyPlan, UnitLayout};
-    if granularity == 0 {
-        return Err(PyValueError::new_err("granularity must be positive"));
-    }
-    let mut offset = 0;
-    let layout_units: Vec<UnitLayout> = units
-        .iter()
-        .enumerate()
-        .map(|(i, (name, bytes, pinned))| {
-            let len = bytes.max(&1).div_ceil(granularity) * granularity;
-            let u = UnitLayout {
-                id: ddo_core::UnitId(i as u32),
-                name: name.clone(),
-                offset,
-                len,
-                payload: *bytes,
-                tensors: Vec::new(),
-                extents: Vec::new(),
-                pinned: *pinned,
-            };
-            offset += len;
-            u
-        })
-        .collect();
-    if layout_units.is_empty() {
-        return Err(PyValueError::new_err("no units to plan"));
-    }
-    let layout = Layout { units: layout_units, reserved: offset, granularity };
-    let plan = ResidencyPlan::new(&layout, Budget { total: budget, headroom, prefetch_depth })
-        .map_err(value_error)?;
-    Ok(serde_json::json!({
-        "resident": plan.resident,
-        "slots": plan.slots,
-        "slot_bytes": plan.slot_len,
-        "resident_bytes": plan.resident_bytes,
-        "streamed_bytes": plan.streamed_bytes,
-        "device_bytes": plan.device_bytes(),
-    })
-    .to_string())
+fn config_fields() -> Vec<&'static str> {
+    let mut out = vec!["preset", "backend", "route", "components"];
+    out.extend(ddo_policy::SETTING_KEYS.iter().map(|(field, _)| *field));
+    out
+}
+
+/// The fields of a component policy (`route`, `group_offload`, ...).
+#[pyfunction]
+fn component_policy_fields() -> Vec<String> {
+    let schema = serde_json::to_value(schemars::schema_for!(ddo_policy::ComponentPolicy))
+        .expect("schema serializes");
+    schema["properties"].as_object().map(|p| p.keys().cloned().collect()).unwrap_or_default()
+}
+
+/// The module paths of the execution units the unit rule finds in a module tree (`modules` as
+/// `(path, is_list)`, `parameters` as `(name, key)`), with the default patterns.
+#[pyfunction]
+fn unit_paths(modules: Vec<(String, bool)>, parameters: Vec<(String, u64)>) -> Vec<String> {
+    let tree = ddo_session::ModuleTree {
+        modules: modules
+            .into_iter()
+            .map(|(path, is_list)| ddo_session::ModuleNode { path, is_list })
+            .collect(),
+        parameters: parameters
+            .into_iter()
+            .map(|(name, key)| ddo_session::ParameterRef { name, key, dtype: None, shape: None })
+            .collect(),
+    };
+    tree.assign(&ddo_session::UnitRule::default()).units.into_iter().map(|u| u.path).collect()
+}
+
+/// The metrics layout version.
+#[pyfunction]
+fn metrics_schema_version() -> u32 {
+    ddo_metrics::SCHEMA_VERSION
+}
+
+/// Whether this Linux kernel is WSL's.
+#[pyfunction]
+fn running_on_wsl() -> bool {
+    ddo_session::running_on_wsl()
+}
+
+/// The backends a host may select.
+#[pyfunction]
+fn backends() -> Vec<&'static str> {
+    ddo_policy::Backend::ALL.iter().map(|b| b.as_str()).collect()
 }
 
 /// Whether a CUDA driver library can be loaded here.
@@ -219,14 +186,14 @@ fn cuda_driver_present() -> bool {
 fn check_cuda_device(ordinal: u32) -> PyResult<()> {
     ddo_platform::cuda::CudaDevice::new(ordinal)
         .map(|_| ())
-        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+        .map_err(|e| DynamicOffloadError::new_err(e.to_string()))
 }
 
 /// The `ddo._native` module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
-    m.add_function(wrap_pyfunction!(resolve, m)?)?;
+    m.add_function(wrap_pyfunction!(plan::resolve, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(format_presets, m)?)?;
     m.add_function(wrap_pyfunction!(preset_values, m)?)?;
@@ -238,8 +205,20 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(observe_host_memory, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
-    m.add_function(wrap_pyfunction!(plan_units, m)?)?;
-    m.add_class::<arena::NativeArena>()?;
+    m.add_function(wrap_pyfunction!(config_fields, m)?)?;
+    m.add_function(wrap_pyfunction!(component_policy_fields, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics_schema_version, m)?)?;
+    m.add_function(wrap_pyfunction!(unit_paths, m)?)?;
+    m.add_function(wrap_pyfunction!(running_on_wsl, m)?)?;
+    m.add_function(wrap_pyfunction!(backends, m)?)?;
+    m.add_class::<plan::ResolvedPlan>()?;
+    m.add_class::<session::Session>()?;
+    let py = m.py();
+    m.add("DynamicOffloadError", py.get_type::<errors::DynamicOffloadError>())?;
+    m.add("DynamicOffloadConfigError", py.get_type::<errors::DynamicOffloadConfigError>())?;
+    m.add("DynamicOffloadCapacityError", py.get_type::<errors::DynamicOffloadCapacityError>())?;
+    m.add("DynamicOffloadCheckpointError", py.get_type::<errors::DynamicOffloadCheckpointError>())?;
+    m.add("DynamicOffloadLifecycleError", py.get_type::<errors::DynamicOffloadLifecycleError>())?;
     m.add_function(wrap_pyfunction!(check_cuda_device, m)?)?;
     Ok(())
 }

@@ -83,3 +83,13 @@ pub fn resolve(
     };
     Ok(ddo_policy::resolve(&request)?)
 }
+
+/// Whether this Linux kernel is WSL's (`/proc/version` names Microsoft or WSL).
+pub fn running_on_wsl() -> bool {
+    std::fs::read_to_string("/proc/version")
+        .map(|v| {
+            let v = v.to_ascii_lowercase();
+            v.contains("microsoft") || v.contains("wsl")
+        })
+        .unwrap_or(false)
+}

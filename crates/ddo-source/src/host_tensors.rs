@@ -73,8 +73,9 @@ impl HostTensorSource {
     ) -> Result<HostTensorSource, SourceError> {
         let mut slices = Vec::with_capacity(tensors.len());
         for t in tensors {
-            let invalid =
-                |reason: String| SourceError::InvalidBatch(format!("host tensor {:?}: {reason}", t.name));
+            let invalid = |reason: String| {
+                SourceError::InvalidBatch(format!("host tensor {:?}: {reason}", t.name))
+            };
             let storage = storages.get(t.storage).ok_or_else(|| {
                 invalid(format!("storage {} of {} does not exist", t.storage, storages.len()))
             })?;
@@ -103,14 +104,23 @@ impl HostTensorSource {
             });
         }
         let count = storages.len();
-        Ok(HostTensorSource { slices, files: storages, storages: count, packed: PackReport::default() })
+        Ok(HostTensorSource {
+            slices,
+            files: storages,
+            storages: count,
+            packed: PackReport::default(),
+        })
     }
 
     /// Copies each group of tensors (indices into [`WeightSource::slices`]) into one retained
     /// buffer of `store`, tensors 256-byte aligned, so the group uploads in one copy; the
     /// tensors are served from there afterwards. Groups of fewer than two tensors stay in place.
     /// Refused, with nothing changed, when `store` or the host refuses the bytes.
-    pub fn pack(&mut self, groups: &[Vec<usize>], store: &RetainedStore) -> Result<(), SourceError> {
+    pub fn pack(
+        &mut self,
+        groups: &[Vec<usize>],
+        store: &RetainedStore,
+    ) -> Result<(), SourceError> {
         let mut placed: Vec<(usize, CheckpointFileId, u64)> = Vec::new();
         let mut files = Vec::new();
         let mut report = PackReport::default();
@@ -118,10 +128,10 @@ impl HostTensorSource {
             let mut requests = Vec::with_capacity(group.len());
             let mut cursor = 0u64;
             for &slice in group {
-                let s = self.slices.get(slice).ok_or(SourceError::NoSuchTensor {
-                    index: slice,
-                    count: self.slices.len(),
-                })?;
+                let s = self
+                    .slices
+                    .get(slice)
+                    .ok_or(SourceError::NoSuchTensor { index: slice, count: self.slices.len() })?;
                 let at = cursor.div_ceil(PACK_ALIGN) * PACK_ALIGN;
                 requests.push(ReadRequest { slice, dst_offset: at });
                 cursor = at + s.len;
@@ -196,10 +206,9 @@ impl WeightSource for HostTensorSource {
     }
 
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
-        let bytes = self.host_bytes(slice).ok_or(SourceError::NoSuchTensor {
-            index: slice,
-            count: self.slices.len(),
-        })?;
+        let bytes = self
+            .host_bytes(slice)
+            .ok_or(SourceError::NoSuchTensor { index: slice, count: self.slices.len() })?;
         if bytes.len() != dst.len() {
             return Err(SourceError::InvalidBatch(format!(
                 "tensor {:?} has {} bytes, the destination {}",

@@ -10,8 +10,9 @@ import::
     ...
     print(result.metrics_snapshot().format_profile())
 
-Configuration resolution, validation, metrics rendering and checkpoint validation run in the
-native extension (``ddo._native``); this package drives PyTorch and Diffusers.
+Configuration resolution, unit discovery, planning, the arena, metrics and checkpoint validation
+run in the native extension (``ddo._native``, one component session per offloaded module); this
+package is glue: PyTorch hooks, DLPack views, streams and exceptions.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from .backend import (
     resolve_dynamic_offload_backend,
 )
 from .config import ComponentPolicy, DynamicOffloadConfig
-from .errors import DynamicOffloadConfigError, DynamicOffloadError
+from .errors import (
+    DynamicOffloadCapacityError,
+    DynamicOffloadCheckpointError,
+    DynamicOffloadConfigError,
+    DynamicOffloadError,
+    DynamicOffloadLifecycleError,
+)
 from .metrics import DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION, DynamicOffloadMetrics
 from .settings import (
     DynamicOffloadSettings,
@@ -43,7 +50,7 @@ from .settings import (
     is_wsl_environment,
     load_dynamic_offload_settings_from_env,
 )
-from .units import find_execution_units
+from .runtime import find_execution_units
 
 __version__ = _native.version()
 
@@ -52,9 +59,12 @@ __all__ = [
     "DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION",
     "DynamicOffloadApplyResult",
     "DynamicOffloadBackend",
+    "DynamicOffloadCapacityError",
+    "DynamicOffloadCheckpointError",
     "DynamicOffloadConfig",
     "DynamicOffloadConfigError",
     "DynamicOffloadError",
+    "DynamicOffloadLifecycleError",
     "DynamicOffloadLoadResult",
     "DynamicOffloadMetrics",
     "DynamicOffloadSettings",

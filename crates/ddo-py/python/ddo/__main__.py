@@ -23,7 +23,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     try:
         info = json.loads(_native.inspect_checkpoint(args.path))
-    except ValueError as e:
+    except _native.DynamicOffloadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tensors = info["tensors"]

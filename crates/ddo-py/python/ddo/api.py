@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
 
@@ -14,9 +15,9 @@ import torch
 
 from . import _native
 from .config import DynamicOffloadConfig
-from .errors import DynamicOffloadConfigError, DynamicOffloadError
-from .linear import LinearRuntime, _refuse
+from .errors import DynamicOffloadError
 from .metrics import DynamicOffloadMetrics
+from .runtime import SessionRuntime
 from .settings import DynamicOffloadSettings, resolve_settings
 
 __all__ = [
@@ -37,6 +38,13 @@ def _default_device() -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
+def _refuse_training(module: torch.nn.Module) -> None:
+    if module.training:
+        raise DynamicOffloadError(
+            f"{type(module).__name__} is in training mode; ddo offloads inference only: call module.eval() first"
+        )
+
+
 def _host_memory(phase: str) -> Dict[str, Any]:
     out = json.loads(_native.observe_host_memory())
     out["phase"] = phase
@@ -51,8 +59,7 @@ class DynamicOffloadApplyResult:
     route: str
     settings: DynamicOffloadSettings
     execution_device: torch.device
-    runtime: Optional[LinearRuntime] = None
-    native: Any = None
+    runtime: Optional[SessionRuntime] = None
     setup: Dict[str, Any] = field(default_factory=dict)
     source: Optional[Dict[str, Any]] = None
     passes: int = 0
@@ -67,54 +74,19 @@ class DynamicOffloadApplyResult:
     def metrics_snapshot(self, *, collect_completed: bool = False) -> DynamicOffloadMetrics:
         """A snapshot of what was done so far. ``collect_completed`` first waits for the execution
         device's work (one synchronization) so the counters cover completed work only."""
-        if collect_completed and self.runtime is not None:
-            self.runtime.synchronize()
-        s = self.settings
-        route = {
-            "name": self.route,
-            "component": s.component,
-            "backend": s.backend,
-            "requested_preset": s.requested_preset,
-            "effective_preset": s.effective_preset,
-            "execution_mode": s.execution_mode,
-        }
-        runtime: Dict[str, Any] = {}
         if self.runtime is not None:
-            st = self.runtime.stats
-            runtime = {
-                "passes": st.passes,
-                "uploads": st.uploads,
-                "upload_bytes": st.upload_bytes,
-                "upload_seconds": st.upload_seconds,
-                "prefetch_hits": st.prefetch_hits,
-                "prefetch_misses": st.prefetch_misses,
-                "prefetch_cancels": st.prefetch_cancels,
-                "peak_bytes": st.peak_bytes,
-            }
-        elif self.route == "diffusers_group_offload":
-            runtime = {"passes": self.passes}
-        setup = dict(self.setup)
-        if self.native is not None and self.native.arena is not None:
             if collect_completed:
-                self.native.synchronize()
-            stats = self.native.stats()
-            runtime = stats.pop("runtime")
-            for key in ("host_us_per_pair", "unregistered", "retention_stopped"):
-                stats.pop(key, None)
-            setup.update(stats)
-            link = self.native.link_bytes_per_second
-            if link:
-                setup["link_bytes_per_second"] = link
-                setup["expected_copy_floor_seconds"] = stats["streamed_bytes_per_pass"] / link
-        m = DynamicOffloadMetrics(
-            route=route,
-            configuration=s.as_metrics(),
-            setup=setup,
-            runtime=runtime,
-            host_memory=_host_memory("snapshot"),
-        )
-        m.validate()
-        return m
+                self.runtime.synchronize()
+            data = self.runtime.metrics("snapshot")
+        else:
+            runtime = {"passes": self.passes} if self.route == "diffusers_group_offload" else {}
+            setup = {k: v for k, v in self.setup.items() if k != "setup_seconds"}
+            setup["setup_seconds"] = self.setup.get("setup_seconds")
+            data = json.loads(
+                self.settings.native.host_route_metrics(json.dumps(setup), json.dumps(runtime), "snapshot")
+            )
+        data.pop("schema_version", None)
+        return DynamicOffloadMetrics(**data)
 
     @contextlib.contextmanager
     def cleanup_on_error(self) -> Iterator["DynamicOffloadApplyResult"]:
@@ -133,17 +105,16 @@ class DynamicOffloadApplyResult:
             raise
 
     def remove(self) -> None:
-        """Removes ddo's hooks (once). Linear route: unit weights stay in host memory, the rest on
-        the device. Native route: the weights were the arena's memory, so after the device's work
-        completes they become meta placeholders and the arena is closed."""
+        """Removes ddo from the module (once). Linear route: the module gets its own host tensors
+        back. Native route: the weights were the arena's memory, so they become meta
+        placeholders. With ``show_profile`` the profile is printed to stderr first."""
         if self._removed:
             return
         self._removed = True
+        if self.settings.values.get("show_profile"):
+            print(self.metrics_snapshot(collect_completed=True).format_profile(), file=sys.stderr, end="")
         if self.runtime is not None:
-            self.runtime.synchronize()
             self.runtime.detach()
-        if self.native is not None:
-            self.native.detach()
         if self.route == "diffusers_group_offload":
             _remove_group_hooks(self.module)
         for h in self.handles:
@@ -152,68 +123,31 @@ class DynamicOffloadApplyResult:
         if getattr(self.module, _STATE_ATTR, None) is self:
             delattr(self.module, _STATE_ATTR)
 
+    def _session(self, what: str) -> SessionRuntime:
+        if self.runtime is None:
+            raise DynamicOffloadError(
+                f"{what} needs a route that streams through ddo's arena (linear_runtime, vmm_fast_runtime); "
+                f"this component uses {self.route}"
+            )
+        return self.runtime
+
     def reclaim(self) -> tuple:
-        """Native route: releases the physical memory of idle execution slots (addresses kept;
-        the next use uploads again). Returns ``(slots, bytes)``."""
-        if self.native is None:
-            raise DynamicOffloadError(f"reclaim needs the vmm_fast_runtime route; this component uses {self.route}")
-        return self.native.reclaim()
+        """Releases the physical memory of idle execution slots (addresses kept; the next use
+        uploads again). Returns ``(slots, bytes)``."""
+        return self._session("reclaim").reclaim()
 
     def unload(self) -> None:
         """After all work completed, replaces the weights with meta placeholders and frees their
-        memory. :meth:`reload` brings them back from the checkpoint."""
-        if self.native is not None:
-            self.native.detach()
-            return
-        if self.runtime is None:
-            raise DynamicOffloadError(f"unload needs the linear_runtime route; this component uses {self.route}")
-        self.runtime.unload()
+        device memory and registrations. :meth:`reload` brings them back."""
+        self._session("unload").unload()
 
     def reload(self) -> None:
-        """Reads the weights back from the checkpoint the module was loaded from and re-attaches."""
-        if self.native is not None:
-            if not self.native.is_unloaded():
-                raise DynamicOffloadError("reload needs an unloaded component (call unload() first)")
-            from .native import NativeRuntime
-
-            native = NativeRuntime(self.module, self.execution_device, self.settings.values, self.native.source)
-            native.attach()
-            self.native = native
-            return
-        if self.runtime is None or not self.runtime.is_unloaded():
-            raise DynamicOffloadError("reload needs an unloaded component (call unload() first)")
-        if not self.source:
-            raise DynamicOffloadError(
-                "reload needs a checkpoint-backed module: load it with from_pretrained_with_dynamic_offload"
-            )
-        from safetensors import safe_open
-
-        by_file: Dict[str, list] = {}
-        for t in self.source["tensors"]:
-            by_file.setdefault(t["file"], []).append(t["name"])
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for n in names:
-                    parent, _, attr = n.rpartition(".")
-                    owner = self.module.get_submodule(parent) if parent else self.module
-                    if n in params:
-                        old = params[n]
-                        value = f.get_tensor(n).to(old.dtype)
-                        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=old.requires_grad))
-                    elif n in buffers:
-                        setattr(owner, attr, f.get_tensor(n).to(buffers[n].dtype))
-        missing = [n for n, p in self.module.named_parameters() if p.is_meta]
-        if missing:
-            raise DynamicOffloadError(f"reload: the checkpoint has no tensor for {missing[:3]} ({len(missing)} missing)")
-        device = self.execution_device
-        self.runtime.detach()
-        runtime = LinearRuntime(
-            self.module, device, pin=self.settings.effective_pin_cpu_memory, prefetch_depth=self.settings.values["prefetch_depth"]
-        )
-        runtime.attach()
-        self.runtime = runtime
+        """Attaches the weights again after :meth:`unload` (from the checkpoint on the native route,
+        from the module's host tensors on the linear route)."""
+        runtime = self._session("reload")
+        if not runtime.is_unloaded():
+            raise _native.DynamicOffloadLifecycleError("reload needs an unloaded component (call unload() first)")
+        runtime.reload()
 
 
 @dataclass
@@ -339,57 +273,38 @@ def enable_offload(
         use_environment=use_environment,
         running_on_wsl=running_on_wsl,
     )
-    if execution_device is None and "execution_device" not in (config.as_dict() if config else {}):
-        device = torch.device(_default_device())
-    else:
-        device = torch.device(settings.values["execution_device"])
+    device = torch.device(settings.device)
     name = settings.route_name
-    if name in ("vmm_fast_runtime", "vmm_runtime") and device.type == "cuda" and not _native.cuda_driver_present():
-        raise DynamicOffloadError(
-            f"route {name} on {device} needs a CUDA driver and none was found; use backend linear "
-            "(--ddo-backend linear) or execution_device='cpu' on machines without an NVIDIA GPU"
-        )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DynamicOffloadError(f"execution device {device} is not available: PyTorch sees no CUDA device")
+    if device.type == "cuda":
+        if settings.runs_in_session and not _native.cuda_driver_present():
+            raise DynamicOffloadError(
+                f"route {name} on {device} needs a CUDA driver and none was found; use "
+                "execution_device='cpu' (the host backend) on machines without an NVIDIA GPU"
+            )
+        if not torch.cuda.is_available():
+            raise DynamicOffloadError(f"execution device {device} is not available: PyTorch sees no CUDA device")
+    for w in settings.warnings:
+        warnings.warn(f"ddo: {w}", stacklevel=2)
     result = DynamicOffloadApplyResult(module=module, route=name, settings=settings, execution_device=device)
     setup: Dict[str, Any] = {}
     t = time.perf_counter()
-    if name in ("vmm_fast_runtime", "vmm_runtime"):
-        _refuse(module)
-        setup.update(_plan_native(module, settings))
-        if name == "vmm_runtime":
-            raise DynamicOffloadError("route vmm_runtime (preset nvme_baseline) is not available in this version; use preset auto")
+    if settings.runs_in_session:
+        _refuse_training(module)
         source = getattr(module, "_ddo_source", None)
-        if source is None:
-            raise DynamicOffloadError(
-                "route vmm_fast_runtime streams weights from the checkpoint: load the component with "
-                "ddo.from_pretrained_with_dynamic_offload"
-            )
-        from .native import NativeRuntime
-
-        native = NativeRuntime(module, device, settings.values, source)
-        native.attach()
-        result.native = native
-        result.source = source
-    elif name == "linear_runtime":
-        _refuse(module)
-        runtime = LinearRuntime(
-            module, device, pin=settings.effective_pin_cpu_memory, prefetch_depth=settings.values["prefetch_depth"]
-        )
+        checkpoint = None
+        if name == "vmm_fast_runtime":
+            if source is None:
+                raise DynamicOffloadError(
+                    "route vmm_fast_runtime streams weights from the checkpoint: load the component with "
+                    "ddo.from_pretrained_with_dynamic_offload"
+                )
+            checkpoint = source["path"]
+        runtime = SessionRuntime(module, settings.native, checkpoint=checkpoint)
         runtime.attach()
         result.runtime = runtime
-        setup.update(
-            module_count=runtime.module_count,
-            tensor_count=runtime.tensor_count,
-            unit_count=len(runtime.units),
-            streamed_units=len(runtime.units),
-            resident_units=0,
-            streamed_bytes_per_pass=runtime.streamed_bytes(),
-            total_bytes=runtime.streamed_bytes() + runtime.resident_bytes,
-            pinned_bytes=runtime.pinned_bytes,
-        )
+        result.source = source
     elif name == "diffusers_group_offload":
-        _refuse(module)
+        _refuse_training(module)
         g = settings.route
         applied = enable_diffusers_group_offload(
             module,
@@ -406,50 +321,21 @@ def enable_offload(
             result.passes += 1
 
         result.handles.append(module.register_forward_pre_hook(count))
-    else:
+    elif name == "none":
         placement = settings.route.get("placement", "resident")
         if placement == "resident":
             module.to(device)
         setup["placement"] = placement
+    else:
+        raise DynamicOffloadError(f"route {name} (preset {settings.effective_preset}) is not built yet; use preset auto")
     setup["setup_seconds"] = time.perf_counter() - t
     result.setup = setup
     setattr(module, _STATE_ATTR, result)
     if settings.values.get("verbose"):
         print(f"[ddo] {component}: route {name} on {device}", file=sys.stderr)
+        if result.runtime is not None:
+            print(result.metrics_snapshot().format_profile(), file=sys.stderr, end="")
     return result
-
-
-_GRANULARITY = 2 << 20
-
-
-def _plan_native(module: torch.nn.Module, settings: DynamicOffloadSettings) -> Dict[str, Any]:
-    """Plans the native arena for ``module``: its execution units, the rest pinned resident.
-    Raises :class:`DynamicOffloadConfigError` when the budget cannot hold one execution unit in
-    each of two slots plus the resident rest, saying how many bytes are needed."""
-    from .units import find_execution_units
-
-    units = find_execution_units(module)
-    in_units = {id(p) for _, m in units for p in m.parameters()}
-    rest = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in in_units)
-    spec = [("resident", rest, True)] if rest else []
-    spec += [(n, sum(p.numel() * p.element_size() for p in m.parameters()), False) for n, m in units]
-    values = settings.values
-    budget = int(values["vmm_resident_weight_budget_gb"] * (1 << 30))
-    headroom = int(values["auto_vram_headroom_gb"] * (1 << 30))
-    try:
-        plan = json.loads(_native.plan_units(spec, budget, headroom, int(values["prefetch_depth"]), _GRANULARITY))
-    except ValueError as e:
-        raise DynamicOffloadConfigError(f"{e} (set vmm_resident_weight_budget_gb / --ddo-vmm-resident-weight-budget-gb)") from None
-    return {
-        "unit_count": len(spec),
-        "resident_units": sum(plan["resident"]),
-        "streamed_units": len(spec) - sum(plan["resident"]),
-        "execution_slots": plan["slots"],
-        "slot_bytes": plan["slot_bytes"],
-        "gpu_budget_bytes": budget,
-        "headroom_bytes": headroom,
-        "streamed_bytes_per_pass": plan["streamed_bytes"],
-    }
 
 
 def remove_dynamic_offload(module: torch.nn.Module) -> None:
@@ -504,10 +390,7 @@ def enable_pipeline_offload(
 
 
 def _association(path: str) -> Dict[str, Any]:
-    try:
-        return json.loads(_native.inspect_checkpoint(path))
-    except ValueError as e:
-        raise DynamicOffloadError(str(e)) from None
+    return json.loads(_native.inspect_checkpoint(path))
 
 
 def from_pretrained_with_dynamic_offload(

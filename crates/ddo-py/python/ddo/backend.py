@@ -36,10 +36,7 @@ def resolve_dynamic_offload_backend(backend: str = "linear", preset: str = "auto
     """``linear`` takes the linear presets (``auto`` = ``one_shot_fast``); ``vmm`` takes ``auto``
     (= ``vmm_fast``) and ``nvme_baseline``. Anything else raises
     :class:`DynamicOffloadConfigError` naming what is allowed."""
-    try:
-        effective, mode = _native.resolve_backend(backend, preset)
-    except ValueError as e:
-        raise DynamicOffloadConfigError(str(e)) from None
+    effective, mode = _native.resolve_backend(backend, preset)
     return DynamicOffloadBackend(backend, preset, effective, mode)
 
 
@@ -47,10 +44,9 @@ def add_dynamic_offload_arguments(parser: argparse.ArgumentParser) -> argparse.A
     """Adds ``--ddo-backend``, ``--ddo-preset``, the native budget flags and
     ``--show-profile`` / ``--show-metrics``."""
     g = parser.add_argument_group("dynamic offload (ddo)")
-    g.add_argument("--ddo-backend", choices=["linear", "vmm"], default=None, help="offload backend (default linear)")
+    g.add_argument("--ddo-backend", choices=_native.backends(), default=None, help="offload backend (default linear)")
     g.add_argument("--ddo-preset", default=None, help="preset (default auto); see python -m ddo presets")
     g.add_argument("--ddo-vmm-resident-weight-budget-gb", type=float, default=None, help="GPU weight budget of the native arena, GiB")
-    g.add_argument("--ddo-vmm-total-staging-gb", type=float, default=None, help="host staging for the disk route, GiB")
     g.add_argument("--ddo-vmm-source-cache-gb", type=float, default=None, help="retained host storage of the checkpoint source, GiB (0..32)")
     g.add_argument(
         "--ddo-vmm-source-registered-gb",
@@ -71,7 +67,6 @@ def build_config_from_args(args: argparse.Namespace) -> DynamicOffloadConfig:
         "backend": getattr(args, "ddo_backend", None),
         "preset": getattr(args, "ddo_preset", None),
         "vmm_resident_weight_budget_gb": getattr(args, "ddo_vmm_resident_weight_budget_gb", None),
-        "vmm_staging_buffer_gb": getattr(args, "ddo_vmm_total_staging_gb", None),
         "vmm_source_cache_gb": getattr(args, "ddo_vmm_source_cache_gb", None),
         "vmm_source_registered_gb": getattr(args, "ddo_vmm_source_registered_gb", None),
         "prefetch_depth": getattr(args, "ddo_prefetch_depth", None),

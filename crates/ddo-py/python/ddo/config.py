@@ -1,132 +1,97 @@
-"""The configuration users set. Resolution (presets, environment, precedence, validation) happens
-in the native extension; this module only carries the values across."""
+"""The configuration users set. Its fields are the native configuration's (``ddo._native``):
+resolution, presets, precedence and validation happen there; this module only carries values."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 from . import _native
 from .errors import DynamicOffloadConfigError
 
 __all__ = ["DynamicOffloadConfig", "ComponentPolicy"]
 
-_COMPONENT_KEYS = (
-    "route",
-    "group_offload",
-    "dynamic_offload",
-    "offload_type",
-    "use_stream",
-    "record_stream",
-    "low_cpu_mem_usage",
-    "num_blocks_per_group",
+
+def _replace(self, **changes: Any):
+    """A copy with ``changes``; an unknown name is a ``TypeError``."""
+    unknown = sorted(set(changes) - set(self.field_names()))
+    if unknown:
+        raise TypeError(f"unknown {type(self).__name__} field(s): {', '.join(unknown)}")
+    return dataclasses.replace(self, **changes)
+
+
+def _field_names(cls) -> tuple:
+    """Names of every field."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _policy_as_dict(self) -> dict:
+    """The set fields only."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+ComponentPolicy = dataclasses.make_dataclass(
+    "ComponentPolicy",
+    [(name, Optional[Any], dataclasses.field(default=None)) for name in _native.component_policy_fields()],
+    namespace={"as_dict": _policy_as_dict, "field_names": classmethod(_field_names), "replace": _replace},
+    frozen=True,
 )
+ComponentPolicy.__module__ = __name__
+ComponentPolicy.__doc__ = """How one component (``transformer``, ``vae``, ``text_encoder``) is handled. Unset fields
+are decided by variables, the preset and defaults."""
 
 
-@dataclass(frozen=True)
-class ComponentPolicy:
-    """How one component (``transformer``, ``vae``, ``text_encoder``) is handled. Unset fields are
-    decided by variables, the preset and defaults."""
-
-    route: Optional[str] = None
-    group_offload: Optional[bool] = None
-    dynamic_offload: Optional[bool] = None
-    offload_type: Optional[str] = None
-    use_stream: Optional[bool] = None
-    record_stream: Optional[bool] = None
-    low_cpu_mem_usage: Optional[bool] = None
-    num_blocks_per_group: Optional[int] = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The set fields only."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+def _config_as_dict(self) -> dict:
+    """The set fields only, as the native resolver takes them."""
+    out: dict = {}
+    for f in dataclasses.fields(self):
+        v = getattr(self, f.name)
+        if f.name == "components":
+            comps = {name: (p.as_dict() if isinstance(p, ComponentPolicy) else dict(p)) for name, p in (v or {}).items()}
+            if comps:
+                out["components"] = comps
+        elif v is not None:
+            out[f.name] = list(v) if isinstance(v, (list, tuple)) else v
+    return out
 
 
-@dataclass(frozen=True)
-class DynamicOffloadConfig:
-    """Every setting ddo has. All fields are optional: an unset field comes from the component's
-    ``DDO_<COMPONENT>_*`` variable, the ``DDO_*`` variable, the preset, then the default.
-
-    Sizes ending in ``_gb`` are GiB. See ``format_dynamic_offload_presets()`` for preset values.
-    """
-
-    preset: Optional[str] = None
-    backend: Optional[str] = None
-    route: Optional[str] = None
-    components: Mapping[str, ComponentPolicy] = field(default_factory=dict)
-    execution_device: Optional[str] = None
-    offload_device: Optional[str] = None
-    vmm_resident_weight_budget_gb: Optional[float] = None
-    resident_module_budget_gb: Optional[float] = None
-    max_resident_module_budget_gb: Optional[float] = None
-    auto_vram_headroom_gb: Optional[float] = None
-    auto_budget_policy: Optional[str] = None
-    auto_full_pin_min_model_to_vram_ratio: Optional[float] = None
-    pin_cpu_memory: Optional[bool] = None
-    allow_pin_memory_fallback: Optional[bool] = None
-    disable_pin_on_wsl: Optional[bool] = None
-    pin_cpu_workers: Optional[int] = None
-    cache_pinned_weights: Optional[bool] = None
-    pin_weight_budget_gb: Optional[float] = None
-    pin_weight_budget_ratio: Optional[float] = None
-    max_pin_weight_budget_gb: Optional[float] = None
-    pin_weight_selection: Optional[str] = None
-    system_ram_headroom_gb: Optional[float] = None
-    vmm_source_cache_gb: Optional[float] = None
-    vmm_source_registered_gb: Optional[float] = None
-    vmm_staging_buffer_gb: Optional[float] = None
-    load_safetensors_backend: Optional[str] = None
-    vmm_module_pattern: Optional[str] = None
-    skip_modules_pattern: Optional[Sequence[str]] = None
-    always_resident_modules_pattern: Optional[Sequence[str]] = None
-    resident_module_patterns: Optional[Sequence[str]] = None
-    resident_module_selection: Optional[str] = None
-    small_tensor_threshold_kb: Optional[int] = None
-    prefetch_depth: Optional[int] = None
-    vmm_execution_backing_reclaim: Optional[bool] = None
-    verbose: Optional[bool] = None
-    show_profile: Optional[bool] = None
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        """Names of every field."""
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    def replace(self, **changes: Any) -> "DynamicOffloadConfig":
-        """A copy with ``changes``; an unknown name is a ``TypeError``."""
-        unknown = sorted(set(changes) - set(self.field_names()))
-        if unknown:
-            raise TypeError(f"unknown DynamicOffloadConfig field(s): {', '.join(unknown)}")
-        return dataclasses.replace(self, **changes)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The set fields only, as the native resolver takes them."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name == "components":
-                comps = {
-                    name: (p.as_dict() if isinstance(p, ComponentPolicy) else dict(p))
-                    for name, p in (v or {}).items()
-                }
-                if comps:
-                    out["components"] = comps
-            elif v is not None:
-                out[f.name] = list(v) if isinstance(v, (list, tuple)) else v
-        return out
-
-    def to_json(self) -> str:
-        """The set fields as JSON; validated by the native schema (unknown fields refused)."""
-        text = json.dumps(self.as_dict())
-        try:
-            _native.check_config(text)
-        except ValueError as e:
-            raise DynamicOffloadConfigError(str(e)) from None
-        return text
+def _config_to_json(self) -> str:
+    """The set fields as JSON, validated by the native schema (unknown fields refused)."""
+    text = json.dumps(self.as_dict())
+    _native.check_config(text)
+    return text
 
 
-def component_policy_dict(values: Mapping[str, Any]) -> dict[str, Any]:
+def _config_field(name: str):
+    if name == "components":
+        return (name, Mapping[str, Any], dataclasses.field(default_factory=dict))
+    return (name, Optional[Any], dataclasses.field(default=None))
+
+
+DynamicOffloadConfig = dataclasses.make_dataclass(
+    "DynamicOffloadConfig",
+    [_config_field(name) for name in _native.config_fields()],
+    namespace={
+        "as_dict": _config_as_dict,
+        "to_json": _config_to_json,
+        "field_names": classmethod(_field_names),
+        "replace": _replace,
+    },
+    frozen=True,
+)
+DynamicOffloadConfig.__module__ = __name__
+DynamicOffloadConfig.__doc__ = """Every setting ddo has (``ddo._native.config_fields()``). All fields are optional: an
+unset field comes from the component's ``DDO_<COMPONENT>_*`` variable, the ``DDO_*`` variable, the
+preset, then the default. Sizes ending in ``_gb`` are GiB. ``python -m ddo presets`` lists the
+presets; the README's configuration section says what each setting does."""
+
+
+def component_policy_dict(values: Mapping[str, Any]) -> dict:
     """Explicit component keyword arguments (``use_stream=...``) as a policy dict."""
-    return {k: v for k, v in values.items() if k in _COMPONENT_KEYS and v is not None}
+    keys = set(ComponentPolicy.field_names())
+    return {k: v for k, v in values.items() if k in keys and v is not None}
+
+
+# Keeps the name importable for hosts that catch it from this module.
+__all__ += ["DynamicOffloadConfigError"]

@@ -1,16 +1,28 @@
-"""Exceptions raised by ddo. Every failure is one of these (or a plain ``TypeError`` for a bad
-keyword), never a crash of the native extension."""
+"""Exceptions raised by ddo, defined by the native extension. Every failure is one of these (or a
+plain ``TypeError`` for a bad keyword), never a crash of the native extension.
+
+- :class:`DynamicOffloadError` (``RuntimeError``): a runtime failure.
+  - :class:`DynamicOffloadCheckpointError`: weights missing, corrupt, changed, or not fitting.
+  - :class:`DynamicOffloadLifecycleError`: a call that does not fit the component's state.
+- :class:`DynamicOffloadConfigError` (``ValueError``): an invalid setting, named with its value,
+  origin and what is allowed.
+  - :class:`DynamicOffloadCapacityError`: a budget too small for the working set.
+"""
 
 from __future__ import annotations
 
-__all__ = ["DynamicOffloadError", "DynamicOffloadConfigError"]
+from ._native import (
+    DynamicOffloadCapacityError,
+    DynamicOffloadCheckpointError,
+    DynamicOffloadConfigError,
+    DynamicOffloadError,
+    DynamicOffloadLifecycleError,
+)
 
-
-class DynamicOffloadError(RuntimeError):
-    """A runtime failure: a module that cannot be offloaded, a missing driver, a failed release.
-    The module is left as it was unless the message says otherwise."""
-
-
-class DynamicOffloadConfigError(ValueError):
-    """An invalid setting: the message names the setting, the value, where it came from and what is
-    allowed."""
+__all__ = [
+    "DynamicOffloadError",
+    "DynamicOffloadConfigError",
+    "DynamicOffloadCapacityError",
+    "DynamicOffloadCheckpointError",
+    "DynamicOffloadLifecycleError",
+]

@@ -11,7 +11,7 @@ from . import _native
 
 __all__ = ["DynamicOffloadMetrics", "DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION"]
 
-DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION = 1
+DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION = _native.metrics_schema_version()
 
 
 def _present(section: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,7 +53,8 @@ class DynamicOffloadMetrics:
         return json.dumps(self.as_dict())
 
     def validate(self) -> None:
-        """Raises ``ValueError`` if a counter is reported that the route does not have."""
+        """Raises :class:`DynamicOffloadConfigError` (a ``ValueError``) if a counter is reported
+        that the route does not have."""
         _native.validate_metrics(self.to_json())
 
     def format_profile(self) -> str:

@@ -9,7 +9,6 @@ from typing import Any, Mapping, Optional
 
 from . import _native
 from .config import DynamicOffloadConfig, component_policy_dict
-from .errors import DynamicOffloadConfigError
 
 __all__ = [
     "DynamicOffloadSettings",
@@ -21,13 +20,8 @@ __all__ = [
 
 
 def is_wsl_environment() -> bool:
-    """Whether this Linux kernel is WSL's."""
-    try:
-        with open("/proc/version", encoding="utf-8") as f:
-            text = f.read().lower()
-    except OSError:
-        return False
-    return "microsoft" in text or "wsl" in text
+    """Whether this Linux kernel is WSL's (decided by the native extension)."""
+    return _native.running_on_wsl()
 
 
 def ddo_environment(environ: Optional[Mapping[str, str]], use_environment: bool) -> dict[str, str]:
@@ -54,7 +48,17 @@ class DynamicOffloadSettings:
     configuration: Mapping[str, Any]
     running_on_wsl: bool
     effective_pin_cpu_memory: bool
+    device: str
+    warnings: tuple
+    session_route: bool
+    native: Any = field(repr=False, compare=False, default=None)
     explicit: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def runs_in_session(self) -> bool:
+        """Whether the route streams through ddo's arena (``linear_runtime``,
+        ``vmm_fast_runtime``)."""
+        return self.session_route
 
     @property
     def route_name(self) -> str:
@@ -80,19 +84,15 @@ def resolve_settings(
     """Resolves ``component`` through the native resolver; a bad value raises
     :class:`DynamicOffloadConfigError`."""
     args = DynamicOffloadConfig().replace(**dict(arguments or {})) if arguments else DynamicOffloadConfig()
-    wsl = is_wsl_environment() if running_on_wsl is None else running_on_wsl
-    try:
-        text = _native.resolve(
-            component,
-            args.to_json(),
-            json.dumps(component_policy_dict(group or {})),
-            config.to_json() if config is not None else None,
-            ddo_environment(environ, use_environment),
-            wsl,
-        )
-    except ValueError as e:
-        raise DynamicOffloadConfigError(str(e)) from None
-    plan = json.loads(text)
+    native = _native.resolve(
+        component,
+        args.to_json(),
+        json.dumps(component_policy_dict(group or {})),
+        config.to_json() if config is not None else None,
+        ddo_environment(environ, use_environment),
+        running_on_wsl,
+    )
+    plan = json.loads(native.json())
     return DynamicOffloadSettings(
         component=plan["component"],
         backend=plan["backend"],
@@ -105,6 +105,10 @@ def resolve_settings(
         configuration=plan["configuration"],
         running_on_wsl=plan["running_on_wsl"],
         effective_pin_cpu_memory=plan["effective_pin_cpu_memory"],
+        device=plan["device"],
+        session_route=plan["session_route"],
+        warnings=tuple(plan.get("warnings", ())),
+        native=native,
         explicit=dict(arguments or {}),
     )
 

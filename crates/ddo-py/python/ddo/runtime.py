@@ -1,0 +1,227 @@
+"""Glue between a PyTorch module and a component session (``ddo._native.Session``).
+
+The module tree and, on the linear route, its host tensors go to the session as data; the session
+decides everything else (units, shared parameters, budget, registration, dtypes, metrics). Here,
+parameters become zero-copy DLPack views of arena memory, and hooks acquire each unit before its
+block runs and release it after, on PyTorch's current stream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.utils.dlpack
+
+from . import _native
+
+__all__ = ["SessionRuntime", "describe_module", "find_execution_units", "move_inputs"]
+
+
+def describe_module(module: torch.nn.Module) -> Tuple[list, list]:
+    """The module tree as the session takes it: ``(path, is_list)`` per module and ``(name, key,
+    dtype, shape)`` per parameter name (aliases of a shared parameter share the key)."""
+    modules = [(name, isinstance(m, torch.nn.ModuleList)) for name, m in module.named_modules()]
+    params = [
+        (name, id(p), str(p.dtype), list(p.shape)) for name, p in module.named_parameters(remove_duplicate=False)
+    ]
+    return modules, params
+
+
+def find_execution_units(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """The blocks ddo streams, by the session's unit rule (children of outermost repeated
+    ``ModuleList`` s, in module order), as ``(path, module)``."""
+    modules, params = describe_module(module)
+    paths = _native.unit_paths(modules, [(name, key) for name, key, _, _ in params])
+    return [(p, module.get_submodule(p)) for p in paths]
+
+
+def move_inputs(value: Any, device: torch.device) -> Any:
+    """Tensors inside ``value`` (tuples, lists, dicts) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device or value.is_meta else value.to(device, non_blocking=True)
+    if isinstance(value, tuple):
+        return tuple(move_inputs(v, device) for v in value)
+    if isinstance(value, list):
+        return [move_inputs(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: move_inputs(v, device) for k, v in value.items()}
+    return value
+
+
+def _host_tensors(module: torch.nn.Module) -> Tuple[list, list]:
+    """The module's parameters as host storages ``(address, bytes, owner)`` and tensor rows, one
+    per distinct parameter. Tensors stay where they are when they already are contiguous host
+    tensors (the session serves them in place)."""
+    storages: List[tuple] = []
+    index: Dict[int, int] = {}
+    rows: List[tuple] = []
+    seen = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        t = p.detach()
+        if t.is_meta:
+            raise _native.DynamicOffloadError(f"parameter {name} has no data (meta); load the module's weights first")
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        storage = t.untyped_storage()
+        address = storage.data_ptr()
+        if address not in index:
+            index[address] = len(storages)
+            storages.append((address, storage.nbytes(), t))
+        rows.append((name, str(t.dtype), list(t.shape), index[address], t.storage_offset() * t.element_size()))
+    return storages, rows
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _owner(module: torch.nn.Module, dotted: str) -> Tuple[torch.nn.Module, str]:
+    parent, _, attr = dotted.rpartition(".")
+    return (module.get_submodule(parent) if parent else module), attr
+
+
+class SessionRuntime:
+    """One module attached to a session (routes ``linear_runtime`` and ``vmm_fast_runtime``)."""
+
+    def __init__(self, module: torch.nn.Module, plan: Any, *, checkpoint: Optional[str] = None) -> None:
+        self.module = module
+        self.plan = plan
+        self.checkpoint = checkpoint
+        self.session: Any = None
+        self.device = torch.device("cpu")
+        self.handles: List[Any] = []
+        self.leases: Dict[int, List[int]] = {}
+        self.originals: Dict[str, Any] = {}
+        self.original_buffers: Dict[str, torch.Tensor] = {}
+
+    def attach(self) -> None:
+        """Opens the session and publishes the views. On any error the module is left as it was."""
+        modules, params = describe_module(self.module)
+        if self.checkpoint is not None:
+            self.session = _native.Session(self.plan, modules, params, path=self.checkpoint)
+        else:
+            storages, rows = _host_tensors(self.module)
+            self.session = _native.Session(self.plan, modules, params, storages=storages, tensors=rows)
+        kind, index = self.session.device()
+        self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+        self.originals = dict(self.module.named_parameters(remove_duplicate=False))
+        self._publish_views()
+        for name, b in list(self.module.named_buffers()):
+            self.original_buffers[name] = b
+            owner, attr = _owner(self.module, name)
+            setattr(owner, attr, b.to(self.device))
+        for unit, name, pinned in self.session.units():
+            if not pinned:
+                m = self.module.get_submodule(name)
+                self.handles.append(m.register_forward_pre_hook(self._pre(unit)))
+                self.handles.append(m.register_forward_hook(self._post(unit), always_call=True))
+        self.handles.append(self.module.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self.handles.append(self.module.register_forward_hook(self._root_post, always_call=True))
+
+    def _publish(self, make) -> None:
+        """Sets every parameter name (aliases too) to ``make(name, old)``, one object per key."""
+        new: Dict[int, torch.nn.Parameter] = {}
+        for name, p in list(self.module.named_parameters(remove_duplicate=False)):
+            if id(p) not in new:
+                new[id(p)] = make(name, p)
+            owner, attr = _owner(self.module, name)
+            setattr(owner, attr, new[id(p)])
+
+    def _publish_views(self) -> None:
+        views: Dict[str, torch.Tensor] = {}
+        for names in self.session.parameter_names():
+            view = torch.utils.dlpack.from_dlpack(self.session.dlpack(names[0]))
+            for n in names:
+                views[n] = view
+        self._publish(lambda name, _p: torch.nn.Parameter(views[name], requires_grad=False))
+
+    def _publish_meta(self) -> None:
+        self._publish(
+            lambda _n, p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+        )
+
+    # ---- hooks ----------------------------------------------------------------------------
+
+    def _root_pre(self, _m: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        self.leases.clear()
+        self.session.begin_pass(_stream(self.device))
+        return move_inputs(args, self.device), move_inputs(kwargs, self.device)
+
+    def _root_post(self, _m: torch.nn.Module, _args: tuple, _out: Any) -> None:
+        self.leases.clear()
+        self.session.end_pass(_stream(self.device))
+
+    def _pre(self, unit: int):
+        def hook(_m: torch.nn.Module, _args: tuple) -> None:
+            self.leases.setdefault(unit, []).append(self.session.acquire(unit, _stream(self.device)))
+
+        return hook
+
+    def _post(self, unit: int):
+        def hook(_m: torch.nn.Module, _args: tuple, _out: Any) -> None:
+            held = self.leases.get(unit)
+            if held:
+                self.session.release(held.pop(), _stream(self.device))
+
+        return hook
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Waits for the execution device's work (the host backend's is already complete)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def metrics(self, phase: Optional[str] = None) -> Dict[str, Any]:
+        """The session's metrics snapshot as a dict."""
+        return json.loads(self.session.metrics(phase))
+
+    def warnings(self) -> List[str]:
+        return list(self.session.warnings())
+
+    def reclaim(self) -> tuple:
+        return self.session.reclaim()
+
+    def unload(self) -> None:
+        """Parameters become meta placeholders and the arena's memory is freed."""
+        self.synchronize()
+        self._publish_meta()
+        self.session.end_pass(_stream(self.device))
+        self.session.unload()
+
+    def reload(self) -> None:
+        """Attaches again (new addresses) and publishes the new views."""
+        self.session.reload()
+        self._publish_views()
+
+    def is_unloaded(self) -> bool:
+        return self.session.is_unloaded()
+
+    def detach(self) -> None:
+        """Removes the hooks and closes the session after the device's work completed. Host
+        tensors the module had (linear route) are put back; weights that lived only in the
+        arena (native route) become meta placeholders."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        if self.session is None:
+            return
+        self.synchronize()
+        if self.checkpoint is None:
+            for name, p in self.originals.items():
+                owner, attr = _owner(self.module, name)
+                setattr(owner, attr, p)
+            for name, b in self.original_buffers.items():
+                owner, attr = _owner(self.module, name)
+                setattr(owner, attr, b)
+        else:
+            self._publish_meta()
+        if not self.session.is_unloaded():
+            self.session.end_pass(_stream(self.device))
+            self.session.unload()

@@ -1,0 +1,109 @@
+//! Resolution for Python: the plan stays a Rust value the session takes; Python reads its JSON.
+
+use std::collections::BTreeMap;
+
+use ddo_policy::{ComponentPolicy, DynamicOffloadConfig, Environment, Plan, Request};
+use pyo3::prelude::*;
+
+use crate::errors::config_error;
+
+fn parse<T: serde::de::DeserializeOwned>(what: &str, json: &str) -> PyResult<T> {
+    serde_json::from_str(json).map_err(|e| config_error(format!("invalid {what}: {e}")))
+}
+
+/// One component's resolved plan.
+#[pyclass(module = "ddo._native", frozen)]
+pub(crate) struct ResolvedPlan {
+    pub(crate) plan: Plan,
+}
+
+#[pymethods]
+impl ResolvedPlan {
+    /// The plan as JSON: component, backend, presets, mode, route, settings, origins,
+    /// configuration (the metrics section), warnings.
+    fn json(&self) -> PyResult<String> {
+        let plan = &self.plan;
+        let mut json = serde_json::to_value(plan).map_err(config_error)?;
+        json["configuration"] = serde_json::to_value(plan.configuration()).map_err(config_error)?;
+        json["origins"] = serde_json::to_value(
+            plan.origins
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_string()))
+                .collect::<BTreeMap<_, _>>(),
+        )
+        .map_err(config_error)?;
+        json["session_route"] =
+            serde_json::Value::Bool(ddo_session::SessionRoute::of(&plan.route).is_ok());
+        let from_default = matches!(
+            plan.origins.get("execution_device"),
+            Some(ddo_policy::Origin::Default) | None
+        );
+        let device =
+            ddo_session::ExecutionDevice::choose(&plan.settings.execution_device, from_default)
+                .map_err(crate::errors::session_error)?;
+        json["device"] = serde_json::Value::String(device.torch_name());
+        Ok(json.to_string())
+    }
+
+    /// The metrics snapshot of a route the host applies itself (Diffusers' hooks, none): the
+    /// route and configuration from the plan, `setup` and `runtime` (JSON objects) as the host
+    /// observed them, and the host-memory observation labelled `phase`.
+    #[pyo3(signature = (setup, runtime, phase=None))]
+    fn host_route_metrics(
+        &self,
+        setup: &str,
+        runtime: &str,
+        phase: Option<&str>,
+    ) -> PyResult<String> {
+        let plan = &self.plan;
+        let mut m = ddo_metrics::DynamicOffloadMetrics::new(ddo_metrics::RouteSection {
+            name: plan.route.name().to_owned(),
+            component: Some(plan.component.clone()),
+            backend: Some(plan.backend.as_str().to_owned()),
+            requested_preset: Some(plan.requested_preset.as_str().to_owned()),
+            effective_preset: Some(plan.effective_preset.as_str().to_owned()),
+            execution_mode: Some(plan.execution_mode.as_str().to_owned()),
+        });
+        m.configuration = plan.configuration();
+        m.setup = parse("setup", setup)?;
+        m.runtime = parse("runtime", runtime)?;
+        m.setup.warnings = (!plan.warnings.is_empty()).then(|| plan.warnings.clone());
+        if let Some(phase) = phase {
+            m.host_memory = Some(ddo_metrics::HostMemorySection {
+                observation: ddo_core::AdmissionProbe::observe(
+                    &ddo_platform::LinuxAdmissionProbe::system(),
+                ),
+                phase: Some(phase.to_owned()),
+            });
+        }
+        m.validate().map_err(config_error)?;
+        Ok(m.as_dict().to_string())
+    }
+}
+
+/// Resolves one component's plan. `arguments`, `group` and `config` are JSON objects (config may
+/// be `None`); `environ` maps variable names to values; `running_on_wsl` `None` detects it.
+#[pyfunction]
+#[pyo3(signature = (component, arguments, group, config, environ, running_on_wsl=None))]
+pub(crate) fn resolve(
+    component: &str,
+    arguments: &str,
+    group: &str,
+    config: Option<&str>,
+    environ: BTreeMap<String, String>,
+    running_on_wsl: Option<bool>,
+) -> PyResult<ResolvedPlan> {
+    let arguments: DynamicOffloadConfig = parse("arguments", arguments)?;
+    let group: ComponentPolicy = parse("component arguments", group)?;
+    let config: Option<DynamicOffloadConfig> = config.map(|c| parse("config", c)).transpose()?;
+    let request = Request {
+        component,
+        arguments,
+        group,
+        config,
+        environment: Environment::from_pairs(environ),
+        running_on_wsl: running_on_wsl.unwrap_or_else(ddo_session::running_on_wsl),
+    };
+    let plan = ddo_policy::resolve(&request).map_err(config_error)?;
+    Ok(ResolvedPlan { plan })
+}

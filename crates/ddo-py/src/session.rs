@@ -1,0 +1,241 @@
+//! `Session`: a component session ([`ddo_session::ComponentSession`]) for Python. Glue only:
+//! host tensors become [`HostRegion`]s that keep their PyTorch owner alive, streams are adopted,
+//! tensor views become DLPack capsules, errors become the package's exceptions, and long calls
+//! release the GIL.
+
+use std::sync::Arc;
+
+use ddo_core::{HostRegion, HostSlice, StreamId, UnitId};
+use ddo_session::{
+    ComponentSession, ExecutionDevice, LeaseId, ModuleNode, ModuleTree, ParameterRef, SessionSpec,
+    Weights, dtype_from_torch,
+};
+use ddo_source::{HostTensor, MmapChoice};
+use pyo3::prelude::*;
+
+use crate::errors::session_error;
+use crate::plan::ResolvedPlan;
+
+/// Host memory owned by a Python object (a PyTorch storage): the object is kept alive for as
+/// long as the region lives, so the memory cannot be freed under a copy or registration.
+struct PyHostRegion {
+    address: usize,
+    len: usize,
+    _owner: Py<PyAny>,
+}
+
+impl std::fmt::Debug for PyHostRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PyHostRegion")
+            .field("address", &self.address)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl HostRegion for PyHostRegion {
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `address..address + len` is the owner's memory (checked non-null at
+        // construction), kept alive by `_owner`; the package hands the session tensors it no
+        // longer exposes to the user, so nothing writes them while the region lives.
+        unsafe { std::slice::from_raw_parts(self.address as *const u8, self.len) }
+    }
+}
+
+/// One tensor as the package describes it: `(name, torch dtype, shape, storage, byte offset)`.
+type TensorRow = (String, String, Vec<u64>, usize, u64);
+/// One parameter: `(name, key, torch dtype, shape)`; aliases share the key.
+type ParameterRow = (String, u64, String, Vec<u64>);
+
+fn dtype(name: &str) -> PyResult<ddo_core::Dtype> {
+    dtype_from_torch(name).ok_or_else(|| {
+        crate::errors::DynamicOffloadError::new_err(format!(
+            "dtype {name} cannot be offloaded (supported: floating, integer and bool dtypes)"
+        ))
+    })
+}
+
+/// The session of one component.
+#[pyclass(module = "ddo._native", frozen)]
+pub(crate) struct Session {
+    inner: ComponentSession,
+}
+
+#[pymethods]
+impl Session {
+    /// Opens a session for `plan` over a checkpoint at `path` (native route) or over host
+    /// tensors (`storages` as `(address, bytes, owner)`, `tensors` as rows; linear route), with
+    /// the module tree as `modules` `(path, is_list)` and `parameters` rows. Releases the GIL
+    /// while it plans, registers and uploads.
+    #[new]
+    #[pyo3(signature = (plan, modules, parameters, path=None, storages=None, tensors=None))]
+    fn new(
+        py: Python<'_>,
+        plan: &ResolvedPlan,
+        modules: Vec<(String, bool)>,
+        parameters: Vec<ParameterRow>,
+        path: Option<std::path::PathBuf>,
+        storages: Option<Vec<(usize, usize, Py<PyAny>)>>,
+        tensors: Option<Vec<TensorRow>>,
+    ) -> PyResult<Self> {
+        let tree = ModuleTree {
+            modules: modules
+                .into_iter()
+                .map(|(path, is_list)| ModuleNode { path, is_list })
+                .collect(),
+            parameters: parameters
+                .into_iter()
+                .map(|(name, key, d, shape)| {
+                    Ok(ParameterRef { name, key, dtype: Some(dtype(&d)?), shape: Some(shape) })
+                })
+                .collect::<PyResult<_>>()?,
+        };
+        let weights = match (path, storages, tensors) {
+            (Some(path), None, None) => {
+                // SAFETY: the package's contract with its user (README, `from_pretrained_with_
+                // dynamic_offload`): checkpoint files are not modified while a component streams
+                // from them; a changed identity is detected before every upload.
+                let mmap = unsafe { MmapChoice::auto() };
+                Weights::Checkpoint { path, mmap }
+            }
+            (None, Some(storages), Some(tensors)) => {
+                let storages = storages
+                    .into_iter()
+                    .map(|(address, len, owner)| {
+                        if address == 0 && len > 0 {
+                            return Err(crate::errors::DynamicOffloadError::new_err(
+                                "a host tensor has no data (a meta tensor?)",
+                            ));
+                        }
+                        let region: Arc<dyn HostRegion> =
+                            Arc::new(PyHostRegion { address, len, _owner: owner });
+                        Ok(HostSlice::whole(region))
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                let tensors = tensors
+                    .into_iter()
+                    .map(|(name, d, shape, storage, offset)| {
+                        Ok(HostTensor { name, dtype: dtype(&d)?, shape, storage, offset })
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                Weights::Host { storages, tensors }
+            }
+            _ => {
+                return Err(crate::errors::DynamicOffloadError::new_err(
+                    "a session needs either a checkpoint path or host storages and tensors",
+                ));
+            }
+        };
+        let spec = SessionSpec { plan: plan.plan.clone(), weights, tree: Some(tree) };
+        let inner = py.detach(|| ComponentSession::open(spec)).map_err(session_error)?;
+        Ok(Session { inner })
+    }
+
+    /// `(device type, index)`: `("cuda", n)` or `("cpu", 0)`.
+    fn device(&self) -> (&'static str, u32) {
+        match self.inner.device() {
+            ExecutionDevice::Cuda(n) => ("cuda", n),
+            ExecutionDevice::Host => ("cpu", 0),
+        }
+    }
+
+    /// The route's name.
+    fn route(&self) -> &'static str {
+        self.inner.route().name()
+    }
+
+    /// Warnings for the host to show.
+    fn warnings(&self) -> Vec<String> {
+        self.inner.warnings().to_vec()
+    }
+
+    /// The units: `(id, module path, pinned)`, in arena id order.
+    fn units(&self) -> PyResult<Vec<(u32, String, bool)>> {
+        let units = self.inner.units().map_err(session_error)?;
+        Ok(units.into_iter().map(|u| (u.id.0, u.name, u.pinned)).collect())
+    }
+
+    /// The canonical name of every distinct parameter with its aliases.
+    fn parameter_names(&self) -> Vec<Vec<String>> {
+        self.inner.assignment().parameters.iter().map(|p| p.names.clone()).collect()
+    }
+
+    /// A DLPack capsule viewing parameter `name` in arena memory (valid until unload).
+    fn dlpack(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        let view = self.inner.tensor(name).map_err(session_error)?;
+        let (code, bits) = crate::dlpack::dtype_code(view.dtype).ok_or_else(|| {
+            crate::errors::DynamicOffloadError::new_err(format!(
+                "dtype {} has no DLPack code",
+                view.dtype
+            ))
+        })?;
+        let shape: Vec<i64> = view.shape.iter().map(|&d| d as i64).collect();
+        let (device_type, device_id) = match self.inner.device() {
+            ExecutionDevice::Cuda(n) => (crate::dlpack::K_DL_CUDA, n as i32),
+            ExecutionDevice::Host => (crate::dlpack::K_DL_CPU, 0),
+        };
+        crate::dlpack::capsule(py, view.address, device_type, device_id, code, bits, shape)
+    }
+
+    /// Starts a pass on `stream` (a raw `cudaStream_t`; any value on the host backend).
+    fn begin_pass(&self, stream: u64) -> PyResult<()> {
+        self.inner.begin_pass(self.stream(stream)).map_err(session_error)
+    }
+
+    /// Ends a pass on `stream`.
+    fn end_pass(&self, stream: u64) -> PyResult<()> {
+        self.inner.end_pass(self.stream(stream)).map_err(session_error)
+    }
+
+    /// Acquires unit `unit` for work on `stream`; returns the lease id.
+    fn acquire(&self, unit: u32, stream: u64) -> PyResult<u64> {
+        let lease = self.inner.acquire(UnitId(unit), self.stream(stream)).map_err(session_error)?;
+        Ok(lease.0)
+    }
+
+    /// Releases lease `lease` after the work enqueued on `stream`.
+    fn release(&self, lease: u64, stream: u64) -> PyResult<()> {
+        self.inner.release(LeaseId(lease), self.stream(stream)).map_err(session_error)
+    }
+
+    /// Releases idle slot memory; `(slots, bytes)`.
+    fn reclaim(&self, py: Python<'_>) -> PyResult<(u32, u64)> {
+        let r = py.detach(|| self.inner.reclaim()).map_err(session_error)?;
+        Ok((r.slots, r.bytes))
+    }
+
+    /// Frees the device memory and registrations (views become invalid).
+    fn unload(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.unload()).map_err(session_error)
+    }
+
+    /// Attaches again after unload (new addresses).
+    fn reload(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.reload()).map_err(session_error)
+    }
+
+    /// Whether the weights are unloaded.
+    fn is_unloaded(&self) -> bool {
+        self.inner.is_unloaded()
+    }
+
+    /// The metrics snapshot as JSON; `phase` labels the host-memory observation.
+    #[pyo3(signature = (phase=None))]
+    fn metrics(&self, phase: Option<&str>) -> String {
+        self.inner.metrics(phase).as_dict().to_string()
+    }
+}
+
+impl Session {
+    fn stream(&self, raw: u64) -> StreamId {
+        match self.inner.cuda() {
+            // SAFETY: the package passes PyTorch's live current stream of this device, whose
+            // primary context the session's device uses.
+            Some(cuda) => unsafe { cuda.adopt_stream(raw) },
+            None => StreamId(raw),
+        }
+    }
+}
