@@ -1,9 +1,10 @@
 //! The demo: what ddo decides for a Diffusers pipeline on this machine.
 
-use ddo_core::{AdmissionProbe, GIB, GrowthKind, GrowthRequest};
-use ddo_metrics::{DynamicOffloadMetrics, GroupOffloadSetup, HostMemorySection, RouteSection};
+use ddo_core::{AdmissionProbe, GIB, GrowthKind, GrowthRequest, StreamId, WeightSource};
 use ddo_platform::LinuxAdmissionProbe;
-use ddo_policy::{Environment, OffloadType, Placement, Request, Route, format_presets, resolve};
+use ddo_policy::{Environment, Request, format_presets, resolve};
+use ddo_session::{ComponentSession, SessionSpec, Weights};
+use ddo_source::{Checkpoint, CheckpointSource, MmapChoice, ReadOptions};
 
 /// Resolves the plan of a text-encoder + transformer + VAE pipeline under this process's `DDO_*`
 /// environment and prints each component's profile with a host-memory observation.
@@ -18,51 +19,14 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let py = crate::python::python().to_string_lossy().into_owned();
     crate::run(&py, &["crates/ddo-py/examples/demo.py"])?;
     println!("\n{}", format_presets());
-    let probe = LinuxAdmissionProbe::system();
-    let observation = probe.observe();
     for component in ["text_encoder", "transformer", "vae"] {
         let request =
             Request { component, environment: Environment::from_process(), ..Request::default() };
         let plan = resolve(&request).map_err(|e| format!("{component}: {e}"))?;
-        let mut metrics = DynamicOffloadMetrics::new(RouteSection {
-            name: plan.route.name().into(),
-            component: Some(plan.component.clone()),
-            backend: Some(plan.backend.as_str().into()),
-            requested_preset: Some(plan.requested_preset.as_str().into()),
-            effective_preset: Some(plan.effective_preset.as_str().into()),
-            execution_mode: Some(plan.execution_mode.as_str().into()),
-        });
-        metrics.configuration = plan.configuration();
-        match plan.route {
-            Route::DiffusersGroupOffload(g) => {
-                metrics.setup.group_offload = Some(GroupOffloadSetup {
-                    offload_type: g.offload_type.as_str().into(),
-                    use_stream: g.use_stream,
-                    record_stream: g.record_stream,
-                    low_cpu_mem_usage: g.low_cpu_mem_usage,
-                    num_blocks_per_group: (g.offload_type == OffloadType::BlockLevel)
-                        .then_some(g.num_blocks_per_group),
-                })
-            }
-            Route::None { placement } => {
-                metrics.setup.placement = Some(
-                    match placement {
-                        Placement::Resident => "resident",
-                        Placement::Unmanaged => "unmanaged",
-                    }
-                    .into(),
-                )
-            }
-            _ => {}
-        }
-        metrics.host_memory = Some(HostMemorySection {
-            observation: observation.clone(),
-            phase: Some("plan".into()),
-        });
-        print!("{}", metrics.format_profile());
+        print!("{}", ddo_session::plan_snapshot(&plan, Some("plan")).format_profile());
     }
     let request = GrowthRequest { kind: GrowthKind::Retained, bytes: GIB, registered_bytes: 0 };
-    match probe.admit(&request).into_result() {
+    match LinuxAdmissionProbe::system().admit(&request).into_result() {
         Ok(headroom) => println!(
             "host admission: 1 GiB of retained storage would be granted ({:.2} GiB left after it)",
             headroom as f64 / GIB as f64
@@ -72,84 +36,78 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     stream_checkpoint()
 }
 
-/// Streams a generated Flux-shaped checkpoint through a small arena, on the GPU when a CUDA
-/// driver exists and on the host backend otherwise, checks the bytes every unit delivers, and
-/// prints the profile.
+/// Streams a generated Flux-shaped checkpoint through a component session with a small arena,
+/// on the GPU when a CUDA driver exists and on the host backend otherwise, checks the bytes of
+/// every unit against the checkpoint under its lease, and prints the profile.
 fn stream_checkpoint() -> Result<(), String> {
-    use std::sync::Arc;
-
-    use ddo_arena::{Arena, Budget, UnitSpec};
-    use ddo_core::{Platform, UnitId, WeightSource};
-    use ddo_metrics::SetupSection;
-    use ddo_source::{Checkpoint, CheckpointSource};
-
     let dir = std::path::Path::new("target/demo");
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let path = dir.join("flux-shaped.safetensors");
     let (blocks, width) = (19usize, 512usize);
     write_checkpoint(&path, blocks, width)?;
-    let (platform, _keep): (Platform, Box<dyn std::any::Any>) = match ddo_platform::cuda_platform(0)
-    {
-        Ok((p, d)) => (p, Box::new(d)),
-        Err(e) => {
-            println!("\nGPU: {e}; streaming on the host backend");
-            let d = Arc::new(ddo_platform::host::HostDevice::new());
-            (ddo_platform::host_platform(d.clone()), Box::new(d))
-        }
-    };
-    let checkpoint = Arc::new(Checkpoint::open(&path).map_err(|e| e.to_string())?);
+    let device = if ddo_platform::cuda::driver_present() { "cuda:0" } else { "cpu" };
+    let plan = ddo_session::resolve(
+        "transformer",
+        &[
+            ("backend", "vmm"),
+            ("execution_device", device),
+            ("vmm_resident_weight_budget_gb", "0.046875"),
+            ("auto_vram_headroom_gb", "0.00390625"),
+            ("prefetch_depth", "3"),
+        ],
+    )
+    .map_err(|e| e.to_string())?;
     // SAFETY: the demo does not modify its checkpoint while it is mapped.
-    let source: Arc<dyn WeightSource> =
-        Arc::new(unsafe { CheckpointSource::with_mmap(checkpoint, 4) }.map_err(|e| e.to_string())?);
-    let units = UnitSpec::by_block(source.slices());
-    let budget = Budget { total: 48 << 20, headroom: 4 << 20, prefetch_depth: 3 };
-    let arena = Arena::new(&platform, source.clone(), &units, budget).map_err(|e| e.to_string())?;
-    let stream = platform.residency.create_stream().map_err(|e| e.to_string())?;
+    let mmap = unsafe { MmapChoice::auto() };
+    let weights = Weights::Checkpoint { path: path.clone(), mmap };
+    let session = ComponentSession::open(SessionSpec { plan, weights, tree: None })
+        .map_err(|e| e.to_string())?;
+    let reference = CheckpointSource::new(
+        std::sync::Arc::new(Checkpoint::open(&path).map_err(|e| e.to_string())?),
+        ReadOptions::pread(),
+    )
+    .map_err(|e| e.to_string())?;
+    let check = |name: &str| -> Result<(), String> {
+        let i = reference.slices().iter().position(|s| s.name == name).ok_or("no such tensor")?;
+        let mut want = vec![0u8; reference.slices()[i].len as usize];
+        reference.read(i, &mut want).map_err(|e| e.to_string())?;
+        let got = session.read_tensor(name).map_err(|e| e.to_string())?;
+        if got != want {
+            return Err(format!("{name}: device bytes differ from the checkpoint"));
+        }
+        Ok(())
+    };
+    let names: Vec<String> = reference.slices().iter().map(|s| s.name.clone()).collect();
+    // The legacy default stream on CUDA; any value on the host backend (synchronous).
+    let stream = StreamId(0);
     for _ in 0..3 {
-        arena.begin_pass();
-        for u in 0..arena.layout().units.len() as u32 {
-            let lease = arena.acquire(UnitId(u), stream).map_err(|e| e.to_string())?;
-            for t in &arena.layout().units[u as usize].tensors {
-                let (_, range) = arena.tensor_range(t.slice).ok_or("tensor without a range")?;
-                let mut got = vec![0u8; range.len as usize];
-                platform.residency.read_back(range, &mut got).map_err(|e| e.to_string())?;
-                let mut want = vec![0u8; range.len as usize];
-                source.read(t.slice, &mut want).map_err(|e| e.to_string())?;
-                if got != want {
-                    return Err(format!("unit {u}: device bytes differ from the checkpoint"));
+        session.begin_pass(stream).map_err(|e| e.to_string())?;
+        for unit in session.units().map_err(|e| e.to_string())? {
+            let lease = (!unit.pinned)
+                .then(|| session.acquire(unit.id, stream))
+                .transpose()
+                .map_err(|e| e.to_string())?;
+            let prefix = format!("{}.", unit.name);
+            for name in names.iter().filter(|n| unit.pinned != n.starts_with("transformer_blocks."))
+            {
+                if unit.pinned || name.starts_with(&prefix) {
+                    check(name)?;
                 }
             }
-            arena.release(lease, stream).map_err(|e| e.to_string())?;
+            if let Some(lease) = lease {
+                session.release(lease, stream).map_err(|e| e.to_string())?;
+            }
         }
+        session.end_pass(stream).map_err(|e| e.to_string())?;
     }
-    let plan = arena.plan();
-    let mut m = DynamicOffloadMetrics::new(RouteSection {
-        name: "vmm_fast_runtime".into(),
-        component: Some("transformer".into()),
-        backend: Some(format!("vmm ({})", platform.name)),
-        ..RouteSection::default()
-    });
-    m.setup = SetupSection {
-        unit_count: Some(arena.layout().units.len() as u64),
-        total_bytes: Some(arena.layout().payload()),
-        resident_units: Some(plan.resident.iter().filter(|r| **r).count() as u64),
-        streamed_units: Some(plan.streamed_units() as u64),
-        execution_slots: Some(u64::from(plan.slots)),
-        slot_bytes: Some(plan.slot_len),
-        gpu_budget_bytes: Some(budget.total),
-        headroom_bytes: Some(budget.headroom),
-        streamed_bytes_per_pass: Some(plan.streamed_bytes),
-        ..SetupSection::default()
-    };
-    m.runtime = arena.stats().runtime_section();
+    let m = session.metrics(Some("demo"));
     m.validate().map_err(|e| e.to_string())?;
     println!(
-        "\nStreamed a Flux-shaped checkpoint ({blocks} blocks, {:.1} MiB) through a {} MiB arena, 3 passes, every unit's bytes checked:",
-        arena.layout().payload() as f64 / (1 << 20) as f64,
-        budget.total >> 20
+        "\nStreamed a Flux-shaped checkpoint ({blocks} blocks, {:.1} MiB) through a 48 MiB arena on {device}, 3 passes, every unit's bytes checked:",
+        m.setup.total_bytes.unwrap_or(0) as f64 / (1 << 20) as f64,
     );
     print!("{}", m.format_profile());
-    arena.close().map_err(|e| e.to_string())
+    session.close().map_err(|e| e.to_string())
 }
 
 /// Writes `blocks` Flux-like blocks of BF16 weights plus input/output projections.

@@ -12,7 +12,7 @@ const USAGE: &str = "usage: cargo xtask test-gpu [--bundle DIR] [--bench]
   --bundle DIR   write a self-contained bundle to DIR instead: the nextest archive, the
                  cargo-nextest binary, the benchmark programs and run.sh; on the GPU machine,
                  from a copy of this repository: bash DIR/run.sh [--bench]
-  --bench        also run the GPU benchmarks (stream_gemm --bench, read_bench)";
+  --bench        also run the GPU benchmarks (stream_gemm --bench, read_bench, session_gemm)";
 
 pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
     let mut bundle: Option<PathBuf> = None;
@@ -63,6 +63,10 @@ pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
                     ],
                 )?;
                 run("cargo", &["run", "--release", "-p", "ddo-source", "--example", "read_bench"])?;
+                run(
+                    "cargo",
+                    &["run", "--release", "-p", "ddo-session", "--example", "session_gemm"],
+                )?;
             }
             Ok(())
         }
@@ -88,7 +92,8 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
     copy(&nextest, &dir.join("cargo-nextest"))?;
     run("cargo", &["build", "--release", "-p", "ddo-arena", "--example", "stream_gemm"])?;
     run("cargo", &["build", "--release", "-p", "ddo-source", "--example", "read_bench"])?;
-    for example in ["stream_gemm", "read_bench"] {
+    run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "session_gemm"])?;
+    for example in ["stream_gemm", "read_bench", "session_gemm"] {
         copy(&Path::new("target/release/examples").join(example), &dir.join(example))?;
     }
     let script = dir.join("run.sh");
@@ -140,6 +145,7 @@ status=$?
 if [ "${1:-}" = "--bench" ]; then
   "$bundle/stream_gemm" --bench --size-gib "${DDO_BENCH_GIB:-8}" --dir "$DDO_TEST_TMPDIR" || status=1
   "$bundle/read_bench" --size-gib 4 --dir "$DDO_TEST_TMPDIR" --repeat 5 || status=1
+  "$bundle/session_gemm" --size-gib 4 --dir "$DDO_TEST_TMPDIR" || status=1
 fi
 exit $status
 "#;

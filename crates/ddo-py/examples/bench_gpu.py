@@ -129,20 +129,19 @@ def child(a: argparse.Namespace) -> int:
         model = ddo.from_pretrained_with_dynamic_offload(
             a.path, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config
         )
-        native = model.offload.native
+        native = model.offload
         model = model.module
     torch.cuda.synchronize()
     setup = time.perf_counter() - t
     if native is not None:
-        stats = native.stats()
-        streamed = stats["streamed_bytes_per_pass"]
+        streamed = native.metrics_snapshot().as_dict()["setup"]["streamed_bytes_per_pass"]
     g = torch.Generator().manual_seed(1)
     for res in resolutions:
         x = flux_inputs(res, dev, g)
         times, out = timed(lambda: model(**x)[0], a.steps)
         digest = hashlib.sha256(out.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
-            arena = native.stats()["runtime"]["peak_bytes"]
+            arena = native.metrics_snapshot().as_dict()["runtime"]["peak_bytes"]
         row = dict(
             variant=a.variant, resolution=res, first=times[0], step=statistics.median(times[1:]), setup=setup,
             peak_gpu=sampler.peak - sampler.base, gpu_context=gpu_context, arena=arena, streamed=streamed,

@@ -88,7 +88,7 @@ def main() -> int:
             got = loaded.module(**x)[0]
         same = torch.equal(got, ref)
         ok &= same
-        stats = loaded.offload.native.stats()
+        stats = loaded.offload.metrics_snapshot().as_dict()["setup"]
         print(f"{name}: vmm_fast_runtime output equals resident bit for bit: {same} "
               f"({stats['streamed_units']} streamed units, {stats['execution_slots']} slots)")
         loaded.offload.remove()
@@ -104,7 +104,7 @@ def main() -> int:
     setup = time.perf_counter() - t
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = loaded.offload
-    stats = result.native.stats()
+    stats = result.metrics_snapshot().as_dict()["setup"]
     streamed = stats["streamed_bytes_per_pass"]
     print(f"native attach (load + arena + registration): {setup:.1f} s; plan: {stats['resident_units']} resident / "
           f"{stats['streamed_units']} streamed units, {stats['execution_slots']} slots of {stats['slot_bytes'] / 2**20:.0f} MiB, "

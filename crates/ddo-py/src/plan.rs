@@ -55,27 +55,15 @@ impl ResolvedPlan {
         runtime: &str,
         phase: Option<&str>,
     ) -> PyResult<String> {
-        let plan = &self.plan;
-        let mut m = ddo_metrics::DynamicOffloadMetrics::new(ddo_metrics::RouteSection {
-            name: plan.route.name().to_owned(),
-            component: Some(plan.component.clone()),
-            backend: Some(plan.backend.as_str().to_owned()),
-            requested_preset: Some(plan.requested_preset.as_str().to_owned()),
-            effective_preset: Some(plan.effective_preset.as_str().to_owned()),
-            execution_mode: Some(plan.execution_mode.as_str().to_owned()),
-        });
-        m.configuration = plan.configuration();
-        m.setup = parse("setup", setup)?;
+        let mut m = ddo_session::plan_snapshot(&self.plan, phase);
+        let observed: ddo_metrics::SetupSection = parse("setup", setup)?;
+        m.setup = ddo_metrics::SetupSection {
+            group_offload: observed.group_offload.clone().or(m.setup.group_offload),
+            placement: observed.placement.clone().or(m.setup.placement),
+            warnings: m.setup.warnings,
+            ..observed
+        };
         m.runtime = parse("runtime", runtime)?;
-        m.setup.warnings = (!plan.warnings.is_empty()).then(|| plan.warnings.clone());
-        if let Some(phase) = phase {
-            m.host_memory = Some(ddo_metrics::HostMemorySection {
-                observation: ddo_core::AdmissionProbe::observe(
-                    &ddo_platform::LinuxAdmissionProbe::system(),
-                ),
-                phase: Some(phase.to_owned()),
-            });
-        }
         m.validate().map_err(config_error)?;
         Ok(m.as_dict().to_string())
     }

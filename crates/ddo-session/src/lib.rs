@@ -52,6 +52,7 @@ mod tree;
 
 pub use device::ExecutionDevice;
 pub use error::SessionError;
+pub use metrics::plan_snapshot;
 pub use session::{
     ComponentSession, LeaseId, SessionRoute, SessionSpec, TensorView, UnitInfo, Weights,
 };

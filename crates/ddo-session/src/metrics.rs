@@ -1,13 +1,18 @@
 //! The metrics snapshot of a session, assembled in one place.
 
-use ddo_metrics::{DynamicOffloadMetrics, HostMemorySection, RouteSection, SetupSection};
+use ddo_metrics::{
+    DynamicOffloadMetrics, GroupOffloadSetup, HostMemorySection, RouteSection, SetupSection,
+};
+use ddo_policy::{OffloadType, Placement, Plan, Route};
 
 use crate::ComponentSession;
 
-pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> DynamicOffloadMetrics {
-    let plan = session.plan();
+/// The snapshot a plan alone gives: route, configuration, what a route applied by the host
+/// (Diffusers' hooks, none) is set to do, the plan's warnings, and the host-memory observation
+/// labelled `phase`. Routes the host applies add what they observed to `setup` and `runtime`.
+pub fn plan_snapshot(plan: &Plan, phase: Option<&str>) -> DynamicOffloadMetrics {
     let mut m = DynamicOffloadMetrics::new(RouteSection {
-        name: session.route().name().to_owned(),
+        name: plan.route.name().to_owned(),
         component: Some(plan.component.clone()),
         backend: Some(plan.backend.as_str().to_owned()),
         requested_preset: Some(plan.requested_preset.as_str().to_owned()),
@@ -15,6 +20,42 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         execution_mode: Some(plan.execution_mode.as_str().to_owned()),
     });
     m.configuration = plan.configuration();
+    match plan.route {
+        Route::DiffusersGroupOffload(g) => {
+            m.setup.group_offload = Some(GroupOffloadSetup {
+                offload_type: g.offload_type.as_str().into(),
+                use_stream: g.use_stream,
+                record_stream: g.record_stream,
+                low_cpu_mem_usage: g.low_cpu_mem_usage,
+                num_blocks_per_group: (g.offload_type == OffloadType::BlockLevel)
+                    .then_some(g.num_blocks_per_group),
+            })
+        }
+        Route::None { placement } => {
+            m.setup.placement = Some(
+                match placement {
+                    Placement::Resident => "resident",
+                    Placement::Unmanaged => "unmanaged",
+                }
+                .into(),
+            )
+        }
+        _ => {}
+    }
+    m.setup.warnings = (!plan.warnings.is_empty()).then(|| plan.warnings.clone());
+    m.host_memory = phase.map(observe);
+    m
+}
+
+fn observe(phase: &str) -> HostMemorySection {
+    HostMemorySection {
+        observation: ddo_core::AdmissionProbe::observe(&ddo_platform::LinuxAdmissionProbe::system()),
+        phase: Some(phase.to_owned()),
+    }
+}
+
+pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> DynamicOffloadMetrics {
+    let mut m = plan_snapshot(session.plan(), phase);
     let mut setup = SetupSection {
         module_count: session.module_count(),
         link_bytes_per_second: session.link(),
@@ -52,13 +93,5 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         m.runtime = runtime;
     });
     m.setup = setup;
-    if let Some(phase) = phase {
-        m.host_memory = Some(HostMemorySection {
-            observation: ddo_core::AdmissionProbe::observe(
-                &ddo_platform::LinuxAdmissionProbe::system(),
-            ),
-            phase: Some(phase.to_owned()),
-        });
-    }
     m
 }

@@ -19,6 +19,15 @@ pub fn write_blocks(path: &Path, blocks: usize, width: u64) -> std::io::Result<(
 
 /// Writes BF16 tensors `(name, shape)` in order; byte `i` of tensor `t` is `(t * 31 + i) % 251`.
 pub fn write(path: &Path, tensors: &[(String, Vec<u64>)]) -> std::io::Result<()> {
+    write_with(path, tensors, |t, i| ((t as u64 * 31 + i) % 251) as u8)
+}
+
+/// Writes BF16 tensors `(name, shape)` in order; byte `i` of tensor `t` is `byte(t, i)`.
+pub fn write_with(
+    path: &Path,
+    tensors: &[(String, Vec<u64>)],
+    byte: impl Fn(usize, u64) -> u8,
+) -> std::io::Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0u64;
     for (name, shape) in tensors {
@@ -38,7 +47,7 @@ pub fn write(path: &Path, tensors: &[(String, Vec<u64>)]) -> std::io::Result<()>
     f.write_all(text.as_bytes())?;
     for (t, (_, shape)) in tensors.iter().enumerate() {
         let len = shape.iter().product::<u64>() * 2;
-        let bytes: Vec<u8> = (0..len).map(|i| ((t as u64 * 31 + i) % 251) as u8).collect();
+        let bytes: Vec<u8> = (0..len).map(|i| byte(t, i)).collect();
         f.write_all(&bytes)?;
     }
     f.flush()
