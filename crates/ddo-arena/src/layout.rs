@@ -24,45 +24,13 @@ pub struct UnitSpec {
 }
 
 impl UnitSpec {
-    /// Groups `slices` into one unit per repeated block (`<prefix>.<N>.` with the most members),
-    /// in block order, plus one pinned unit of everything else, placed first.
+    /// The units of a checkpoint by the unit rule ([`crate::ModuleTree::assign`]) applied to the
+    /// tree its tensor names imply: one unit per block of the outermost repeated lists, in
+    /// order, after one pinned unit of everything else.
     pub fn by_block(slices: &[TensorSlice]) -> Vec<UnitSpec> {
-        use std::collections::BTreeMap;
-        let key = |name: &str| -> Option<(String, u64)> {
-            let parts: Vec<&str> = name.split('.').collect();
-            parts.iter().enumerate().find_map(|(i, p)| {
-                let n = p.parse::<u64>().ok()?;
-                (i > 0 && i + 1 < parts.len()).then(|| (parts[..i].join("."), n))
-            })
-        };
-        let mut counts: BTreeMap<String, std::collections::BTreeSet<u64>> = BTreeMap::new();
-        for s in slices {
-            if let Some((prefix, n)) = key(&s.name) {
-                counts.entry(prefix).or_default().insert(n);
-            }
-        }
-        let repeated: Vec<String> =
-            counts.iter().filter(|(_, ns)| ns.len() >= 2).map(|(p, _)| p.clone()).collect();
-        let mut blocks: BTreeMap<(usize, u64), Vec<usize>> = BTreeMap::new();
-        let mut rest = Vec::new();
-        let first_seen = |prefix: &str| {
-            slices.iter().position(|s| s.name.starts_with(&format!("{prefix}."))).unwrap_or(0)
-        };
-        for (i, s) in slices.iter().enumerate() {
-            match key(&s.name).filter(|(p, _)| repeated.contains(p)) {
-                Some((prefix, n)) => blocks.entry((first_seen(&prefix), n)).or_default().push(i),
-                None => rest.push(i),
-            }
-        }
-        let mut out = Vec::new();
-        if !rest.is_empty() {
-            out.push(UnitSpec { name: "resident".into(), tensors: rest, pinned: true });
-        }
-        for ((_, n), tensors) in blocks {
-            let prefix = key(&slices[tensors[0]].name).map(|(p, _)| p).unwrap_or_default();
-            out.push(UnitSpec { name: format!("{prefix}.{n}"), tensors, pinned: false });
-        }
-        out
+        crate::ModuleTree::from_tensor_names(slices.iter().map(|s| s.name.as_str()))
+            .assign(&crate::UnitRule::default())
+            .unit_specs(slices)
     }
 }
 

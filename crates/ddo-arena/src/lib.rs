@@ -6,6 +6,8 @@
 //! forbids `unsafe`. The same code runs on CUDA, on the host backend, and on mocks.
 //!
 //! ```text
+//! units    module tree (data) -> blocks of the outermost repeated lists; shared parameters and
+//!          always-resident modules stay resident (one rule for every host)
 //! layout   units -> contiguous, aligned ranges; adjacent tensors upload in one copy
 //! plan     budget -> resident units + N slots (N >= 2, prefetch depth + 1 when it fits),
 //!          each streamed unit's slot chosen so its upload overlaps the most work
@@ -21,6 +23,7 @@ mod error;
 mod layout;
 mod plan;
 mod stats;
+mod tree;
 
 pub use arena::{Arena, Lease, ReclaimReport};
 pub use error::ArenaError;
@@ -29,5 +32,9 @@ pub use layout::{
 };
 pub use plan::{Budget, ResidencyPlan};
 pub use stats::ArenaStats;
+pub use tree::{
+    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitRule,
+    dtype_from_torch,
+};
 
 pub use ddo_core::{ExecutionUnit, SlotId, UnitId};

@@ -48,17 +48,16 @@ mod link;
 mod metrics;
 mod session;
 pub mod testing;
-mod tree;
 
+pub use ddo_arena::{
+    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitRule,
+    dtype_from_torch,
+};
 pub use device::ExecutionDevice;
 pub use error::SessionError;
 pub use metrics::plan_snapshot;
 pub use session::{
     ComponentSession, LeaseId, SessionRoute, SessionSpec, TensorView, UnitInfo, Weights,
-};
-pub use tree::{
-    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitRule,
-    dtype_from_torch,
 };
 
 /// Resolves one component's plan from explicit `(setting, value)` arguments (as a host's
@@ -94,3 +93,8 @@ pub fn running_on_wsl() -> bool {
         })
         .unwrap_or(false)
 }
+
+/// The README's Rust examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;

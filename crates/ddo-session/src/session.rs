@@ -18,7 +18,7 @@ use ddo_source::{
 
 use crate::SessionError;
 use crate::device::{DevicePlatform, ExecutionDevice};
-use crate::tree::{Assignment, ModuleTree, UnitRule};
+use ddo_arena::{Assignment, ModuleTree, UnitRule};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -318,7 +318,7 @@ impl ComponentSession {
             Weights::Host { storages, tensors } => self.host_source(storages, tensors)?,
         };
         let slices = self.bind(source.slices())?;
-        let specs = self.unit_specs(&slices);
+        let specs = self.unit_specs(&*source);
         let granularity = p.residency.granularity()?;
         let headroom = gib("auto_vram_headroom_gb", s.auto_vram_headroom_gb)?;
         let total = match self.route {
@@ -592,22 +592,8 @@ impl ComponentSession {
     }
 
     /// The arena's units: the resident rest (pinned, first) and one per streamed block.
-    fn unit_specs(&self, slices: &HashMap<String, usize>) -> Vec<UnitSpec> {
-        let a = &self.assignment;
-        let slice_of = |p: usize| slices[&a.parameters[p].names[0]];
-        let mut specs = Vec::with_capacity(a.units.len() + 1);
-        let rest: Vec<usize> = a.resident().into_iter().map(slice_of).collect();
-        if !rest.is_empty() {
-            specs.push(UnitSpec { name: "resident".into(), tensors: rest, pinned: true });
-        }
-        for u in &a.units {
-            specs.push(UnitSpec {
-                name: u.path.clone(),
-                tensors: u.parameters.iter().map(|&p| slice_of(p)).collect(),
-                pinned: false,
-            });
-        }
-        specs
+    fn unit_specs(&self, source: &dyn WeightSource) -> Vec<UnitSpec> {
+        self.assignment.unit_specs(source.slices())
     }
 
     fn attached<'a>(

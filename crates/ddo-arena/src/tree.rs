@@ -8,10 +8,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use ddo_core::Dtype;
+use ddo_core::{Dtype, TensorSlice};
 use regex::Regex;
 
-use crate::SessionError;
+use crate::{ArenaError, UnitSpec};
 
 /// One module of the tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,11 +63,12 @@ impl Default for UnitRule {
 
 impl UnitRule {
     /// The rule from the settings' patterns; an invalid regex names the setting.
-    pub fn from_patterns(streamed: &str, always_resident: &[String]) -> Result<Self, SessionError> {
+    pub fn from_patterns(streamed: &str, always_resident: &[String]) -> Result<Self, ArenaError> {
         let compile = |setting: &'static str, p: &str| {
-            Regex::new(p).map_err(|e| SessionError::Config {
-                setting,
-                message: format!("{p:?} is not a valid regular expression: {e}"),
+            Regex::new(p).map_err(|e| {
+                ArenaError::InvalidUnits(format!(
+                    "{setting}: {p:?} is not a valid regular expression: {e}"
+                ))
             })
         };
         Ok(UnitRule {
@@ -174,7 +175,7 @@ impl ModuleTree {
                 continue;
             }
             let depth = if m.path.is_empty() { 0 } else { m.path.split('.').count() };
-            let children: Vec<&str> = self
+            let mut children: Vec<&str> = self
                 .modules
                 .iter()
                 .map(|c| c.path.as_str())
@@ -187,6 +188,11 @@ impl ModuleTree {
                     direct && c.split('.').count() == depth + 1 && holds_params(c)
                 })
                 .collect();
+            // Blocks run in index order (names may list them otherwise).
+            let index = |c: &str| c.rsplit('.').next().and_then(|i| i.parse::<u64>().ok());
+            if children.iter().all(|c| index(c).is_some()) {
+                children.sort_by_key(|c| index(c));
+            }
             if children.len() >= 2 {
                 unit_paths.extend(children.into_iter().map(str::to_owned));
             }
@@ -256,6 +262,30 @@ impl ModuleTree {
             sorted[remap[old]] = Some(u);
         }
         Assignment { units: sorted.into_iter().flatten().collect(), parameters }
+    }
+}
+
+impl Assignment {
+    /// The arena's units for `slices` (tensors named like the parameters): the resident rest as
+    /// one pinned unit (first), then one unit per block. Parameters without a tensor are left
+    /// out.
+    pub fn unit_specs(&self, slices: &[TensorSlice]) -> Vec<UnitSpec> {
+        let index: HashMap<&str, usize> =
+            slices.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let slice_of =
+            |p: usize| self.parameters[p].names.iter().find_map(|n| index.get(n.as_str()).copied());
+        let mut specs = Vec::with_capacity(self.units.len() + 1);
+        let rest: Vec<usize> = self.resident().into_iter().filter_map(slice_of).collect();
+        if !rest.is_empty() {
+            specs.push(UnitSpec { name: "resident".into(), tensors: rest, pinned: true });
+        }
+        for u in &self.units {
+            let tensors: Vec<usize> = u.parameters.iter().filter_map(|&p| slice_of(p)).collect();
+            if !tensors.is_empty() {
+                specs.push(UnitSpec { name: u.path.clone(), tensors, pinned: false });
+            }
+        }
+        specs
     }
 }
 
