@@ -108,6 +108,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("retained_gib", s.retained_bytes)
         .gib("unretained_gib", s.unretained_bytes)
         .gib("packed_gib", s.packed_bytes)
+        .count("read_workers", s.read_workers)
         .render(&mut out, "");
     if let Some(reason) = &s.unregistered_reason {
         let _ = writeln!(out, "  unregistered: {reason}");

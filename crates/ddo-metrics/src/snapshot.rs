@@ -114,6 +114,8 @@ optional_section! {
         unregistered_bytes: u64,
         /// Why some host bytes stayed unregistered (the first reason).
         unregistered_reason: String,
+        /// Threads reading checkpoint bytes (retained windows or reads on demand).
+        read_workers: u64,
         /// Bytes of small tensors packed per unit so it uploads in few copies.
         packed_bytes: u64,
         /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `host_tensors`.

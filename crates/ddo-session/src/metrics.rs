@@ -88,6 +88,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.unretained_bytes = a.retained.map(|r| r.unretained_bytes);
         setup.packed_bytes = (a.host_kind == "host_tensors").then_some(a.packed.bytes);
         setup.host_source = Some(a.host_kind.to_owned());
+        setup.read_workers = a.read_workers;
         let mut runtime = a.stats.runtime_section();
         runtime.passes = Some(a.stats.passes);
         m.runtime = runtime;

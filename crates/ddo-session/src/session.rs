@@ -125,6 +125,7 @@ pub struct LeaseId(pub u64);
 #[derive(Debug, Clone, Default)]
 struct HostReport {
     kind: &'static str,
+    read_workers: Option<u64>,
     registered: u64,
     unregistered: u64,
     unregistered_reason: Option<String>,
@@ -460,8 +461,12 @@ impl ComponentSession {
             let (source, report) =
                 RetainedSource::retain(Arc::new(reader), &store, RETAINED_WINDOW)?;
             let windows = source.windows().into_iter().map(|w| (w, false)).collect();
-            let host =
-                HostReport { kind: "retained", retained: Some(report), ..HostReport::default() };
+            let host = HostReport {
+                kind: "retained",
+                retained: Some(report),
+                read_workers: Some(workers as u64),
+                ..HostReport::default()
+            };
             return Ok((Arc::new(source), windows, host));
         }
         let mapped = match s.load_safetensors_backend {
@@ -490,7 +495,11 @@ impl ComponentSession {
                 Ok((
                     Arc::new(source),
                     Vec::new(),
-                    HostReport { kind: "reads", ..HostReport::default() },
+                    HostReport {
+                        kind: "reads",
+                        read_workers: Some(workers as u64),
+                        ..HostReport::default()
+                    },
                 ))
             }
         }
@@ -757,6 +766,7 @@ impl ComponentSession {
                     retained: a.host.retained.as_ref(),
                     packed: a.host.packed,
                     host_kind: a.host.kind,
+                    read_workers: a.host.read_workers,
                     setup_seconds: a.setup_seconds,
                     total_bytes: a.total_bytes,
                     tensor_count: a.tensor_count,
@@ -794,6 +804,7 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) retained: Option<&'a RetainedReport>,
     pub(crate) packed: PackReport,
     pub(crate) host_kind: &'static str,
+    pub(crate) read_workers: Option<u64>,
     pub(crate) setup_seconds: f64,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,

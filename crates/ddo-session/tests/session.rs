@@ -118,6 +118,13 @@ fn read_backends_and_retained_windows_serve_the_same_bytes() {
             assert!(setup(&session).retained_bytes.unwrap() > 0);
         }
     }
+    // Read workers: pin_cpu_workers.
+    for workers in [1u64, 3] {
+        let w = workers.to_string();
+        let session =
+            native(&path, &[("vmm_source_cache_gb", "1"), ("pin_cpu_workers", &w)]).unwrap();
+        assert_eq!(setup(&session).read_workers, Some(workers));
+    }
     // Without the owner's promise nothing is mapped: the bytes are read.
     let session = ComponentSession::open(SessionSpec {
         plan: resolve(&[("backend", "vmm"), ("vmm_resident_weight_budget_gb", "0.02")]),
@@ -127,6 +134,26 @@ fn read_backends_and_retained_windows_serve_the_same_bytes() {
     .unwrap();
     assert_eq!(setup(&session).host_source.as_deref(), Some("reads"));
     run_and_check(&session, 1, &checkpoint_bytes(4));
+}
+
+#[test]
+fn retained_bytes_beyond_the_registration_ceiling_are_copied_unregistered() {
+    let dir = tempfile::tempdir().unwrap();
+    // 40 blocks of 2 MiB: the retained windows need two 64 MiB segments.
+    let path = checkpoint(dir.path(), 40);
+    let all = native(&path, &[("vmm_source_cache_gb", "1")]).unwrap();
+    let s = setup(&all);
+    assert_eq!(s.unregistered_bytes, Some(0));
+    assert!(s.registered_bytes.unwrap() > 64 << 20);
+    drop(all);
+    let one_segment =
+        native(&path, &[("vmm_source_cache_gb", "1"), ("vmm_source_registered_gb", "0.0625")])
+            .unwrap();
+    let s = setup(&one_segment);
+    assert!(s.registered_bytes.unwrap() > 0 && s.registered_bytes.unwrap() <= 64 << 20, "{s:?}");
+    assert!(s.unregistered_bytes.unwrap() > 0, "{s:?}");
+    assert!(s.unregistered_reason.clone().unwrap().contains("registration ceiling"), "{s:?}");
+    run_and_check(&one_segment, 1, &checkpoint_bytes(40));
 }
 
 #[test]
