@@ -146,6 +146,24 @@ impl CudaDevice {
         }
     }
 
+    /// Retires every outstanding value that holds host slices and has completed; a value whose
+    /// query fails keeps its slices (nothing is proven).
+    fn sweep(state: &mut State) -> Result<(), DeviceError> {
+        let holding: Vec<(u64, usize)> = state
+            .events
+            .iter()
+            .filter(|(_, (_, holds))| !holds.is_empty())
+            .map(|(v, (e, _))| (*v, *e))
+            .collect();
+        for (value, event) in holding {
+            // SAFETY: a live event of this device (outstanding, so not recycled).
+            if unsafe { Self::event_complete(event) }? {
+                Self::retire(state, value);
+            }
+        }
+        Ok(())
+    }
+
     /// Marks `value` complete: recycles its event and drops the host slices it held.
     fn retire(state: &mut State, value: u64) {
         if let Some((event, holds)) = state.events.remove(&value) {
@@ -370,7 +388,7 @@ impl Fence for CudaDevice {
 
     fn wait(&self, value: FenceValue) -> Result<(), DeviceError> {
         let event = {
-            let state = self.state.lock().expect("state");
+            let mut state = self.state.lock().expect("state");
             if value.0 >= state.next_value || value.0 == 0 {
                 return Err(DeviceError::InvalidUse(format!(
                     "fence value {} was never recorded",
@@ -379,7 +397,10 @@ impl Fence for CudaDevice {
             }
             match state.events.get(&value.0) {
                 Some(&(event, _)) => event,
-                None => return Ok(()),
+                None => {
+                    self.bind()?;
+                    return Self::sweep(&mut state);
+                }
             }
         };
         self.bind()?;
@@ -387,8 +408,12 @@ impl Fence for CudaDevice {
         // happens under the lock after completion, so a recycled event is re-recorded only
         // for a later value and synchronizing on it waits no less than needed.
         unsafe { driver::event::synchronize(event as sys::CUevent) }.named("cuEventSynchronize")?;
-        Self::retire(&mut self.state.lock().expect("state"), value.0);
-        Ok(())
+        let mut state = self.state.lock().expect("state");
+        Self::retire(&mut state, value.0);
+        // A host wait is a phase boundary (reclaim, close): give back every host slice whose
+        // copy is proven complete, also those of values nobody asks about (uploads the
+        // consumer waited for on the device).
+        Self::sweep(&mut state)
     }
 
     fn stream_wait(&self, stream: StreamId, value: FenceValue) -> Result<(), DeviceError> {
