@@ -30,9 +30,22 @@ import sys
 import threading
 import time
 
-from flux_workload import flux_inputs, link_speed, saved_flux, timed
+from flux_workload import SD3_LARGE, flux_inputs, link_speed, saved_flux, saved_sd3, sd3_inputs, timed
 
-SIZES = {"5": (8, 16), "12": (19, 38)}
+# Model sizes of --configs: Flux-style 5 B and 11.9 B, and the SD3.5-Large-shaped "sd3" (8.1 B).
+SIZES = {"5": (8, 16), "12": (19, 38), "sd3": None}
+
+
+def family(size: str) -> str:
+    return "sd3" if size == "sd3" else "flux"
+
+
+def label(size: str) -> str:
+    return "SD3-L 8.1 B" if size == "sd3" else f"Flux {size} B"
+
+
+def inputs_of(fam: str):
+    return sd3_inputs if fam == "sd3" else flux_inputs
 VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "vmm@6", "vmm@9"]
 # Also measurable with --variants: vmm_fast_runtime fed from retained host windows holding the
 # whole model (vmm_source_cache_gb) instead of the checkpoint's mapping.
@@ -70,21 +83,24 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def warm_up(dev, resolutions: list[int]) -> None:
+def warm_up(dev, resolutions: list[int], fam: str) -> None:
     """Runs a one-block model of the same shapes at every resolution and frees it, so first-step
     figures show the offloader's cold pass, not CUDA's one-time kernel loading that every variant
     pays."""
     import torch
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(dev):
-        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1).eval()
+        if fam == "sd3":
+            model = SD3Transformer2DModel(**dict(SD3_LARGE, num_layers=1)).eval()
+        else:
+            model = FluxTransformer2DModel(num_layers=1, num_single_layers=1).eval()
     torch.set_default_dtype(torch.float32)
     g = torch.Generator().manual_seed(2)
     for res in resolutions:
         with torch.no_grad():
-            model(**flux_inputs(res, dev, g))
+            model(**inputs_of(fam)(res, dev, g))
     del model
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -95,11 +111,14 @@ def child(a: argparse.Namespace) -> int:
     import torch
 
     import ddo
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    fam = a.family
+    cls = SD3Transformer2DModel if fam == "sd3" else FluxTransformer2DModel
 
     dev = torch.device("cuda:0")
     resolutions = [int(r) for r in a.resolutions.split(",")]
-    warm_up(dev, resolutions)
+    warm_up(dev, resolutions, fam)
     # What the process holds before any weight: the interpreter, torch, the CUDA context and
     # the kernels every variant loads.
     rss_base, gpu_context = rss_now(), sampler.used() - sampler.base
@@ -107,11 +126,11 @@ def child(a: argparse.Namespace) -> int:
     t = time.perf_counter()
     streamed, arena, native = None, None, None
     if a.variant == "resident":
-        model = FluxTransformer2DModel.from_pretrained(a.path, torch_dtype=torch.bfloat16).to(dev).eval()
+        model = cls.from_pretrained(a.path, torch_dtype=torch.bfloat16).to(dev).eval()
     elif a.variant.startswith("diffusers"):
         from diffusers.hooks import apply_group_offloading
 
-        model = FluxTransformer2DModel.from_pretrained(a.path, torch_dtype=torch.bfloat16).eval()
+        model = cls.from_pretrained(a.path, torch_dtype=torch.bfloat16).eval()
         kind = "leaf_level" if a.variant == "diffusers_leaf" else "block_level"
         extra = {} if kind == "leaf_level" else {"num_blocks_per_group": 1}
         apply_group_offloading(model, onload_device=dev, offload_device=torch.device("cpu"), offload_type=kind, use_stream=True, **extra)
@@ -137,7 +156,7 @@ def child(a: argparse.Namespace) -> int:
         streamed = native.metrics_snapshot().as_dict()["setup"]["streamed_bytes_per_pass"]
     g = torch.Generator().manual_seed(1)
     for res in resolutions:
-        x = flux_inputs(res, dev, g)
+        x = inputs_of(fam)(res, dev, g)
         times, out = timed(lambda: model(**x)[0], a.steps)
         digest = hashlib.sha256(out.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
@@ -171,23 +190,23 @@ def table(rows: list[dict]) -> None:
     print("\n| model | res | variant | streamed GiB/step | step s | x floor | first s (x step) | setup s | "
           "peak GPU GiB (arena) | peak RSS GiB (x model; above base) | output = resident |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for (size, res), group in sorted(groups.items(), key=lambda kv: (float(kv[0][0]), kv[0][1])):
+    for (size, res), group in sorted(groups.items(), key=lambda kv: (kv[0][0] == "sd3", kv[0][0], kv[0][1])):
         group.sort(key=lambda r: order.get(r["variant"], len(order)))
         resident = next((r for r in group if r["variant"] == "resident" and "step" in r), None)
         nbytes = group[0]["nbytes"]
         for r in group:
             if "error" in r:
-                print(f"| {size} B | {res} | {r['variant']} | | failed: {r['error'][:80]} | | | | | | |")
+                print(f"| {label(size)} | {res} | {r['variant']} | | failed: {r['error'][:80]} | | | | | | |")
                 continue
             streamed = nbytes if r["variant"] != "resident" and r.get("streamed") is None else (r.get("streamed") or 0)
             floor = max(resident["step"] if resident else 0.0, streamed / r["link"])
             arena = f" ({r['arena'] / 2**30:.2f})" if r.get("arena") else ""
             same = "" if resident is None else ("yes" if r["digest"] == resident["digest"] else "NO")
-            print(f"| {size} B | {res} | {r['variant']} | {streamed / 2**30:.2f} | {r['step']:.4f} | {r['step'] / floor:.3f} | "
+            print(f"| {label(size)} | {res} | {r['variant']} | {streamed / 2**30:.2f} | {r['step']:.4f} | {r['step'] / floor:.3f} | "
                   f"{r['first']:.4f} ({r['first'] / r['step']:.2f}) | {r['setup']:.1f} | {r['peak_gpu'] / 2**30:.2f}{arena} | "
                   f"{r['rss'] / 2**30:.2f} ({r['rss'] / nbytes:.2f}; {(r['rss'] - r['rss_base']) / nbytes:.2f}) | {same} |")
         if resident:
-            print(f"| {size} B | {res} | (resident model {nbytes / 2**30:.2f} GiB; copy {group[0]['link'] / 1e9:.1f} GB/s; "
+            print(f"| {label(size)} | {res} | (resident model {nbytes / 2**30:.2f} GiB; copy {group[0]['link'] / 1e9:.1f} GB/s; "
                   f"CUDA context {resident['gpu_context'] / 2**30:.2f} GiB) | | | | | | | | |")
 
 
@@ -200,6 +219,7 @@ def main() -> int:
     ap.add_argument("--table", action="store_true", help="print the table of the rows in DIR and stop")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--variant")
+    ap.add_argument("--family", default="flux")
     ap.add_argument("--path")
     ap.add_argument("--nbytes", type=int)
     ap.add_argument("--resolutions")
@@ -224,12 +244,13 @@ def main() -> int:
     print(f"pinned host->device copy: {link / 1e9:.1f} GB/s", flush=True)
     failed = False
     for size, resolutions in by_size.items():
-        path, nbytes = saved_flux(a.dir, *SIZES[size])
+        path, nbytes = saved_sd3(a.dir) if size == "sd3" else saved_flux(a.dir, *SIZES[size])
         for variant in a.variants.split(","):
-            if size == "12" and "@" in variant:
+            if size != "5" and "@" in variant:
                 continue  # the budget sweep runs on the 5 B model
             t = time.perf_counter()
             cmd = [sys.executable, __file__, "--child", "--variant", variant, "--path", path, "--nbytes", str(nbytes),
+                   "--family", family(size),
                    "--resolutions", ",".join(map(str, resolutions)), "--steps", str(a.steps)]
             p = subprocess.run(cmd, capture_output=True, text=True)
             got = [json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
@@ -237,10 +258,10 @@ def main() -> int:
             if p.returncode != 0 or len(got) < len(resolutions):
                 failed = True
                 err = (p.stderr.strip().splitlines() or ["?"])[-1]
-                print(f"{size} B {variant}: failed: {err}", flush=True)
+                print(f"{label(size)} {variant}: failed: {err}", flush=True)
                 new += [dict(size=size, nbytes=nbytes, link=link, variant=variant, resolution=r, error=err) for r in resolutions[len(got):]]
             else:
-                print(f"{size} B {variant}: done in {time.perf_counter() - t:.0f} s", flush=True)
+                print(f"{label(size)} {variant}: done in {time.perf_counter() - t:.0f} s", flush=True)
             kept = [r for r in load_rows(rows_path) if key(r) not in {key(n) for n in new}]
             with open(rows_path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept + new)

@@ -48,6 +48,50 @@ def saved_flux(work: str, double: int, single: int) -> tuple[str, int]:
     return path, nbytes
 
 
+# SD3.5-Large-shaped SD3Transformer2DModel (8.1 B parameters, 15 GiB in bf16): the second model
+# family of the benchmark, so nothing is tuned to Flux's block shapes.
+SD3_LARGE = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+    num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm",
+)
+
+
+def saved_sd3(work: str) -> tuple[str, int]:
+    """The SD3.5-Large-shaped model saved under ``work`` (built once); its folder and bytes."""
+    from diffusers import SD3Transformer2DModel
+
+    path = os.path.join(work, "sd3-large")
+    marker = os.path.join(path, "ddo-built.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return path, json.load(f)["bytes"]
+    t = time.perf_counter()
+    model = random_model(SD3Transformer2DModel, **SD3_LARGE)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    del model
+    with open(marker, "w") as f:
+        json.dump({"bytes": nbytes, "parameters": params}, f)
+    print(f"built and saved an SD3-style model: {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB) "
+          f"in {time.perf_counter() - t:.0f} s", flush=True)
+    return path, nbytes
+
+
+def sd3_inputs(resolution: int, device, generator: torch.Generator) -> dict:
+    """Batch 1 at ``resolution`` ((resolution / 16)^2 image tokens after 2x2 patches of the 8x
+    latents) with 333 text tokens (77 CLIP + 256 T5), as SD3 pipelines use."""
+    side = resolution // 8
+    return dict(
+        hidden_states=torch.randn(1, 16, side, side, generator=generator).to(device, torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, 333, 4096, generator=generator).to(device, torch.bfloat16),
+        pooled_projections=torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16),
+        timestep=torch.tensor([500.0], dtype=torch.bfloat16).to(device),
+        return_dict=False,
+    )
+
+
 def flux_inputs(resolution: int, device, generator: torch.Generator) -> dict:
     """Batch 1 at ``resolution`` (2x2-packed latents: (resolution / 16)^2 image tokens) with 512
     text tokens."""
