@@ -23,8 +23,9 @@ pub struct CheckpointFile {
 
 /// A validated checkpoint: its files and every tensor's immutable slice.
 ///
-/// Every tensor name is unique across the files, every range lies inside its file, ranges do not
-/// overlap, and each length equals shape x dtype size. Opening reads only headers.
+/// Every tensor name is unique across the files, each file's ranges cover its data section
+/// exactly (no gap, no overlap, nothing after the last tensor), and each length equals shape x
+/// dtype size. Opening reads only headers.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     files: Vec<CheckpointFile>,

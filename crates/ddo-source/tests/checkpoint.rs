@@ -145,6 +145,64 @@ fn overlapping_tensors() {
 }
 
 #[test]
+fn a_gap_between_tensors_is_refused() {
+    // Two tensors with 4 unindexed bytes between them: safetensors forbids it, although every
+    // range lies inside the file.
+    let d = scratch();
+    let h = br#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[8],"data_offsets":[12,20]}}"#;
+    let p = raw(&d.path().join("m.safetensors"), h, h.len() as u64, 20);
+    let data_start = 8 + h.len();
+    let e = Checkpoint::open(&p).unwrap_err();
+    assert!(
+        matches!(&e, SourceError::InvalidCheckpoint { file, tensor: Some(t), .. } if file == &p && t == "b")
+    );
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "invalid checkpoint {}: tensor \"b\": data range [12, 20) leaves a gap after tensor \"a\" at [0, 8): bytes [8, 12) of the data section (file offsets [{}, {})) belong to no tensor; safetensors requires the tensors to cover the data section exactly, without gaps",
+            p.display(),
+            data_start + 8,
+            data_start + 12
+        )
+    );
+    assert!(safetensors::SafeTensors::deserialize(&std::fs::read(&p).unwrap()).is_err());
+}
+
+#[test]
+fn bytes_after_the_last_tensor_are_refused() {
+    let d = scratch();
+    let p = write(&d.path().join("m.safetensors"), &[("a", vec![4])]);
+    let len = std::fs::metadata(&p).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(len + 3).unwrap();
+    assert_eq!(
+        open_err(&p),
+        format!(
+            "invalid checkpoint {}: bytes [8, 11) at the end of the 11-byte data section (file offsets [{}, {})) belong to no tensor: the last one, \"a\" at [0, 8), ends at 8; safetensors requires the tensors to cover the data section exactly, without gaps",
+            p.display(),
+            len,
+            len + 3
+        )
+    );
+}
+
+#[test]
+fn tensors_with_zero_elements_are_valid() {
+    let d = scratch();
+    let p = write(
+        &d.path().join("m.safetensors"),
+        &[("a", vec![3]), ("empty", vec![0, 4]), ("b", vec![2, 0]), ("c", vec![2])],
+    );
+    let c = Checkpoint::open(&p).unwrap();
+    assert_eq!(c.slices().len(), 4);
+    let empty = &c.slices()[c.find("empty").unwrap()];
+    assert_eq!((empty.shape.clone(), empty.len), (vec![0, 4], 0));
+    assert!(c.slices().iter().all(|s| s.is_consistent()));
+    assert_eq!(c.total_bytes(), 10);
+    let only = write(&d.path().join("only.safetensors"), &[("e", vec![0])]);
+    assert_eq!(Checkpoint::open(&only).unwrap().total_bytes(), 0);
+}
+
+#[test]
 fn unknown_dtype_shape_mismatch_and_non_utf8() {
     let d = scratch();
     let h = br#"{"a":{"dtype":"Q4","shape":[8],"data_offsets":[0,8]}}"#;

@@ -156,3 +156,25 @@ fn an_index_whose_file_has_an_unlisted_tensor() {
         "{e}"
     );
 }
+
+#[test]
+fn tensors_with_zero_elements_read_as_nothing_on_every_path() {
+    let dir = scratch();
+    let path = write(
+        &dir.path().join("m.safetensors"),
+        &[("a", vec![3]), ("empty", vec![0, 4]), ("c", vec![2])],
+    );
+    let checkpoint = Arc::new(Checkpoint::open(&path).unwrap());
+    let find = |n| checkpoint.find(n).unwrap();
+    let requests: Vec<ReadRequest> = [("a", 0u64), ("empty", 6), ("c", 6)]
+        .into_iter()
+        .map(|(n, dst_offset)| ReadRequest { slice: find(n), dst_offset })
+        .collect();
+    for (name, source) in sources(&checkpoint) {
+        source.read(find("empty"), &mut []).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut dst = vec![0u8; 10];
+        source.read_batch(&requests, &mut dst).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(&dst[..6], pattern("a", 6).as_slice(), "{name}");
+        assert_eq!(&dst[6..], pattern("c", 4).as_slice(), "{name}");
+    }
+}
