@@ -347,6 +347,12 @@ impl Arena {
         Self::start_pass(&mut state);
     }
 
+    /// Marks the current pass as interrupted (an exception inside the forward): the order seen
+    /// so far is not learned as the execution order.
+    pub fn abandon_pass(&self) {
+        self.lock().order.current.clear();
+    }
+
     fn start_pass(state: &mut State) {
         let o = &mut state.order;
         if o.learned.is_none() && !o.current.is_empty() {
@@ -707,6 +713,33 @@ impl Arena {
             self.upload_resident(&mut state, unit)?;
         }
         Ok(state.stats.upload_bytes - before)
+    }
+
+    /// Waits on the host until every resident unit's upload completed (uploading those not
+    /// uploaded yet), so resident weights may be read by work that never acquires them (a
+    /// component method called outside its forward). Resident units are never evicted.
+    pub fn settle_resident(&self) -> Result<(), ArenaError> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ArenaError::Closed);
+        }
+        let t = Instant::now();
+        for i in 0..state.residents.len() {
+            if !self.plan.resident[i] {
+                continue;
+            }
+            self.upload_resident(&mut state, UnitId(i as u32))?;
+            let holder = &state.residents[i].holder;
+            if let (Some(f), false) = (holder.upload, holder.upload_done) {
+                self.platform
+                    .fences
+                    .wait(f)
+                    .map_err(device("wait for the resident units' uploads"))?;
+                state.residents[i].holder.upload_done = true;
+            }
+        }
+        state.stats.wait_seconds += t.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Uploads resident `unit` unless it is on the device (or retained unsafe).

@@ -187,6 +187,9 @@ impl ModuleTree {
                     };
                     direct && c.split('.').count() == depth + 1 && holds_params(c)
                 })
+                // A list of lists is only iterated, never called: its lists' children are the
+                // blocks (found when the inner lists are visited).
+                .filter(|c| !self.modules.iter().any(|n| n.path == *c && n.is_list))
                 .collect();
             // Blocks run in index order (names may list them otherwise).
             let index = |c: &str| c.rsplit('.').next().and_then(|i| i.parse::<u64>().ok());
@@ -198,8 +201,11 @@ impl ModuleTree {
             }
         }
         let unit_of_name = |name: &str| -> Option<usize> {
+            // The parameter's module and every module above it.
             let module = name.rsplit_once('.').map_or("", |(m, _)| m);
-            if rule.always_resident.iter().any(|r| r.is_match(module)) {
+            let mut ancestors = module.match_indices('.').map(|(i, _)| &module[..i]);
+            let resident = |m: &str| rule.always_resident.iter().any(|r| r.is_match(m));
+            if resident(module) || ancestors.any(resident) {
                 return None;
             }
             unit_paths.iter().position(|u| name.starts_with(&format!("{u}.")))
@@ -422,6 +428,27 @@ mod tests {
         assert_eq!(resident, vec!["double.0.proj_out.w"]);
         let err = UnitRule::from_patterns("(", &[]).unwrap_err();
         assert!(err.to_string().contains("vmm_module_pattern"), "{err}");
+    }
+
+    #[test]
+    fn the_blocks_of_a_list_of_lists_are_the_inner_lists_children() {
+        let t = ModuleTree::from_tensor_names([
+            "blocks.0.0.w",
+            "blocks.0.1.w",
+            "blocks.1.0.w",
+            "blocks.1.1.w",
+        ]);
+        assert_eq!(
+            names(&t.assign(&UnitRule::default())),
+            vec!["blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1"]
+        );
+    }
+
+    #[test]
+    fn always_resident_covers_a_module_and_everything_inside_it() {
+        let t = ModuleTree::from_tensor_names(["blocks.0.a.w", "blocks.1.a.w", "blocks.2.a.w"]);
+        let rule = UnitRule::from_patterns(".*", &[r"^blocks\.0$".to_owned()]).unwrap();
+        assert_eq!(names(&t.assign(&rule)), vec!["blocks.1", "blocks.2"]);
     }
 
     #[test]

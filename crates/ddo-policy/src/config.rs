@@ -272,7 +272,11 @@ settings! {
 }
 
 /// Variables accepted under a second name.
-pub const ENV_ALIASES: &[(&str, &str)] = &[("LOAD_SAFETENSORS_BACKEND", "SAFETENSORS_BACKEND")];
+pub const ENV_ALIASES: &[(&str, &str)] = &[
+    ("LOAD_SAFETENSORS_BACKEND", "SAFETENSORS_BACKEND"),
+    // The field's own name, beside the published library's variable.
+    ("ALWAYS_RESIDENT_MODULE_PATTERNS", "ALWAYS_RESIDENT_MODULES_PATTERN"),
+];
 
 /// A component's route policy. Every field optional; see [`crate::resolve`] for precedence.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -76,7 +76,8 @@ unsafe extern "C" fn delete_managed(m: *mut DLManagedTensor) {
         let managed = Box::from_raw(m);
         let ndim = managed.dl_tensor.ndim as usize;
         if !managed.dl_tensor.shape.is_null() {
-            drop(Vec::from_raw_parts(managed.dl_tensor.shape, ndim, ndim));
+            let slice = std::ptr::slice_from_raw_parts_mut(managed.dl_tensor.shape, ndim);
+            drop(Box::from_raw(slice));
         }
     }
 }
@@ -105,16 +106,16 @@ pub(crate) fn capsule(
     bits: u8,
     shape: Vec<i64>,
 ) -> PyResult<Py<PyAny>> {
-    let mut shape = std::mem::ManuallyDrop::new(shape);
-    shape.shrink_to_fit();
     let ndim = shape.len() as i32;
+    // A boxed slice has exactly `ndim` elements, so the deleter can rebuild it.
+    let shape: *mut i64 = Box::into_raw(shape.into_boxed_slice()).cast();
     let managed = Box::new(DLManagedTensor {
         dl_tensor: DLTensor {
             data: address as *mut c_void,
             device: DLDevice { device_type, device_id },
             ndim,
             dtype: DLDataType { code, bits, lanes: 1 },
-            shape: shape.as_mut_ptr(),
+            shape,
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         },

@@ -35,21 +35,36 @@ create_exception!(
     "The call does not fit the component's state (unloaded, during a forward pass)."
 );
 
-/// The exception for a session failure.
+/// The exception for a session failure, by what the caller must change: a source error,
+/// also one that reaches Python through the arena (a file changed during a run), is about the
+/// checkpoint, unless it is the host refusing memory (capacity).
 pub(crate) fn session_error(e: SessionError) -> PyErr {
+    use ddo_arena::ArenaError;
+    use ddo_core::SourceError;
     let text = e.to_string();
-    match e {
-        SessionError::Config { .. } | SessionError::Policy(_) => {
+    let source = match &e {
+        SessionError::Source(s) => Some(s),
+        SessionError::Arena(a) => match a.original() {
+            ArenaError::Source(s) => Some(s),
+            _ => None,
+        },
+        _ => None,
+    };
+    match (&e, source) {
+        (_, Some(SourceError::Refused(_) | SourceError::CeilingExceeded { .. })) => {
+            DynamicOffloadCapacityError::new_err(text)
+        }
+        (_, Some(SourceError::Device(_))) => DynamicOffloadError::new_err(text),
+        (_, Some(_)) => DynamicOffloadCheckpointError::new_err(text),
+        (SessionError::Config { .. } | SessionError::Policy(_), _) => {
             DynamicOffloadConfigError::new_err(text)
         }
-        SessionError::Capacity { .. } => DynamicOffloadCapacityError::new_err(text),
-        SessionError::Weights(_) | SessionError::Source(_) => {
-            DynamicOffloadCheckpointError::new_err(text)
+        (SessionError::Capacity { .. }, _) => DynamicOffloadCapacityError::new_err(text),
+        (SessionError::Weights(_), _) => DynamicOffloadCheckpointError::new_err(text),
+        (SessionError::Lifecycle(_) | SessionError::Arena(ArenaError::Closed), _) => {
+            DynamicOffloadLifecycleError::new_err(text)
         }
-        SessionError::Lifecycle(_) => DynamicOffloadLifecycleError::new_err(text),
-        SessionError::Route { .. } | SessionError::Arena(_) | SessionError::Device(_) => {
-            DynamicOffloadError::new_err(text)
-        }
+        _ => DynamicOffloadError::new_err(text),
     }
 }
 

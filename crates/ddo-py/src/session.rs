@@ -50,10 +50,12 @@ type TensorRow = (String, String, Vec<u64>, usize, u64);
 /// One parameter: `(name, key, torch dtype, shape)`; aliases share the key.
 type ParameterRow = (String, u64, String, Vec<u64>);
 
+/// A PyTorch dtype the session can stream and PyTorch can view through DLPack.
 fn dtype(name: &str) -> PyResult<ddo_core::Dtype> {
-    dtype_from_torch(name).ok_or_else(|| {
+    dtype_from_torch(name).filter(|d| crate::dlpack::dtype_code(*d).is_some()).ok_or_else(|| {
         crate::errors::DynamicOffloadError::new_err(format!(
-            "dtype {name} cannot be offloaded (supported: floating, integer and bool dtypes)"
+            "dtype {name} cannot be offloaded (supported: float16, bfloat16, float32, float64, \
+             integer and bool dtypes)"
         ))
     })
 }
@@ -188,6 +190,11 @@ impl Session {
     /// Ends a pass on `stream`.
     fn end_pass(&self, stream: u64) -> PyResult<()> {
         self.inner.end_pass(self.stream(stream)).map_err(session_error)
+    }
+
+    /// Ends an interrupted pass on `stream` (its order is not learned).
+    fn abort_pass(&self, stream: u64) -> PyResult<()> {
+        self.inner.abort_pass(self.stream(stream)).map_err(session_error)
     }
 
     /// Acquires unit `unit` for work on `stream`; returns the lease id.

@@ -89,6 +89,9 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.packed_bytes = (a.host_kind == "host_tensors").then_some(a.packed.bytes);
         setup.host_source = Some(a.host_kind.to_owned());
         setup.read_workers = a.read_workers;
+        if let Some(reason) = a.not_packed {
+            setup.warnings.get_or_insert_with(Vec::new).push(reason.to_owned());
+        }
         let mut runtime = a.stats.runtime_section();
         runtime.passes = Some(a.stats.passes);
         m.runtime = runtime;

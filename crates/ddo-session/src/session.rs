@@ -125,6 +125,8 @@ pub struct LeaseId(pub u64);
 #[derive(Debug, Clone, Default)]
 struct HostReport {
     kind: &'static str,
+    /// Why small tensors were not packed (the host refused the bytes).
+    not_packed: Option<String>,
     read_workers: Option<u64>,
     registered: u64,
     unregistered: u64,
@@ -332,12 +334,12 @@ impl ComponentSession {
                     layout.units.iter().filter(|u| !u.pinned).map(|u| u.len).max().unwrap_or(0);
                 let pinned: u64 = layout.units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
                 let slots = u64::from(s.prefetch_depth.saturating_add(1).max(2));
+                // Headroom is kept free inside this budget: it shrinks the resident blocks.
                 let resident = gib("resident_module_budget_gb", s.resident_module_budget_gb)?;
                 largest
                     .checked_mul(slots)
                     .and_then(|v| v.checked_add(pinned))
                     .and_then(|v| v.checked_add(resident))
-                    .and_then(|v| v.checked_add(headroom))
                     .ok_or_else(|| SessionError::Capacity {
                         setting: "resident_module_budget_gb",
                         message: "the budget overflows".into(),
@@ -382,9 +384,12 @@ impl ComponentSession {
                 return Err(self.arena_error(e));
             }
         };
-        if let Err(e) = arena.prime() {
-            let _ = arena.close();
-            Self::unregister_all(&registrar, &mut registered);
+        // The first pass starts warm; resident weights are on the device before the host uses
+        // the component (a method called outside forward reads them without acquiring).
+        if let Err(e) = arena.prime().and_then(|_| arena.settle_resident()) {
+            if arena.close().is_ok() {
+                Self::unregister_all(&registrar, &mut registered);
+            }
             return Err(SessionError::Arena(e));
         }
         let plan = arena.plan();
@@ -423,7 +428,9 @@ impl ComponentSession {
                     SessionRoute::Native => {
                         "vmm_resident_weight_budget_gb / --ddo-vmm-resident-weight-budget-gb"
                     }
-                    SessionRoute::Linear => "auto_vram_headroom_gb lower, or prefetch_depth",
+                    SessionRoute::Linear => {
+                        "auto_vram_headroom_gb lower, or resident_module_budget_gb higher"
+                    }
                 },
                 message: e.original().to_string(),
             },
@@ -515,6 +522,7 @@ impl ComponentSession {
     ) -> Result<(Arc<dyn WeightSource>, Vec<(HostSlice, bool)>, HostReport), SessionError> {
         let s = &self.plan.settings;
         let mut source = HostTensorSource::new(storages.to_vec(), tensors.to_vec())?;
+        let mut not_packed = None;
         let threshold = u64::from(s.small_tensor_threshold_kb) * 1024;
         if threshold > 0 {
             let index: HashMap<&str, usize> =
@@ -527,15 +535,19 @@ impl ComponentSession {
                 }
             }
             let store = RetainedStore::new(u64::MAX, self.platform.platform.admission.clone());
-            source.pack(&groups, &store)?;
+            match source.pack(&groups, &store) {
+                Ok(()) => {}
+                // Packing only saves copies: when the host refuses the bytes, serve in place.
+                Err(e @ (SourceError::Refused(_) | SourceError::CeilingExceeded { .. })) => {
+                    not_packed = Some(format!("small tensors served in place: {e}"));
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         let ranges = source.storages_in_use().into_iter().map(|(_, r)| (r, true)).collect();
         let packed = source.packed();
-        Ok((
-            Arc::new(source),
-            ranges,
-            HostReport { kind: "host_tensors", packed, ..HostReport::default() },
-        ))
+        let host = HostReport { kind: "host_tensors", packed, not_packed, ..HostReport::default() };
+        Ok((Arc::new(source), ranges, host))
     }
 
     fn registrar(&self, ranges: &[(HostSlice, bool)]) -> Result<Registrar, SessionError> {
@@ -667,10 +679,15 @@ impl ComponentSession {
 
     fn release_stale(a: &mut Attached, stream: StreamId) -> Result<(), SessionError> {
         let stale: Vec<Lease> = a.pass.drain(..).chain(a.leases.drain().map(|(_, l)| l)).collect();
+        // Every lease is given back; a failed release keeps its memory unsafe (the arena's
+        // contract) and the first failure is reported.
+        let mut first = None;
         for lease in stale {
-            a.arena.release(lease, stream)?;
+            if let Err(e) = a.arena.release(lease, stream) {
+                first.get_or_insert(e);
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), |e| Err(SessionError::Arena(e)))
     }
 
     /// Ends a forward pass: gives back the pinned units (and any lease still live) after the
@@ -678,6 +695,15 @@ impl ComponentSession {
     pub fn end_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
+        Self::release_stale(a, stream)
+    }
+
+    /// Ends a pass that was interrupted (an exception inside the forward): gives back every live
+    /// lease after the work enqueued on `stream`, and the order seen is not learned.
+    pub fn abort_pass(&self, stream: StreamId) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        a.arena.abandon_pass();
         Self::release_stale(a, stream)
     }
 
@@ -765,6 +791,7 @@ impl ComponentSession {
                     unregistered_reason: a.host.unregistered_reason.as_deref(),
                     retained: a.host.retained.as_ref(),
                     packed: a.host.packed,
+                    not_packed: a.host.not_packed.as_deref(),
                     host_kind: a.host.kind,
                     read_workers: a.host.read_workers,
                     setup_seconds: a.setup_seconds,
@@ -803,6 +830,7 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) unregistered_reason: Option<&'a str>,
     pub(crate) retained: Option<&'a RetainedReport>,
     pub(crate) packed: PackReport,
+    pub(crate) not_packed: Option<&'a str>,
     pub(crate) host_kind: &'static str,
     pub(crate) read_workers: Option<u64>,
     pub(crate) setup_seconds: f64,
@@ -814,9 +842,9 @@ impl Drop for ComponentSession {
     fn drop(&mut self) {
         let mut g = self.lock();
         if let Some(a) = g.as_mut() {
-            let stream = a.arena.copy_stream();
-            let _ = Self::release_stale(a, stream);
-            if a.arena.close().is_ok() {
+            // Live leases (a pass never ended) belong to work on a stream this drop cannot
+            // order against: close then refuses and the memory stays owned, never freed early.
+            if a.leases.is_empty() && a.pass.is_empty() && a.arena.close().is_ok() {
                 Self::unregister_all(&a.registrar, &mut a.registered);
             }
         }

@@ -378,6 +378,13 @@ fn the_resident_budget_keeps_blocks_on_the_device() {
     let some = linear(&[("resident_module_budget_gb", "0.008")]).unwrap();
     assert_eq!(setup(&some).resident_units, Some(3), "two 4 MiB blocks beside the rest");
     run_and_check(&some, 2, &checkpoint_bytes(6));
+    // Headroom is kept free inside the budget: one block fewer stays resident.
+    let headroom =
+        linear(&[("resident_module_budget_gb", "0.008"), ("auto_vram_headroom_gb", "0.004")])
+            .unwrap();
+    assert_eq!(setup(&headroom).resident_units, Some(2));
+    let s = setup(&headroom);
+    assert_eq!(s.headroom_bytes, Some((0.004f64 * (1u64 << 30) as f64) as u64));
 }
 
 #[test]

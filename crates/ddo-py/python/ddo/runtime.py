@@ -7,7 +7,9 @@ block runs and release it after, on PyTorch's current stream."""
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -67,7 +69,10 @@ def _host_tensors(module: torch.nn.Module) -> Tuple[list, list]:
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous():
-            t = t.contiguous()
+            raise _native.DynamicOffloadError(
+                f"parameter {name} is not contiguous (strides {t.stride()}); ddo streams contiguous tensors and a "
+                "copy would change the kernels' results: make it contiguous before offloading"
+            )
         storage = t.untyped_storage()
         address = storage.data_ptr()
         if address not in index:
@@ -99,6 +104,9 @@ class SessionRuntime:
         self.leases: Dict[int, List[int]] = {}
         self.originals: Dict[str, Any] = {}
         self.original_buffers: Dict[str, torch.Tensor] = {}
+        # Forwards of one module run one at a time: a pass owns the module's leases.
+        self.forward_lock = threading.Lock()
+        self.in_forward: Dict[int, bool] = {}
 
     def attach(self) -> None:
         """Opens the session and publishes the views. On any error the module is left as it was."""
@@ -121,8 +129,7 @@ class SessionRuntime:
                 m = self.module.get_submodule(name)
                 self.handles.append(m.register_forward_pre_hook(self._pre(unit)))
                 self.handles.append(m.register_forward_hook(self._post(unit), always_call=True))
-        self.handles.append(self.module.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self.handles.append(self.module.register_forward_hook(self._root_post, always_call=True))
+        self._wrap_forward()
 
     def _publish(self, make) -> None:
         """Sets every parameter name (aliases too) to ``make(name, old)``, one object per key."""
@@ -148,14 +155,47 @@ class SessionRuntime:
 
     # ---- hooks ----------------------------------------------------------------------------
 
-    def _root_pre(self, _m: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-        self.leases.clear()
-        self.session.begin_pass(_stream(self.device))
-        return move_inputs(args, self.device), move_inputs(kwargs, self.device)
+    def _wrap_forward(self) -> None:
+        """Wraps the module's forward in one pass: forwards of the module run one at a time
+        (other threads wait), inputs move to the device, and the pass ends however the forward
+        ends (an exception, ``KeyboardInterrupt`` included, aborts it: leases are given back and
+        the order seen is not learned)."""
+        original = self.module.forward
+        runtime = self
 
-    def _root_post(self, _m: torch.nn.Module, _args: tuple, _out: Any) -> None:
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if runtime.in_forward.get(threading.get_ident()):
+                raise _native.DynamicOffloadLifecycleError(
+                    f"{type(runtime.module).__name__}.forward was called inside its own forward; ddo runs one pass at a time"
+                )
+            with runtime.forward_lock:
+                runtime.in_forward[threading.get_ident()] = True
+                try:
+                    return runtime._pass(original, args, kwargs)
+                finally:
+                    runtime.in_forward.pop(threading.get_ident(), None)
+
+        self.module.forward = forward
+
+    def _pass(self, original: Any, args: tuple, kwargs: dict) -> Any:
+        stream = _stream(self.device)
         self.leases.clear()
-        self.session.end_pass(_stream(self.device))
+        self.session.begin_pass(stream)
+        try:
+            out = original(*move_inputs(args, self.device), **move_inputs(kwargs, self.device))
+        except BaseException as error:
+            self.leases.clear()
+            try:
+                self.session.abort_pass(_stream(self.device))
+            except BaseException as cleanup:  # noqa: BLE001 - attached to the original error
+                error.ddo_cleanup_error = cleanup  # type: ignore[attr-defined]
+                if hasattr(error, "add_note"):
+                    error.add_note(f"ddo could not end the interrupted pass: {cleanup!r}")
+            raise
+        self.leases.clear()
+        self.session.end_pass(stream)
+        return out
 
     def _pre(self, unit: int):
         def hook(_m: torch.nn.Module, _args: tuple) -> None:
@@ -210,6 +250,7 @@ class SessionRuntime:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.module.__dict__.pop("forward", None)
         if self.session is None:
             return
         self.synchronize()

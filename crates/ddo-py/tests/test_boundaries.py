@@ -1,0 +1,169 @@
+"""The module stays correct at its boundaries: concurrent forwards, interrupted forwards, odd
+module structures, and errors of the right class."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import ddo
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_forwards_from_several_threads_run_one_at_a_time(tmp_path, flux, route):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    if route == "linear":
+        result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
+        module = model
+    else:
+        model.save_pretrained(tmp_path / "m")
+        config = ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=0.02)
+        loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
+        result, module = loaded.offload, loaded.module
+    outcomes = []
+
+    def worker():
+        for _ in range(8):
+            outcomes.append(torch.equal(run(module, inputs), reference))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert outcomes == [True] * 32
+    result.remove()
+
+
+def test_a_keyboard_interrupt_inside_a_block_leaves_the_module_usable_from_any_thread(flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
+
+    def interrupt(_m, _args):
+        raise KeyboardInterrupt
+
+    handle = model.transformer_blocks[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run(model, inputs)
+    handle.remove()
+    got = []
+    t = threading.Thread(target=lambda: got.append(torch.equal(run(model, inputs), reference)))
+    t.start()
+    t.join(timeout=60)
+    assert got == [True], "another thread runs the module after the interrupt"
+    m = result.metrics_snapshot().as_dict()["runtime"]
+    # The interrupted pass's partial order was not learned: later passes prefetch in order.
+    for _ in range(3):
+        assert torch.equal(run(model, inputs), reference)
+    after = result.metrics_snapshot().as_dict()["runtime"]
+    assert after["prefetch_misses"] == m["prefetch_misses"], (m, after)
+    result.remove()
+
+
+def test_a_forward_inside_its_own_forward_is_refused():
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+            self.depth = 0
+
+        def forward(self, x):
+            self.depth += 1
+            if self.depth == 1:
+                x = self(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    net = Loop().eval()
+    result = ddo.enable_offload(net, route="dynamic_offload", use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="inside its own forward"):
+        with torch.no_grad():
+            net(torch.ones(1, 4))
+    result.remove()
+
+
+def test_a_list_of_lists_streams_the_inner_blocks():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stages = torch.nn.ModuleList(
+                [torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)]) for _ in range(3)]
+            )
+
+        def forward(self, x):
+            for stage in self.stages:
+                for block in stage:
+                    x = block(x).relu()
+            return x
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        reference = net(x)
+    result = ddo.enable_offload(net, route="dynamic_offload", prefetch_depth=1, use_environment=False)
+    assert [p for p, _ in ddo.find_execution_units(net)] == [f"stages.{s}.{b}" for s in range(3) for b in range(2)]
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(net(x), reference)
+    assert result.metrics_snapshot().as_dict()["setup"]["streamed_units"] == 6
+    result.remove()
+
+
+def test_a_non_contiguous_parameter_is_refused_and_the_module_unchanged():
+    net = torch.nn.Sequential()
+    net.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+    net.blocks[0].weight = torch.nn.Parameter(net.blocks[0].weight.t().contiguous().t())
+    before = {n: p.data_ptr() for n, p in net.named_parameters()}
+    with pytest.raises(ddo.DynamicOffloadError, match="blocks.0.weight is not contiguous"):
+        ddo.enable_offload(net.eval(), route="dynamic_offload", use_environment=False)
+    assert {n: p.data_ptr() for n, p in net.named_parameters()} == before
+    assert getattr(net, "_ddo_offload", None) is None
+
+
+def test_a_checkpoint_changed_during_a_run_is_a_checkpoint_error(tmp_path, flux):
+    model, inputs = flux
+    model.save_pretrained(tmp_path / "m")
+    # A budget of the resident rest and two slots: every block is read again each pass.
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm",
+        execution_device="cpu",
+        vmm_resident_weight_budget_gb=0.006,
+        prefetch_depth=1,
+        load_safetensors_backend="pread",
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
+    run(loaded.module, inputs)
+    path = tmp_path / "m" / "diffusion_pytorch_model.safetensors"
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data)  # same bytes, another file
+    with pytest.raises(ddo.DynamicOffloadCheckpointError, match="changed while in use"):
+        run(loaded.module, inputs)
+    loaded.offload.unload()
+    loaded.offload.reload()  # the file as it is now
+    assert run(loaded.module, inputs) is not None
+
+
+def test_always_resident_variable_under_the_fields_name(flux):
+    model, _ = flux
+    result = ddo.enable_offload(
+        model, route="dynamic_offload", environ={"DDO_ALWAYS_RESIDENT_MODULES_PATTERN": r"^transformer_blocks\.0$"}
+    )
+    setup = result.metrics_snapshot().as_dict()["setup"]
+    assert not any("ALWAYS_RESIDENT" in w for w in setup.get("warnings", []))
+    units = ddo.find_execution_units(model)
+    assert setup["unit_count"] == len(units)  # the rest, and every block but transformer_blocks.0
+    result.remove()
