@@ -25,27 +25,33 @@ def random_model(cls, **config):
     return model
 
 
-def saved_flux(work: str, double: int, single: int) -> tuple[str, int]:
-    """A Flux-style model with ``double`` + ``single`` blocks saved under ``work`` (built once and
-    reused while the folder lives); returns its folder and its parameter bytes."""
-    from diffusers import FluxTransformer2DModel
-
-    path = os.path.join(work, f"flux-{double}-{single}")
+def saved_model(work: str, name: str, cls, label: str, **config) -> tuple[str, int]:
+    """``cls(**config)`` with random weights saved under ``work/name`` (built once and reused
+    while the folder lives); returns its folder and its parameter bytes."""
+    path = os.path.join(work, name)
     marker = os.path.join(path, "ddo-built.json")
     if os.path.exists(marker):
         with open(marker) as f:
             return path, json.load(f)["bytes"]
     t = time.perf_counter()
-    model = random_model(FluxTransformer2DModel, num_layers=double, num_single_layers=single)
+    model = random_model(cls, **config)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(path)
     del model
     with open(marker, "w") as f:
         json.dump({"bytes": nbytes, "parameters": params}, f)
-    print(f"built and saved a Flux-style model: {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB) "
+    print(f"built and saved a {label} model: {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB) "
           f"in {time.perf_counter() - t:.0f} s", flush=True)
     return path, nbytes
+
+
+def saved_flux(work: str, double: int, single: int) -> tuple[str, int]:
+    """A Flux-style model with ``double`` + ``single`` blocks saved under ``work``."""
+    from diffusers import FluxTransformer2DModel
+
+    return saved_model(work, f"flux-{double}-{single}", FluxTransformer2DModel, "Flux-style",
+                       num_layers=double, num_single_layers=single)
 
 
 # SD3.5-Large-shaped SD3Transformer2DModel (8.1 B parameters, 15 GiB in bf16): the second model
@@ -58,25 +64,10 @@ SD3_LARGE = dict(
 
 
 def saved_sd3(work: str) -> tuple[str, int]:
-    """The SD3.5-Large-shaped model saved under ``work`` (built once); its folder and bytes."""
+    """The SD3.5-Large-shaped model saved under ``work``."""
     from diffusers import SD3Transformer2DModel
 
-    path = os.path.join(work, "sd3-large")
-    marker = os.path.join(path, "ddo-built.json")
-    if os.path.exists(marker):
-        with open(marker) as f:
-            return path, json.load(f)["bytes"]
-    t = time.perf_counter()
-    model = random_model(SD3Transformer2DModel, **SD3_LARGE)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(path)
-    del model
-    with open(marker, "w") as f:
-        json.dump({"bytes": nbytes, "parameters": params}, f)
-    print(f"built and saved an SD3-style model: {params / 1e9:.2f} B parameters ({nbytes / 2**30:.2f} GiB) "
-          f"in {time.perf_counter() - t:.0f} s", flush=True)
-    return path, nbytes
+    return saved_model(work, "sd3-large", SD3Transformer2DModel, "SD3-style", **SD3_LARGE)
 
 
 def sd3_inputs(resolution: int, device, generator: torch.Generator) -> dict:
