@@ -88,6 +88,7 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
     if !status.success() {
         return Err("cargo nextest archive failed".into());
     }
+    shrink_archive(&archive);
     let nextest = which("cargo-nextest")?;
     copy(&nextest, &dir.join("cargo-nextest"))?;
     run("cargo", &["build", "--release", "-p", "ddo-arena", "--example", "stream_gemm"])?;
@@ -95,6 +96,13 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
     run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "session_gemm"])?;
     for example in ["stream_gemm", "read_bench", "session_gemm"] {
         copy(&Path::new("target/release/examples").join(example), &dir.join(example))?;
+    }
+    // A bundle travels to the GPU machine: symbols are not needed there.
+    for program in ["cargo-nextest", "stream_gemm", "read_bench", "session_gemm"] {
+        let path = dir.join(program);
+        if Command::new("strip").arg(&path).status().is_ok_and(|s| s.success()) {
+            eprintln!("stripped {}", path.display());
+        }
     }
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| format!("writing {}: {e}", script.display()))?;
@@ -104,6 +112,29 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
         dir.display()
     );
     Ok(())
+}
+
+/// Recompresses the nextest archive at zstd level 19 (about half the size) when `zstd` is
+/// installed; otherwise leaves it as it is.
+fn shrink_archive(archive: &Path) {
+    let tar = archive.with_extension("");
+    let smaller = archive.with_extension("19.zst");
+    let ok =
+        Command::new("zstd").args(["-d", "-q", "-f"]).arg(archive).arg("-o").arg(&tar).status();
+    if !ok.is_ok_and(|s| s.success()) {
+        eprintln!("zstd not found: the archive stays at its default compression");
+        return;
+    }
+    let ok = Command::new("zstd")
+        .args(["-19", "-T0", "-q", "-f"])
+        .arg(&tar)
+        .arg("-o")
+        .arg(&smaller)
+        .status();
+    if ok.is_ok_and(|s| s.success()) && std::fs::rename(&smaller, archive).is_ok() {
+        eprintln!("recompressed {}", archive.display());
+    }
+    let _ = std::fs::remove_file(&tar);
 }
 
 fn which(program: &str) -> Result<PathBuf, String> {

@@ -123,7 +123,10 @@ impl Session {
                         Ok(HostTensor { name, dtype: dtype(&d)?, shape, storage, offset })
                     })
                     .collect::<PyResult<Vec<_>>>()?;
-                Weights::Host { storages, tensors }
+                // SAFETY: the same contract as the checkpoint route: files backing host tensors (a
+                // checkpoint loaded lazily through its mapping) are not modified while offloaded.
+                let mmap = unsafe { MmapChoice::auto() };
+                Weights::Host { storages, tensors, mmap }
             }
             _ => {
                 return Err(crate::errors::DynamicOffloadError::new_err(

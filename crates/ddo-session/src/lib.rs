@@ -44,6 +44,7 @@
 
 mod device;
 mod error;
+mod host_files;
 mod link;
 mod metrics;
 mod session;

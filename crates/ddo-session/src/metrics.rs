@@ -86,7 +86,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.unregistered_reason = a.unregistered_reason.map(str::to_owned);
         setup.retained_bytes = a.retained.map(|r| r.retained_bytes);
         setup.unretained_bytes = a.retained.map(|r| r.unretained_bytes);
-        setup.packed_bytes = (a.host_kind == "host_tensors").then_some(a.packed.bytes);
+        setup.packed_bytes = a.host_kind.starts_with("host_tensors").then_some(a.packed.bytes);
         setup.host_source = Some(a.host_kind.to_owned());
         setup.read_workers = a.read_workers;
         if let Some(reason) = a.not_packed {

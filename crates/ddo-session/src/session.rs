@@ -42,6 +42,9 @@ pub enum Weights {
         storages: Vec<HostSlice>,
         /// The tensors, each inside one storage.
         tensors: Vec<HostTensor>,
+        /// Whether files backing storages (a lazily loaded checkpoint's private mapping) may be
+        /// mapped again, shared and read-only (the owner's promise that they do not change).
+        mmap: MmapChoice,
     },
 }
 
@@ -318,7 +321,9 @@ impl ComponentSession {
             HostReport,
         ) = match &self.weights {
             Weights::Checkpoint { path, mmap } => self.checkpoint_source(path, *mmap)?,
-            Weights::Host { storages, tensors } => self.host_source(storages, tensors)?,
+            Weights::Host { storages, tensors, mmap } => {
+                self.host_source(storages, tensors, *mmap)?
+            }
         };
         let slices = self.bind(source.slices())?;
         let specs = self.unit_specs(&*source);
@@ -519,9 +524,14 @@ impl ComponentSession {
         &self,
         storages: &[HostSlice],
         tensors: &[HostTensor],
+        mmap: MmapChoice,
     ) -> Result<(Arc<dyn WeightSource>, Vec<(HostSlice, bool)>, HostReport), SessionError> {
         let s = &self.plan.settings;
-        let mut source = HostTensorSource::new(storages.to_vec(), tensors.to_vec())?;
+        let files = crate::host_files::redirect(storages, tensors, mmap)?;
+        let mut source = HostTensorSource::new(files.storages, files.tensors)?;
+        for path in &files.paths {
+            source.watch_file(path)?;
+        }
         let mut not_packed = None;
         let threshold = u64::from(s.small_tensor_threshold_kb) * 1024;
         if threshold > 0 {
@@ -544,9 +554,31 @@ impl ComponentSession {
                 Err(e) => return Err(e.into()),
             }
         }
-        let ranges = source.storages_in_use().into_iter().map(|(_, r)| (r, true)).collect();
+        // Private file pages are never page-locked (the kernel would copy each one).
+        let mut unregistered = 0u64;
+        let ranges = source
+            .storages_in_use()
+            .into_iter()
+            .filter(|(i, r)| {
+                let keep = !files.private_in_place.contains(i);
+                if !keep {
+                    unregistered += r.len() as u64;
+                }
+                keep
+            })
+            .map(|(_, r)| (r, true))
+            .collect();
         let packed = source.packed();
-        let host = HostReport { kind: "host_tensors", packed, not_packed, ..HostReport::default() };
+        let host = HostReport {
+            kind: if files.paths.is_empty() { "host_tensors" } else { "host_tensors+file" },
+            packed,
+            not_packed,
+            unregistered,
+            unregistered_reason: (unregistered > 0).then(|| {
+                "tensors in a written private file mapping are copied unregistered".to_owned()
+            }),
+            ..HostReport::default()
+        };
         Ok((Arc::new(source), ranges, host))
     }
 

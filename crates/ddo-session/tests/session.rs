@@ -307,7 +307,7 @@ fn host_weights(blocks: usize) -> Weights {
             offset: 0,
         })
         .collect();
-    Weights::Host { storages, tensors }
+    Weights::Host { storages, tensors, mmap: MmapChoice::never() }
 }
 
 fn linear(extra: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {
@@ -385,6 +385,74 @@ fn the_resident_budget_keeps_blocks_on_the_device() {
     assert_eq!(setup(&headroom).resident_units, Some(2));
     let s = setup(&headroom);
     assert_eq!(s.headroom_bytes, Some((0.004f64 * (1u64 << 30) as f64) as u64));
+}
+
+/// A checkpoint mapped privately, as frameworks load one lazily: tensors are views into it.
+struct PrivateMapping(memmap2::MmapMut);
+impl std::fmt::Debug for PrivateMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrivateMapping")
+    }
+}
+impl HostRegion for PrivateMapping {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn lazily_loaded(path: &Path, write: bool) -> Weights {
+    let checkpoint = ddo_source::Checkpoint::open(path).unwrap();
+    let file = std::fs::File::open(path).unwrap();
+    // SAFETY: the test's checkpoint is not modified while mapped; the mapping is private.
+    let mut map = unsafe { memmap2::MmapOptions::new().map_copy(&file) }.unwrap();
+    if write {
+        // A framework wrote into one weight (its page becomes a private copy).
+        let s = &checkpoint.slices()[1];
+        let at = s.offset as usize;
+        map[at] = std::hint::black_box(map[at]);
+    }
+    let storage = HostSlice::whole(Arc::new(PrivateMapping(map)) as Arc<dyn HostRegion>);
+    let tensors = checkpoint
+        .slices()
+        .iter()
+        .map(|s| HostTensor {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            storage: 0,
+            offset: s.offset,
+        })
+        .collect();
+    // SAFETY: the test's checkpoint is not modified while mapped.
+    Weights::Host { storages: vec![storage], tensors, mmap: unsafe { MmapChoice::auto() } }
+}
+
+#[test]
+fn tensors_in_a_private_file_mapping_are_served_from_a_shared_mapping_of_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let plan = || resolve(&[("backend", "linear"), ("small_tensor_threshold_kb", "0")]);
+    let clean = ComponentSession::open(SessionSpec {
+        plan: plan(),
+        weights: lazily_loaded(&path, false),
+        tree: None,
+    })
+    .unwrap();
+    let s = setup(&clean);
+    assert_eq!(s.host_source.as_deref(), Some("host_tensors+file"));
+    assert!(s.registered_bytes.unwrap() > 0 && s.unregistered_bytes == Some(0), "{s:?}");
+    run_and_check(&clean, 2, &checkpoint_bytes(6));
+    // A written page stays private: served in place, never page-locked, bytes still right.
+    let written = ComponentSession::open(SessionSpec {
+        plan: plan(),
+        weights: lazily_loaded(&path, true),
+        tree: None,
+    })
+    .unwrap();
+    let s = setup(&written);
+    assert_eq!(s.registered_bytes, Some(0), "{s:?}");
+    assert!(s.unregistered_reason.clone().unwrap().contains("private file mapping"), "{s:?}");
+    run_and_check(&written, 2, &checkpoint_bytes(6));
 }
 
 #[test]

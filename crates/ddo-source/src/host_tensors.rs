@@ -48,6 +48,8 @@ const PACK_ALIGN: u64 = 256;
 /// owns or pins that memory.
 pub struct HostTensorSource {
     slices: Vec<TensorSlice>,
+    /// Files some storages are mapped from, with their identity at open.
+    files_checked: Vec<(std::path::PathBuf, ddo_core::FileIdentity)>,
     /// Host bytes per file id: the storages first, then the packs.
     files: Vec<HostSlice>,
     storages: usize,
@@ -106,6 +108,7 @@ impl HostTensorSource {
         let count = storages.len();
         Ok(HostTensorSource {
             slices,
+            files_checked: Vec::new(),
             files: storages,
             storages: count,
             packed: PackReport::default(),
@@ -152,6 +155,15 @@ impl HostTensorSource {
         }
         self.files.extend(files);
         self.packed = report;
+        Ok(())
+    }
+
+    /// Records that storages are mappings of the file at `path`: every upload first checks the
+    /// file's identity (a changed file is an error, never other bytes).
+    pub fn watch_file(&mut self, path: &std::path::Path) -> Result<(), SourceError> {
+        let identity = crate::file_identity(path)
+            .map_err(|source| SourceError::Io { file: path.to_owned(), source })?;
+        self.files_checked.push((path.to_owned(), identity));
         Ok(())
     }
 
@@ -202,6 +214,16 @@ impl WeightSource for HostTensorSource {
     }
 
     fn check_unchanged(&self) -> Result<(), SourceError> {
+        for (path, identity) in &self.files_checked {
+            let now = crate::file_identity(path)
+                .map_err(|source| SourceError::Io { file: path.clone(), source })?;
+            if now != *identity {
+                return Err(SourceError::CheckpointChanged {
+                    file: path.clone(),
+                    what: "its identity (device, inode, size or mtime)".into(),
+                });
+            }
+        }
         Ok(())
     }
 

@@ -30,6 +30,18 @@ impl MappedFile {
         Ok(MappedFile { path: path.to_owned(), map })
     }
 
+    /// Maps the file at `path` when `choice` allows mapping; `None` otherwise.
+    pub fn map_with(
+        path: &Path,
+        choice: crate::MmapChoice,
+    ) -> Result<Option<MappedFile>, SourceError> {
+        if !choice.is_allowed() {
+            return Ok(None);
+        }
+        // SAFETY: `choice` carries the caller's promise, made through `MmapChoice::auto`.
+        unsafe { Self::map(path) }.map(Some)
+    }
+
     /// The mapped bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.map

@@ -7,6 +7,7 @@
 
 mod admission;
 mod cgroup;
+pub mod maps;
 mod procfs;
 
 pub use admission::{DEFAULT_SAFETY_MARGIN, LinuxAdmissionProbe};
