@@ -218,6 +218,7 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ddo-bench"))
     ap.add_argument("--table", action="store_true", help="print the table of the rows in DIR and stop")
     ap.add_argument("--child", action="store_true")
+    ap.add_argument("--variant-timeout", type=float, default=300, help="seconds one variant may take")
     ap.add_argument("--variant")
     ap.add_argument("--family", default="flux")
     ap.add_argument("--path")
@@ -252,7 +253,11 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--child", "--variant", variant, "--path", path, "--nbytes", str(nbytes),
                    "--family", family(size),
                    "--resolutions", ",".join(map(str, resolutions)), "--steps", str(a.steps)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.variant_timeout)
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                p = subprocess.CompletedProcess(cmd, 124, out, f"timed out after {a.variant_timeout} s")
             got = [json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
             new = [dict(r, size=size, nbytes=nbytes, link=link) for r in got]
             if p.returncode != 0 or len(got) < len(resolutions):
