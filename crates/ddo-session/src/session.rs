@@ -567,6 +567,7 @@ impl ComponentSession {
                 keep
             })
             .map(|(_, r)| (r, true))
+            .chain(source.packs().into_iter().map(|p| (p, true)))
             .collect();
         let packed = source.packed();
         let host = HostReport {

@@ -339,7 +339,11 @@ fn small_tensors_are_packed_per_unit_under_the_threshold() {
     let packed = linear(&[("small_tensor_threshold_kb", "4")]).unwrap();
     assert_eq!(setup(&packed).packed_bytes, Some(0), "one small tensor per unit: nothing to pack");
     let packed = linear(&[("small_tensor_threshold_kb", "4096")]).unwrap();
-    assert!(setup(&packed).packed_bytes.unwrap() > 6 * W * W * 2);
+    let s = setup(&packed);
+    assert!(s.packed_bytes.unwrap() > 6 * W * W * 2);
+    // Packs are registered like the storages: no copy comes from pageable memory.
+    assert_eq!(s.unregistered_bytes, Some(0), "{s:?}");
+    assert!(s.registered_bytes.unwrap() >= s.packed_bytes.unwrap(), "{s:?}");
     run_and_check(&packed, 1, &checkpoint_bytes(6));
     let none = linear(&[("small_tensor_threshold_kb", "0")]).unwrap();
     assert_eq!(setup(&none).packed_bytes, Some(0));

@@ -172,8 +172,14 @@ impl HostTensorSource {
         self.packed
     }
 
+    /// The packs [`pack`](Self::pack) made (their own page-aligned buffers): a host registers
+    /// them too, since copies from unregistered memory stall the host thread.
+    pub fn packs(&self) -> Vec<HostSlice> {
+        self.files[self.storages..].to_vec()
+    }
+
     /// The storages (in place) that still serve at least one tensor: what a host registers for
-    /// fast copies. Packs are excluded (they are small).
+    /// fast copies (packs are listed by [`packs`](Self::packs)).
     pub fn storages_in_use(&self) -> Vec<(usize, HostSlice)> {
         let mut used = vec![false; self.storages];
         for s in &self.slices {
@@ -338,6 +344,8 @@ mod tests {
         // Only storage 2 still serves a tensor in place.
         let in_use: Vec<usize> = source.storages_in_use().iter().map(|(i, _)| *i).collect();
         assert_eq!(in_use, vec![2]);
+        assert_eq!(source.packs().len(), 1);
+        assert_eq!(source.packs()[0].len(), 256 + 20);
         assert_eq!(store.used(), 256 + 20);
     }
 
