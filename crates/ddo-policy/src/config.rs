@@ -62,6 +62,65 @@ macro_rules! settings {
         pub const UNSUPPORTED_SETTINGS: &[(&str, &str)] = &[ $( $( (stringify!($field), $instead), )? )* ];
 
         impl DynamicOffloadConfig {
+            /// Parses a configuration object (JSON) given as `origin` (arguments or a config).
+            /// Every error names the field, the value, the origin and what is allowed; a
+            /// setting may also be given as text (`"nan"`, `"1.5"`, `"true"`), parsed as its
+            /// variable would be, so values JSON cannot carry (NaN, infinities) reach validation.
+            pub fn from_json_value(
+                value: &serde_json::Value,
+                origin: crate::Origin,
+            ) -> Result<DynamicOffloadConfig, crate::ConfigError> {
+                let invalid = |field: &str, value: &serde_json::Value, allowed: String| {
+                    crate::ConfigError::InvalidChoice {
+                        field: field.to_owned(),
+                        value: match value {
+                            serde_json::Value::String(s) => s.clone(),
+                            other => other.to_string(),
+                        },
+                        origin: origin.clone(),
+                        allowed,
+                    }
+                };
+                let object = value.as_object().ok_or_else(|| {
+                    invalid("config", value, "an object of settings".to_owned())
+                })?;
+                let mut config = DynamicOffloadConfig::default();
+                for (key, v) in object {
+                    if v.is_null() {
+                        continue;
+                    }
+                    match key.as_str() {
+                        "preset" | "backend" | "route" => {
+                            let text = v.as_str().ok_or_else(|| invalid(key, v, "a name".into()))?;
+                            match key.as_str() {
+                                "preset" => config.preset = Some(text.to_owned()),
+                                "backend" => config.backend = Some(text.to_owned()),
+                                _ => config.route = Some(text.to_owned()),
+                            }
+                        }
+                        "components" => {
+                            config.components = serde_json::from_value(v.clone()).map_err(|e| {
+                                invalid(key, v, format!("a mapping of component policies ({e})"))
+                            })?;
+                        }
+                        $(
+                            stringify!($field) => {
+                                config.$field = Some(setting_from_json::<$ty>(v).ok_or_else(|| {
+                                    invalid(key, v, <$ty as SettingValue>::expected())
+                                })?);
+                            }
+                        )*
+                        other => {
+                            return Err(crate::ConfigError::UnknownField {
+                                field: other.to_owned(),
+                                origin: origin.clone(),
+                            });
+                        }
+                    }
+                }
+                Ok(config)
+            }
+
             /// Whether no field is set.
             pub fn is_empty(&self) -> bool {
                 self.preset.is_none()
@@ -144,6 +203,18 @@ pub(crate) struct UnsupportedValue {
     pub(crate) default: String,
     /// What ddo does instead.
     pub(crate) instead: &'static str,
+}
+
+/// A setting from JSON: its own JSON form, or text parsed as its variable would be.
+fn setting_from_json<T: SettingValue + serde::de::DeserializeOwned>(
+    value: &serde_json::Value,
+) -> Option<T> {
+    match value {
+        serde_json::Value::String(text) => {
+            T::parse_text(text).or_else(|| serde_json::from_value(value.clone()).ok())
+        }
+        other => serde_json::from_value(other.clone()).ok(),
+    }
 }
 
 /// Parses the text of a setting; the error names the variable (or preset) it came from.

@@ -16,6 +16,16 @@ pub enum ConfigError {
         /// The valid names, comma-separated.
         valid: String,
     },
+    /// A field the configuration does not have.
+    #[error(
+        "{field} (from {origin}) is not a ddo setting; `python -m ddo presets` and the README list them"
+    )]
+    UnknownField {
+        /// The field given.
+        field: String,
+        /// Where it came from.
+        origin: Origin,
+    },
     /// A value outside a closed set of choices.
     #[error("{field} = {value:?} (from {origin}) is not valid; allowed: {allowed}")]
     InvalidChoice {

@@ -644,3 +644,33 @@ fn config_error_is_a_closed_enum_with_origins() {
     let r = Request { environment: env(&[("DDO_PRESET", "x")]), ..req("transformer") };
     assert!(matches!(resolve(&r), Err(ConfigError::UnknownPreset { origin: Origin::Env(_), .. })));
 }
+
+#[test]
+fn typed_configs_from_json_name_the_field_of_a_bad_value() {
+    use ddo_policy::{ConfigError, DynamicOffloadConfig, Origin, Request, resolve};
+    let parse = |text: &str, origin| {
+        DynamicOffloadConfig::from_json_value(&serde_json::from_str(text).unwrap(), origin)
+    };
+    let err = parse(r#"{"prefetch_depth": 1.5}"#, Origin::Argument).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "prefetch_depth = \"1.5\" (from argument) is not valid; allowed: a whole number >= 0"
+    );
+    let err = parse(r#"{"prefetch_dept": 2}"#, Origin::Config).unwrap_err();
+    assert!(matches!(err, ConfigError::UnknownField { .. }), "{err}");
+    assert!(err.to_string().starts_with("prefetch_dept (from config) is not a ddo setting"));
+    // Text is parsed as the variable would be, so NaN reaches validation with its origin.
+    let config =
+        parse(r#"{"vmm_source_cache_gb": "nan", "pin_cpu_memory": "on"}"#, Origin::Config).unwrap();
+    assert_eq!(config.pin_cpu_memory, Some(true));
+    let request = Request { component: "transformer", config: Some(config), ..Request::default() };
+    let err = resolve(&request).unwrap_err().to_string();
+    assert!(err.starts_with("vmm_source_cache_gb = NaN (from config)"), "{err}");
+    let typed = parse(
+        r#"{"backend": "vmm", "prefetch_depth": 3, "components": {"vae": {"route": "none"}}}"#,
+        Origin::Argument,
+    )
+    .unwrap();
+    assert_eq!(typed.prefetch_depth, Some(3));
+    assert_eq!(typed.components["vae"].route.as_deref(), Some("none"));
+}

@@ -12,7 +12,6 @@ mod session;
 use std::collections::BTreeMap;
 
 use ddo_core::AdmissionProbe;
-use ddo_policy::DynamicOffloadConfig;
 use pyo3::prelude::*;
 
 use crate::errors::{DynamicOffloadError, config_error};
@@ -31,10 +30,16 @@ fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
 
-/// Validates a configuration object (JSON) without resolving it; raises on unknown fields.
+/// Validates a configuration object (JSON) given as `origin` (`config` or `argument`) without
+/// resolving it; raises on unknown fields and invalid values, naming the field.
 #[pyfunction]
-fn check_config(config: &str) -> PyResult<()> {
-    parse::<DynamicOffloadConfig>("config", config).map(|_| ())
+#[pyo3(signature = (config, origin="config"))]
+fn check_config(config: &str, origin: &str) -> PyResult<()> {
+    let origin = match origin {
+        "argument" => ddo_policy::Origin::Argument,
+        _ => ddo_policy::Origin::Config,
+    };
+    plan::typed_config("config", config, origin).map(|_| ())
 }
 
 /// The text listing of presets.

@@ -11,6 +11,16 @@ fn parse<T: serde::de::DeserializeOwned>(what: &str, json: &str) -> PyResult<T> 
     serde_json::from_str(json).map_err(|e| config_error(format!("invalid {what}: {e}")))
 }
 
+/// A configuration object (JSON text) given as `origin`; errors name the field.
+pub(crate) fn typed_config(
+    what: &str,
+    json: &str,
+    origin: ddo_policy::Origin,
+) -> PyResult<DynamicOffloadConfig> {
+    let value: serde_json::Value = parse(what, json)?;
+    DynamicOffloadConfig::from_json_value(&value, origin).map_err(config_error)
+}
+
 /// One component's resolved plan.
 #[pyclass(module = "ddo._native", frozen)]
 pub(crate) struct ResolvedPlan {
@@ -81,9 +91,10 @@ pub(crate) fn resolve(
     environ: BTreeMap<String, String>,
     running_on_wsl: Option<bool>,
 ) -> PyResult<ResolvedPlan> {
-    let arguments: DynamicOffloadConfig = parse("arguments", arguments)?;
+    let arguments = typed_config("arguments", arguments, ddo_policy::Origin::Argument)?;
     let group: ComponentPolicy = parse("component arguments", group)?;
-    let config: Option<DynamicOffloadConfig> = config.map(|c| parse("config", c)).transpose()?;
+    let config =
+        config.map(|c| typed_config("config", c, ddo_policy::Origin::Config)).transpose()?;
     let request = Request {
         component,
         arguments,

@@ -89,3 +89,29 @@ def test_peer_settings_ddo_does_not_implement_are_refused(flux):
         ddo.enable_offload(model, route="dynamic_offload", environ={"DDO_OFFLOAD_DEVICE": "cuda:1"})
     # At their defaults they are accepted.
     ddo.enable_offload(model, route="dynamic_offload", use_environment=False, offload_device="cpu").remove()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(resident_module_budget_gb=float("nan")), r"resident_module_budget_gb = NaN \(from argument\) must be a finite number"),
+        (dict(auto_vram_headroom_gb=float("inf")), r"auto_vram_headroom_gb = inf \(from argument\) must be a finite number"),
+        (dict(prefetch_depth=1.5), r'prefetch_depth = "1.5" \(from argument\) is not valid; allowed: a whole number'),
+        (dict(prefetch_depth=-1), r'prefetch_depth = "-1" \(from argument\) is not valid'),
+        (dict(pin_cpu_memory="maybe"), r'pin_cpu_memory = "maybe" \(from argument\) is not valid; allowed: a boolean'),
+    ],
+)
+def test_bad_keyword_values_name_the_setting_and_change_nothing(flux, kwargs, message):
+    model, _ = flux
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with pytest.raises(ddo.DynamicOffloadConfigError, match=message):
+        ddo.enable_offload(model, route="dynamic_offload", use_environment=False, **kwargs)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+
+
+def test_bad_config_values_name_the_setting():
+    with pytest.raises(ddo.DynamicOffloadConfigError, match=r"vmm_source_cache_gb = NaN \(from config\)"):
+        ddo.resolve_dynamic_offload_backend  # noqa: B018 - the API exists
+        from ddo.settings import resolve_settings
+
+        resolve_settings("transformer", config=ddo.DynamicOffloadConfig(vmm_source_cache_gb=float("nan")), environ={})

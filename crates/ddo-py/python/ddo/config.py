@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Mapping, Optional
 
 from . import _native
@@ -56,10 +57,22 @@ def _config_as_dict(self) -> dict:
     return out
 
 
-def _config_to_json(self) -> str:
-    """The set fields as JSON, validated by the native schema (unknown fields refused)."""
-    text = json.dumps(self.as_dict())
-    _native.check_config(text)
+def _finite_or_text(value: Any) -> Any:
+    """JSON carries no NaN or infinity: such floats travel as text and are validated natively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite_or_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_text(v) for v in value]
+    return value
+
+
+def _config_to_json(self, origin: str = "config") -> str:
+    """The set fields as JSON, validated natively (unknown fields and bad values refused);
+    ``origin`` (``config`` or ``argument``) is what errors say the values came from."""
+    text = json.dumps(_finite_or_text(self.as_dict()))
+    _native.check_config(text, origin)
     return text
 
 

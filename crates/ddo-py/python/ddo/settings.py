@@ -86,7 +86,7 @@ def resolve_settings(
     args = DynamicOffloadConfig().replace(**dict(arguments or {})) if arguments else DynamicOffloadConfig()
     native = _native.resolve(
         component,
-        args.to_json(),
+        args.to_json("argument"),
         json.dumps(component_policy_dict(group or {})),
         config.to_json() if config is not None else None,
         ddo_environment(environ, use_environment),
