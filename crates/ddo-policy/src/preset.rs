@@ -36,9 +36,9 @@ choice! {
 choice! {
     /// The offload backend a host selects (`--ddo-backend`).
     Backend {
-        /// PyTorch-allocated copies from pinned host memory.
+        /// The arena fed by a module's own host tensors.
         Linear = "linear",
-        /// The native arena (CUDA virtual memory management).
+        /// The arena fed by the checkpoint (its mapping, retained windows or reads).
         Vmm = "vmm"
     }
 }

@@ -77,9 +77,9 @@ pub enum Placement {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(tag = "name", rename_all = "snake_case")]
 pub enum Route {
-    /// PyTorch-allocated copies from pinned host memory, prefetch on a side stream.
+    /// The weight arena fed by the module's own host tensors (registered in place).
     LinearRuntime,
-    /// The native arena route.
+    /// The weight arena fed by the checkpoint's mapping or retained windows.
     VmmFastRuntime,
     /// Weights read from disk each pass into registered staging, bounded host memory.
     VmmRuntime,
