@@ -12,6 +12,7 @@ use ddo_session::{
 };
 use ddo_source::{HostTensor, MmapChoice};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use crate::errors::session_error;
 use crate::plan::ResolvedPlan;
@@ -183,6 +184,12 @@ impl Session {
             ExecutionDevice::Host => (crate::dlpack::K_DL_CPU, 0),
         };
         crate::dlpack::capsule(py, view.address, device_type, device_id, code, bits, shape)
+    }
+
+    /// The bytes of parameter `name` as its source holds them (for `state_dict`).
+    fn source_tensor<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = py.detach(|| self.inner.source_tensor(name)).map_err(session_error)?;
+        Ok(PyBytes::new(py, &bytes))
     }
 
     /// Starts a pass on `stream` (a raw `cudaStream_t`; any value on the host backend).

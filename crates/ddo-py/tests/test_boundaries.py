@@ -167,3 +167,33 @@ def test_always_resident_variable_under_the_fields_name(flux):
     units = ddo.find_execution_units(model)
     assert setup["unit_count"] == len(units)  # the rest, and every block but transformer_blocks.0
     result.remove()
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_state_dict_after_a_forward_is_the_modules_own_values(tmp_path, flux, route):
+    model, inputs = flux
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    if route == "linear":
+        result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
+        module = model
+    else:
+        model.save_pretrained(tmp_path / "m")
+        config = ddo.DynamicOffloadConfig(
+            backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=0.006, prefetch_depth=1
+        )
+        loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
+        result, module = loaded.offload, loaded.module
+    assert result.metrics_snapshot().as_dict()["setup"]["streamed_units"] >= 2
+    run(module, inputs)
+    state = module.state_dict()
+    assert state.keys() == reference.keys()
+    differing = [k for k in reference if not torch.equal(state[k].cpu(), reference[k])]
+    assert differing == []
+    # A checkpoint saved from the offloaded module is the module.
+    module.save_pretrained(tmp_path / "saved")
+    again = type(model).from_pretrained(tmp_path / "saved")
+    assert all(torch.equal(again.state_dict()[k], reference[k]) for k in reference)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="before load_state_dict"):
+        module.load_state_dict(reference)
+    assert torch.equal(run(module, inputs), run(again.eval(), inputs))
+    result.remove()

@@ -695,6 +695,19 @@ impl ComponentSession {
         Ok(out)
     }
 
+    /// The bytes of parameter `name` as its source holds them (the checkpoint, or the module's
+    /// host tensors): what the parameter is, whatever unit its slot holds now.
+    pub fn source_tensor(&self, name: &str) -> Result<Vec<u8>, SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        let &i = a.slices.get(name).ok_or_else(|| {
+            SessionError::Weights(format!("no parameter {name:?} in this session"))
+        })?;
+        let mut out = vec![0u8; a.source.slices()[i].len as usize];
+        a.source.read(i, &mut out)?;
+        Ok(out)
+    }
+
     /// Starts a forward pass on `stream`: leases left from an interrupted pass are given back
     /// (after the work already enqueued on `stream`), the order of the first pass is learned,
     /// and the pinned units are acquired for the pass.

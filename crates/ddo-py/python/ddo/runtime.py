@@ -130,6 +130,8 @@ class SessionRuntime:
                 self.handles.append(m.register_forward_pre_hook(self._pre(unit)))
                 self.handles.append(m.register_forward_hook(self._post(unit), always_call=True))
         self._wrap_forward()
+        self.handles.append(self.module._register_state_dict_hook(self._state_dict))
+        self.handles.append(self.module._register_load_state_dict_pre_hook(self._refuse_load, with_module=True))
 
     def _publish(self, make) -> None:
         """Sets every parameter name (aliases too) to ``make(name, old)``, one object per key."""
@@ -196,6 +198,29 @@ class SessionRuntime:
         self.leases.clear()
         self.session.end_pass(stream)
         return out
+
+    def _state_dict(self, _m: torch.nn.Module, state: dict, prefix: str, _meta: Any) -> None:
+        """Outside a forward a streamed parameter's view shows whatever unit its slot holds:
+        ``state_dict()`` gives every parameter's own values instead (host tensors)."""
+        for names in self.session.parameter_names():
+            keys = [prefix + n for n in names if prefix + n in state]
+            if keys:
+                value = self._source_value(names[0], state[keys[0]])
+                for k in keys:
+                    state[k] = value
+
+    def _source_value(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        original = self.originals.get(name)
+        if original is not None and not original.is_meta and self.checkpoint is None:
+            return original.detach()
+        raw = bytearray(self.session.source_tensor(name))
+        return torch.frombuffer(raw, dtype=like.dtype).reshape(like.shape) if raw else torch.empty(like.shape, dtype=like.dtype)
+
+    def _refuse_load(self, *_args: Any, **_kwargs: Any) -> None:
+        raise _native.DynamicOffloadLifecycleError(
+            f"{type(self.module).__name__} is offloaded by ddo: its parameters view arena memory; call "
+            "remove_dynamic_offload(module) before load_state_dict"
+        )
 
     def _pre(self, unit: int):
         def hook(_m: torch.nn.Module, _args: tuple) -> None:
