@@ -1,7 +1,10 @@
-//! DLPack capsules over arena memory: PyTorch imports them without copying; the capsule's
-//! deleter frees only the DLPack structure, never the memory (the arena owns it).
+//! DLPack capsules over arena memory: PyTorch imports them without copying. Each carries an owner
+//! (the attach's memory) in `manager_ctx`; the deleter drops it, so the memory lives as long as
+//! the last tensor viewing it, whatever happens to the offload.
 
+use std::any::Any;
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use ddo_core::Dtype;
 use pyo3::ffi;
@@ -74,6 +77,9 @@ unsafe extern "C" fn delete_managed(m: *mut DLManagedTensor) {
     // exactly once (by the consumer, or by the capsule destructor if never consumed).
     unsafe {
         let managed = Box::from_raw(m);
+        if !managed.manager_ctx.is_null() {
+            drop(Box::from_raw(managed.manager_ctx.cast::<Owner>()));
+        }
         let ndim = managed.dl_tensor.ndim as usize;
         if !managed.dl_tensor.shape.is_null() {
             let slice = std::ptr::slice_from_raw_parts_mut(managed.dl_tensor.shape, ndim);
@@ -95,8 +101,13 @@ unsafe extern "C" fn destroy_capsule(capsule: *mut ffi::PyObject) {
     }
 }
 
+/// What keeps a view's memory alive: held by the DLPack structure, dropped by its deleter.
+type Owner = Arc<dyn Any + Send + Sync>;
+
 /// A `dltensor` capsule for a contiguous tensor at `address` on device `device_id` of
-/// `device_type`.
+/// `device_type`. `owner` keeps that memory alive until the consumer (or the capsule, if never
+/// consumed) deletes the structure.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn capsule(
     py: Python<'_>,
     address: u64,
@@ -105,6 +116,7 @@ pub(crate) fn capsule(
     code: u8,
     bits: u8,
     shape: Vec<i64>,
+    owner: Owner,
 ) -> PyResult<Py<PyAny>> {
     let ndim = shape.len() as i32;
     // A boxed slice has exactly `ndim` elements, so the deleter can rebuild it.
@@ -119,7 +131,7 @@ pub(crate) fn capsule(
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         },
-        manager_ctx: std::ptr::null_mut(),
+        manager_ctx: Box::into_raw(Box::new(owner)).cast(),
         deleter: Some(delete_managed),
     });
     let raw = Box::into_raw(managed);

@@ -183,7 +183,16 @@ impl Session {
             ExecutionDevice::Cuda(n) => (crate::dlpack::K_DL_CUDA, n as i32),
             ExecutionDevice::Host => (crate::dlpack::K_DL_CPU, 0),
         };
-        crate::dlpack::capsule(py, view.address, device_type, device_id, code, bits, shape)
+        crate::dlpack::capsule(
+            py,
+            view.address,
+            device_type,
+            device_id,
+            code,
+            bits,
+            shape,
+            view.owner,
+        )
     }
 
     /// The bytes of parameter `name` as its source holds them (for `state_dict`).

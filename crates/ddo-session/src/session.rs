@@ -108,7 +108,7 @@ pub struct UnitInfo {
 }
 
 /// Where a tensor lives in the arena: fixed for the life of one attach.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct TensorView {
     /// Device address (a host address on the host backend).
     pub address: u64,
@@ -118,6 +118,20 @@ pub struct TensorView {
     pub dtype: Dtype,
     /// Shape.
     pub shape: Vec<u64>,
+    /// Keeps the attach's memory alive: hold it as long as anything reads `address` (a view
+    /// handed to another framework). Unload frees the memory when the last owner lets go.
+    pub owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for TensorView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorView")
+            .field("address", &self.address)
+            .field("len", &self.len)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A live lease handed to a host.
@@ -138,12 +152,36 @@ struct HostReport {
     packed: PackReport,
 }
 
-/// One attach: the source, the arena, the registrations and the live leases.
-struct Attached {
+/// The device memory of one attach and the host registrations its copies use. Shared by the
+/// session and by every tensor view handed out ([`TensorView::owner`]): it is closed (after
+/// every fence completed) when the last of them lets go, so a view never outlives its memory.
+struct Memory {
     arena: Arena,
-    source: Arc<dyn WeightSource>,
     registrar: Registrar,
-    registered: Vec<RegisteredRange>,
+    registered: Mutex<Vec<RegisteredRange>>,
+}
+
+impl Memory {
+    /// Closes the arena, then unregisters (a phase boundary). A failure keeps what is left.
+    fn close(&self) -> Result<(), SessionError> {
+        self.arena.close()?;
+        let mut registered = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        ComponentSession::unregister_all(&self.registrar, &mut registered);
+        Ok(())
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        // Live leases make close refuse: the memory then stays owned, never freed early.
+        let _ = self.close();
+    }
+}
+
+/// One attach: the source, the memory, and the live leases.
+struct Attached {
+    memory: Arc<Memory>,
+    source: Arc<dyn WeightSource>,
     units: Vec<UnitInfo>,
     /// Every parameter name (aliases included) -> the source's slice index.
     slices: HashMap<String, usize>,
@@ -410,10 +448,8 @@ impl ComponentSession {
             .collect();
         let total_bytes = arena.layout().payload();
         Ok(Attached {
-            arena,
+            memory: Arc::new(Memory { arena, registrar, registered: Mutex::new(registered) }),
             source,
-            registrar,
-            registered,
             units,
             slices,
             leases: HashMap::new(),
@@ -671,16 +707,17 @@ impl ComponentSession {
         let &i = a.slices.get(name).ok_or_else(|| {
             SessionError::Weights(format!("no parameter {name:?} in this session"))
         })?;
-        let (_, range) = a
-            .arena
-            .tensor_range(i)
-            .ok_or_else(|| SessionError::Weights(format!("parameter {name:?} is in no unit")))?;
+        let (_, range) =
+            a.memory.arena.tensor_range(i).ok_or_else(|| {
+                SessionError::Weights(format!("parameter {name:?} is in no unit"))
+            })?;
         let slice = &a.source.slices()[i];
         Ok(TensorView {
             address: range.start.0,
             len: range.len,
             dtype: slice.dtype,
             shape: slice.shape.clone(),
+            owner: a.memory.clone(),
         })
     }
 
@@ -715,9 +752,9 @@ impl ComponentSession {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         Self::release_stale(a, stream)?;
-        a.arena.begin_pass();
+        a.memory.arena.begin_pass();
         for u in a.units.iter().filter(|u| u.pinned) {
-            let lease = a.arena.acquire(u.id, stream)?;
+            let lease = a.memory.arena.acquire(u.id, stream)?;
             a.pass.push(lease);
         }
         Ok(())
@@ -729,7 +766,7 @@ impl ComponentSession {
         // contract) and the first failure is reported.
         let mut first = None;
         for lease in stale {
-            if let Err(e) = a.arena.release(lease, stream) {
+            if let Err(e) = a.memory.arena.release(lease, stream) {
                 first.get_or_insert(e);
             }
         }
@@ -749,7 +786,7 @@ impl ComponentSession {
     pub fn abort_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        a.arena.abandon_pass();
+        a.memory.arena.abandon_pass();
         Self::release_stale(a, stream)
     }
 
@@ -757,7 +794,7 @@ impl ComponentSession {
     pub fn acquire(&self, unit: UnitId, stream: StreamId) -> Result<LeaseId, SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        let lease = a.arena.acquire(unit, stream)?;
+        let lease = a.memory.arena.acquire(unit, stream)?;
         let id = a.next_lease;
         a.next_lease += 1;
         a.leases.insert(id, lease);
@@ -772,18 +809,19 @@ impl ComponentSession {
             .leases
             .remove(&lease.0)
             .ok_or_else(|| SessionError::Lifecycle(format!("lease {} is not live", lease.0)))?;
-        a.arena.release(l, stream)?;
+        a.memory.arena.release(l, stream)?;
         Ok(())
     }
 
     /// Releases the memory of idle execution slots (addresses kept; the next use uploads again).
     pub fn reclaim(&self) -> Result<ReclaimReport, SessionError> {
         let mut g = self.lock();
-        Ok(Self::attached(&mut g)?.arena.reclaim_idle()?)
+        Ok(Self::attached(&mut g)?.memory.arena.reclaim_idle()?)
     }
 
     /// Frees the weights' device memory and host registrations once every fence completed.
-    /// Refused while a lease is live. Tensor views of this attach become invalid.
+    /// Refused while a lease is live. Views handed out ([`TensorView::owner`]) keep the memory
+    /// until they are dropped; it is freed then.
     pub fn unload(&self) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
@@ -793,9 +831,11 @@ impl ComponentSession {
                 a.leases.len() + a.pass.len()
             )));
         }
-        a.arena.close()?;
-        Self::unregister_all(&a.registrar, &mut a.registered);
-        *g = None;
+        let attached = g.take().expect("attached");
+        if let Ok(memory) = Arc::try_unwrap(attached.memory) {
+            // Nothing else holds the memory: close now and report a failure.
+            memory.close()?;
+        }
         Ok(())
     }
 
@@ -826,13 +866,13 @@ impl ComponentSession {
         let g = self.lock();
         match g.as_ref() {
             Some(a) => {
-                let plan = a.arena.plan();
+                let plan = a.memory.arena.plan();
                 let view = AttachedView {
-                    stats: a.arena.stats(),
+                    stats: a.memory.arena.stats(),
                     plan,
                     units: &a.units,
                     registered: a.host.registered,
-                    registered_charged: a.registrar.charged(),
+                    registered_charged: a.memory.registrar.charged(),
                     unregistered: a.host.unregistered,
                     unregistered_reason: a.host.unregistered_reason.as_deref(),
                     retained: a.host.retained.as_ref(),
@@ -882,17 +922,4 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) setup_seconds: f64,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,
-}
-
-impl Drop for ComponentSession {
-    fn drop(&mut self) {
-        let mut g = self.lock();
-        if let Some(a) = g.as_mut() {
-            // Live leases (a pass never ended) belong to work on a stream this drop cannot
-            // order against: close then refuses and the memory stays owned, never freed early.
-            if a.leases.is_empty() && a.pass.is_empty() && a.arena.close().is_ok() {
-                Self::unregister_all(&a.registrar, &mut a.registered);
-            }
-        }
-    }
 }

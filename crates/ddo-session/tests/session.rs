@@ -471,3 +471,22 @@ fn execution_device_is_validated() {
         "execution_device: \"abc\" is not a device; use cuda, cuda:N or cpu"
     );
 }
+
+#[test]
+fn a_view_handed_out_keeps_its_memory_after_unload() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 4);
+    let session = native(&path, &[]).unwrap();
+    run_and_check(&session, 1, &checkpoint_bytes(4));
+    let view = session.tensor("embed.weight").unwrap();
+    session.unload().unwrap();
+    assert!(session.is_unloaded());
+    // SAFETY: `view.owner` keeps the attach's host-backend memory mapped; the resident unit's
+    // bytes were uploaded before unload and nothing writes them.
+    let bytes = unsafe { std::slice::from_raw_parts(view.address as *const u8, view.len as usize) };
+    assert_eq!(bytes, &checkpoint_bytes(4)("embed.weight")[..]);
+    drop(view);
+    // The session attaches again with fresh memory.
+    session.reload().unwrap();
+    run_and_check(&session, 1, &checkpoint_bytes(4));
+}
