@@ -224,3 +224,37 @@ def test_a_weight_kept_after_the_offload_ends_stays_readable(tmp_path, flux, end
     assert torch.equal(resident, expected)
     assert streamed.shape == model.get_parameter("transformer_blocks.0.attn.to_q.weight").shape
     streamed.float().sum()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda m: m.train(), "training mode"),
+        (lambda m: m.requires_grad_(True), "requires grad"),
+        (lambda m: m.half(), "was changed after ddo attached"),
+        (lambda m: setattr(m.transformer_blocks[0].attn.to_q.weight, "data", torch.zeros(32, 32)), "was changed"),
+    ],
+)
+def test_changes_the_arena_cannot_serve_are_refused_at_the_next_forward(flux, change, message):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    assert torch.equal(run(model, inputs), reference)
+    change(model)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match=message):
+        run(model, inputs)
+    result.remove()
+
+
+def test_reload_after_remove_is_refused_and_hooks_never_double(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    result.remove()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="offload the module again"):
+        result.reload()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="nothing to unload"):
+        result.unload()
+    again = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    run(model, inputs)
+    assert again.metrics_snapshot().as_dict()["runtime"]["passes"] == 1
+    again.remove()

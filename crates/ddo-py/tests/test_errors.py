@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -110,3 +111,18 @@ def test_a_failed_attach_leaves_the_module_as_it_was(flux):
         ddo.enable_offload(model, route="dynamic_offload", vmm_module_pattern="(", use_environment=False)
     assert state(model) == before
     assert getattr(model, "_ddo_offload", None) is None
+
+
+def test_inspect_escapes_names_a_hostile_file_chose(tmp_path, capsys):
+    import struct
+
+    from ddo.__main__ import main
+
+    name = "evil\x1b[2J\x07name"
+    header = json.dumps({name: {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0\0\0")
+    assert main(["inspect", str(tmp_path / "x.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "evil\\x1b[2J\\x07name" in out

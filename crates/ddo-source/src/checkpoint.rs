@@ -59,6 +59,20 @@ fn identity_of(m: &std::fs::Metadata) -> Result<FileIdentity, std::io::Error> {
     })
 }
 
+/// Refuses anything but a regular file (following links) without opening it.
+fn regular_file(path: &Path) -> Result<(), SourceError> {
+    let meta = std::fs::metadata(path).map_err(|e| io(path, e))?;
+    if meta.is_file() {
+        Ok(())
+    } else {
+        Err(invalid(
+            path,
+            None,
+            "not a regular file (a FIFO, device or folder cannot be a checkpoint)",
+        ))
+    }
+}
+
 impl Checkpoint {
     /// Opens a safetensors file, or a directory: with exactly one `*.safetensors.index.json`
     /// the files it names, otherwise every `*.safetensors` file in it (a Diffusers model folder
@@ -110,6 +124,7 @@ impl Checkpoint {
     /// the index.
     pub fn open_index(index: impl AsRef<Path>) -> Result<Checkpoint, SourceError> {
         let index = index.as_ref();
+        regular_file(index)?;
         let text = std::fs::read_to_string(index).map_err(|e| io(index, e))?;
         let weight_map = parse_index(&text, index)?;
         let dir = index.parent().unwrap_or(Path::new("."));
@@ -166,6 +181,8 @@ impl Checkpoint {
         let mut by_name: HashMap<String, usize> = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
             let path = path.as_ref();
+            // Checked before opening: opening a FIFO or a device could block forever.
+            regular_file(path)?;
             let mut file = File::open(path).map_err(|e| io(path, e))?;
             let meta = file.metadata().map_err(|e| io(path, e))?;
             if !meta.is_file() {

@@ -274,3 +274,16 @@ fn a_file_modified_during_use() {
             .contains(&format!("(size {} -> 9)", bytes.len()))
     );
 }
+
+#[test]
+fn a_fifo_named_like_a_checkpoint_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let err = ddo_source::Checkpoint::open(&path).unwrap_err().to_string();
+    assert!(err.contains("not a regular file"), "{err}");
+    let err = ddo_source::Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("not a regular file"), "{err}");
+}

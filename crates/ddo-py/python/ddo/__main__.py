@@ -11,6 +11,12 @@ from typing import List, Optional
 from . import _native
 
 
+def _printable(text: str) -> str:
+    """``text`` with control and other unprintable characters escaped: names come from the file
+    and must not drive the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,7 +32,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except _native.DynamicOffloadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    tensors = info["tensors"]
+    tensors = [dict(t, name=_printable(t["name"]), file=_printable(t["file"])) for t in info["tensors"]]
     width = max([len(t["name"]) for t in tensors] + [4])
     print(f"{'name':<{width}}  {'dtype':<7}  {'shape':<20}  {'bytes':>12}  file")
     for t in tensors:

@@ -139,12 +139,18 @@ class DynamicOffloadApplyResult:
     def unload(self) -> None:
         """After all work completed, replaces the weights with meta placeholders and frees their
         device memory and registrations. :meth:`reload` brings them back."""
+        if self._removed:
+            raise _native.DynamicOffloadLifecycleError("the offload was removed; there is nothing to unload")
         self._session("unload").unload()
 
     def reload(self) -> None:
         """Attaches the weights again after :meth:`unload` (from the checkpoint on the native route,
         from the module's host tensors on the linear route)."""
         runtime = self._session("reload")
+        if self._removed:
+            raise _native.DynamicOffloadLifecycleError(
+                "the offload was removed; offload the module again with enable_offload (reload follows unload)"
+            )
         if not runtime.is_unloaded():
             raise _native.DynamicOffloadLifecycleError("reload needs an unloaded component (call unload() first)")
         runtime.reload()

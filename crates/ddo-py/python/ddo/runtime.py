@@ -104,6 +104,8 @@ class SessionRuntime:
         self.leases: Dict[int, List[int]] = {}
         self.originals: Dict[str, Any] = {}
         self.original_buffers: Dict[str, torch.Tensor] = {}
+        # Every parameter as published, with the address it views (checked before each pass).
+        self.published: List[Tuple[str, torch.nn.Parameter, int]] = []
         # Forwards of one module run one at a time: a pass owns the module's leases.
         self.forward_lock = threading.Lock()
         self.in_forward: Dict[int, bool] = {}
@@ -149,8 +151,13 @@ class SessionRuntime:
             for n in names:
                 views[n] = view
         self._publish(lambda name, _p: torch.nn.Parameter(views[name], requires_grad=False))
+        self.published = [
+            (name, p, p.data_ptr()) for name, p in self.module.named_parameters(remove_duplicate=False)
+        ]
 
     def _publish_meta(self) -> None:
+        # Holding the views would keep the arena's memory alive.
+        self.published = []
         self._publish(
             lambda _n, p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
         )
@@ -180,7 +187,27 @@ class SessionRuntime:
 
         self.module.forward = forward
 
+    def _check_module(self) -> None:
+        """Refuses a forward the arena cannot serve correctly: training (gradients would be
+        computed from slot memory reused under them) and parameters changed after attach (a
+        dtype or device move, an assignment: they no longer view the arena)."""
+        if self.module.training:
+            raise _native.DynamicOffloadLifecycleError(
+                f"{type(self.module).__name__} is in training mode; ddo offloads inference only: call module.eval()"
+            )
+        for name, p, address in self.published:
+            if p.requires_grad:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
+                )
+            if p.data_ptr() != address:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"parameter {name} was changed after ddo attached (a dtype or device move, or an assignment): "
+                    "call remove_dynamic_offload(module) first, change the module, then offload it again"
+                )
+
     def _pass(self, original: Any, args: tuple, kwargs: dict) -> Any:
+        self._check_module()
         stream = _stream(self.device)
         self.leases.clear()
         self.session.begin_pass(stream)
@@ -276,6 +303,7 @@ class SessionRuntime:
             h.remove()
         self.handles.clear()
         self.module.__dict__.pop("forward", None)
+        self.published = []
         if self.session is None:
             return
         self.synchronize()
