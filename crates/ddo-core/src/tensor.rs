@@ -20,6 +20,9 @@ pub struct FileIdentity {
     pub size: u64,
     /// Modification time in nanoseconds since the Unix epoch.
     pub mtime_ns: i128,
+    /// Status-change time in nanoseconds since the Unix epoch: no user can set it, so a file
+    /// rewritten in place with its modification time restored is still seen as changed.
+    pub ctime_ns: i128,
 }
 
 /// One tensor's immutable place in a checkpoint: its bytes are `len` bytes at `offset` of `path`.

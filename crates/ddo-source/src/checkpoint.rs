@@ -56,6 +56,7 @@ fn identity_of(m: &std::fs::Metadata) -> Result<FileIdentity, std::io::Error> {
         inode: m.ino(),
         size: m.len(),
         mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
     })
 }
 
@@ -263,6 +264,9 @@ impl Checkpoint {
             }
             if now.mtime_ns != was.mtime_ns {
                 return Err(changed("modification time changed".into()));
+            }
+            if now.ctime_ns != was.ctime_ns {
+                return Err(changed("status-change time changed (rewritten in place?)".into()));
             }
         }
         Ok(())

@@ -287,3 +287,32 @@ fn a_fifo_named_like_a_checkpoint_is_refused_without_blocking() {
     let err = ddo_source::Checkpoint::open(dir.path()).unwrap_err().to_string();
     assert!(err.contains("not a regular file"), "{err}");
 }
+
+#[test]
+fn a_file_rewritten_in_place_with_its_modification_time_restored_is_noticed() {
+    use std::io::{Seek, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    ddo_source_test_file(&path);
+    let checkpoint = ddo_source::Checkpoint::open(&path).unwrap();
+    checkpoint.check_unchanged().unwrap();
+    let modified = std::fs::metadata(&path).unwrap().modified().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.seek(std::io::SeekFrom::End(-1)).unwrap();
+    f.write_all(&[0xAB]).unwrap();
+    f.set_modified(modified).unwrap();
+    drop(f);
+    assert_eq!(std::fs::metadata(&path).unwrap().modified().unwrap(), modified);
+    let err = checkpoint.check_unchanged().unwrap_err().to_string();
+    assert!(err.contains("rewritten in place"), "{err}");
+}
+
+/// A one-tensor safetensors file.
+fn ddo_source_test_file(path: &std::path::Path) {
+    let header = br#"{"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[1; 8]);
+    std::fs::write(path, bytes).unwrap();
+}
