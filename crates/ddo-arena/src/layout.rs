@@ -90,6 +90,17 @@ pub struct Layout {
     pub granularity: u64,
 }
 
+/// The largest layout the arena plans (4 EiB): every sum of sizes below it fits in `u64` with
+/// room for the planner's products.
+pub const MAX_LAYOUT: u64 = 1 << 62;
+
+fn too_large(unit: &str) -> ArenaError {
+    ArenaError::InvalidUnits(format!(
+        "unit {unit:?}: the tensors' sizes exceed what an arena can lay out ({} bytes)",
+        MAX_LAYOUT
+    ))
+}
+
 fn align_up(v: u64, a: u64) -> u64 {
     v.div_ceil(a) * a
 }
@@ -134,6 +145,10 @@ impl Layout {
             let mut cursor = 0u64;
             for &t in &tensors {
                 let s = &slices[t];
+                // Sizes beyond the limit would wrap in the sums below.
+                if s.len > MAX_LAYOUT || s.offset > MAX_LAYOUT || cursor > MAX_LAYOUT {
+                    return Err(too_large(&spec.name));
+                }
                 let extend = extents.last().is_some_and(|e| {
                     e.file == s.file
                         && e.file_offset + e.len == s.offset
@@ -174,6 +189,9 @@ impl Layout {
                 pinned: spec.pinned,
             });
             offset += len;
+            if offset > MAX_LAYOUT {
+                return Err(too_large(&spec.name));
+            }
         }
         if out.is_empty() {
             return Err(ArenaError::InvalidUnits("no units".into()));
@@ -253,6 +271,20 @@ mod tests {
         assert_eq!(units[0].tensors, vec![0, 5]);
         assert!(units[0].pinned);
         assert_eq!(units[1].tensors, vec![2, 4]);
+    }
+
+    #[test]
+    fn sizes_that_would_wrap_are_refused() {
+        let huge = [s("a", 0, u64::MAX - 8), s("b", 0, 3 << 60), s("c", 3 << 60, 3 << 60)];
+        let one = |t: Vec<usize>| vec![UnitSpec { name: "u".into(), tensors: t, pinned: false }];
+        let err = Layout::build(&huge, &one(vec![0]), 65536).unwrap_err().to_string();
+        assert!(err.contains("exceed what an arena can lay out"), "{err}");
+        let two = vec![
+            UnitSpec { name: "u".into(), tensors: vec![1], pinned: false },
+            UnitSpec { name: "v".into(), tensors: vec![2], pinned: false },
+        ];
+        let err = Layout::build(&huge, &two, 65536).unwrap_err().to_string();
+        assert!(err.contains("exceed"), "{err}");
     }
 
     #[test]
