@@ -19,7 +19,12 @@ use crate::{ArenaError, ArenaStats, Budget, Layout, ResidencyPlan, UnitSpec};
 pub struct Lease {
     unit: UnitId,
     range: DeviceRange,
+    /// The arena that handed it out.
+    arena: u64,
 }
+
+/// Identities of arenas, so a lease is only ever given back to its own arena.
+static NEXT_ARENA: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Lease {
     /// The unit.
@@ -100,6 +105,8 @@ struct State {
 /// the device, for every consumer fence recorded since its last upload; freeing or unmapping
 /// waits for a host-observed fence; a failure on any release path retains the memory as unsafe.
 pub struct Arena {
+    /// This arena's identity (leases carry it).
+    id: u64,
     platform: Platform,
     source: Arc<dyn WeightSource>,
     layout: Layout,
@@ -168,6 +175,7 @@ impl Arena {
         };
         let attach_order = (0..layout.units.len() as u32).map(UnitId).collect();
         Ok(Arena {
+            id: NEXT_ARENA.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             platform,
             source,
             layout,
@@ -395,13 +403,19 @@ impl Arena {
         }
         state.stats.acquires += 1;
         state.stats.acquire_seconds += t.elapsed().as_secs_f64();
-        Ok(Lease { unit, range })
+        Ok(Lease { unit, range, arena: self.id })
     }
 
     /// Gives a lease back: records a fence on `consumer` after the work that used the unit; the
     /// unit's memory is reused only after that fence. If recording fails, the memory is retained
     /// as unsafe (never reused; close refuses) and the error is returned.
     pub fn release(&self, lease: Lease, consumer: StreamId) -> Result<(), ArenaError> {
+        if lease.arena != self.id {
+            return Err(ArenaError::InvalidUnits(format!(
+                "a lease of unit {} from another arena was given back here; release it to the arena that granted it",
+                lease.unit.0
+            )));
+        }
         let t = Instant::now();
         let mut state = self.lock();
         let unit = lease.unit;

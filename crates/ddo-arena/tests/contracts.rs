@@ -341,3 +341,16 @@ fn leases_never_exceed_the_slots() {
     let c = arena.acquire(UnitId(3), stream).unwrap();
     arena.release(c, stream).unwrap();
 }
+
+/// A lease belongs to the arena that granted it: given to another arena it is refused, and both
+/// arenas stay usable.
+#[test]
+fn a_lease_from_another_arena_is_refused() {
+    let (_d1, _spy1, first, stream) = spy_arena(4, 2);
+    let (_d2, _spy2, second, _) = spy_arena(4, 2);
+    let lease = first.acquire(UnitId(1), stream).unwrap();
+    let err = second.release(lease, stream).unwrap_err();
+    assert!(err.to_string().contains("from another arena"), "{err}");
+    let again = second.acquire(UnitId(1), stream).unwrap();
+    second.release(again, stream).unwrap();
+}
