@@ -12,13 +12,12 @@
 //! Needs a CUDA driver and cuBLAS (`libcublas.so` on the library path).
 
 use std::error::Error;
-use std::ffi::c_void;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::cublas::{CudaBlas, sys as cb};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaContext;
 use ddo_arena::{Arena, Budget, UnitSpec};
 use ddo_core::{
@@ -36,6 +35,9 @@ struct Args {
     dir: PathBuf,
     bench: bool,
 }
+
+#[path = "common/gemm.rs"]
+mod gemm;
 
 fn args() -> Result<Args, String> {
     let mut a = Args {
@@ -147,40 +149,13 @@ struct Gemm {
 impl Gemm {
     /// Y = W X for every weight of `unit`, ping-ponging between two activation buffers.
     fn unit(&self, arena: &Arena, unit: UnitId) -> Result<(), Box<dyn Error>> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (w, t) = (self.width as i32, self.tokens as i32);
         for (i, tensor) in arena.layout().units[unit.0 as usize].tensors.iter().enumerate() {
             let (_, range) = arena.tensor_range(tensor.slice).ok_or("tensor without a range")?;
             let (src, dst) = (self.x[i % 2], self.x[(i + 1) % 2]);
-            // SAFETY: all pointers are live device memory of the current context: the weight is
-            // inside a unit the caller holds a lease on, the activations were allocated for
-            // width x tokens bf16 elements; the handle's stream is the consumer stream.
-            let status = unsafe {
-                cb::cublasGemmEx(
-                    *self.blas.handle(),
-                    cb::cublasOperation_t::CUBLAS_OP_N,
-                    cb::cublasOperation_t::CUBLAS_OP_N,
-                    w,
-                    t,
-                    w,
-                    &alpha as *const f32 as *const c_void,
-                    range.start.0 as *const c_void,
-                    cb::cudaDataType::CUDA_R_16BF,
-                    w,
-                    src as *const c_void,
-                    cb::cudaDataType::CUDA_R_16BF,
-                    w,
-                    &beta as *const f32 as *const c_void,
-                    dst as *mut c_void,
-                    cb::cudaDataType::CUDA_R_16BF,
-                    w,
-                    cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            };
-            if status != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                return Err(format!("cublasGemmEx failed: {status:?}").into());
-            }
+            // SAFETY: the weight is inside a unit the caller holds a lease on, the activations
+            // were allocated for width x tokens bf16 elements; the handle's stream is the
+            // consumer stream.
+            unsafe { gemm::bf16(&self.blas, self.width, self.tokens, range.start.0, src, dst) }?;
         }
         Ok(())
     }

@@ -11,16 +11,18 @@
 //! Needs a CUDA driver and cuBLAS (`libcublas.so` on the library path).
 
 use std::error::Error;
-use std::ffi::c_void;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::cublas::{CudaBlas, sys as cb};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use ddo_core::StreamId;
 use ddo_session::{ComponentSession, SessionSpec, Weights, testing};
 use ddo_source::MmapChoice;
+
+#[path = "../../ddo-arena/examples/common/gemm.rs"]
+mod gemm;
 
 struct Args {
     size_gib: f64,
@@ -102,39 +104,13 @@ impl Chain {
     }
 
     fn gemm(&self, weight: u64, src: usize) -> Result<(), Box<dyn Error>> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (w, t) = (self.width as i32, self.tokens as i32);
         let (x, _a) = self.x[src].device_ptr(&self.stream);
         let (y, _b) = self.x[1 - src].device_ptr(&self.stream);
-        // SAFETY: all pointers are live device memory of the primary context: the weight lies
-        // in a unit this pass holds a lease on (width x width bf16), the activations were
-        // allocated for width x tokens bf16; the handle runs on the stream the lease names.
-        let status = unsafe {
-            cb::cublasGemmEx(
-                *self.blas.handle(),
-                cb::cublasOperation_t::CUBLAS_OP_N,
-                cb::cublasOperation_t::CUBLAS_OP_N,
-                w,
-                t,
-                w,
-                &alpha as *const f32 as *const c_void,
-                weight as *const c_void,
-                cb::cudaDataType::CUDA_R_16BF,
-                w,
-                x as *const c_void,
-                cb::cudaDataType::CUDA_R_16BF,
-                w,
-                &beta as *const f32 as *const c_void,
-                y as *mut c_void,
-                cb::cudaDataType::CUDA_R_16BF,
-                w,
-                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        };
-        if status != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(format!("cublasGemmEx failed: {status:?}").into());
-        }
+        let (w, t) = (self.width as usize, self.tokens as usize);
+        // SAFETY: the weight lies in a unit this pass holds a lease on (width x width bf16),
+        // the activations were allocated for width x tokens bf16 of the primary context; the
+        // handle runs on the stream the lease names.
+        unsafe { gemm::bf16(&self.blas, w, t, weight, x, y) }?;
         Ok(())
     }
 }
