@@ -218,12 +218,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_class::<plan::ResolvedPlan>()?;
     m.add_class::<session::Session>()?;
-    let py = m.py();
-    m.add("DynamicOffloadError", py.get_type::<errors::DynamicOffloadError>())?;
-    m.add("DynamicOffloadConfigError", py.get_type::<errors::DynamicOffloadConfigError>())?;
-    m.add("DynamicOffloadCapacityError", py.get_type::<errors::DynamicOffloadCapacityError>())?;
-    m.add("DynamicOffloadCheckpointError", py.get_type::<errors::DynamicOffloadCheckpointError>())?;
-    m.add("DynamicOffloadLifecycleError", py.get_type::<errors::DynamicOffloadLifecycleError>())?;
     m.add_function(wrap_pyfunction!(check_cuda_device, m)?)?;
+    errors::register(m)?;
     Ok(())
 }

@@ -126,3 +126,14 @@ def test_inspect_escapes_names_a_hostile_file_chose(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert "evil\\x1b[2J\\x07name" in out
+
+
+def test_every_error_is_a_dynamic_offload_error():
+    assert issubclass(ddo.DynamicOffloadConfigError, ddo.DynamicOffloadError)
+    assert issubclass(ddo.DynamicOffloadConfigError, ValueError)
+    assert issubclass(ddo.DynamicOffloadCapacityError, ddo.DynamicOffloadConfigError)
+    assert issubclass(ddo.DynamicOffloadCheckpointError, ddo.DynamicOffloadError)
+    assert issubclass(ddo.DynamicOffloadLifecycleError, ddo.DynamicOffloadError)
+    assert ddo.DynamicOffloadConfigError.__module__ == "ddo._native"
+    with pytest.raises(ddo.DynamicOffloadError, match='unknown preset "turbo"'):
+        ddo.resolve_dynamic_offload_backend("linear", "turbo")

@@ -1,12 +1,12 @@
 """Exceptions raised by ddo, defined by the native extension. Every failure is one of these (or a
 plain ``TypeError`` for a bad keyword), never a crash of the native extension.
 
-- :class:`DynamicOffloadError` (``RuntimeError``): a runtime failure.
+- :class:`DynamicOffloadError` (``RuntimeError``): every ddo failure.
   - :class:`DynamicOffloadCheckpointError`: weights missing, corrupt, changed, or not fitting.
   - :class:`DynamicOffloadLifecycleError`: a call that does not fit the component's state.
-- :class:`DynamicOffloadConfigError` (``ValueError``): an invalid setting, named with its value,
-  origin and what is allowed.
-  - :class:`DynamicOffloadCapacityError`: a budget too small for the working set.
+  - :class:`DynamicOffloadConfigError` (also a ``ValueError``): an invalid setting, named with
+    its value, origin and what is allowed.
+    - :class:`DynamicOffloadCapacityError`: a budget too small for the working set.
 """
 
 from __future__ import annotations
