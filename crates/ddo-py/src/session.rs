@@ -169,7 +169,7 @@ impl Session {
         self.inner.assignment().parameters.iter().map(|p| p.names.clone()).collect()
     }
 
-    /// A DLPack capsule viewing parameter `name` in arena memory (valid until unload).
+    /// A DLPack capsule viewing parameter `name` in arena memory; it keeps that memory alive.
     fn dlpack(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
         let view = self.inner.tensor(name).map_err(session_error)?;
         let (code, bits) = crate::dlpack::dtype_code(view.dtype).ok_or_else(|| {
@@ -233,8 +233,9 @@ impl Session {
         Ok((r.slots, r.bytes))
     }
 
-    /// Frees the device memory and registrations (views become invalid).
-    fn unload(&self, py: Python<'_>) -> PyResult<()> {
+    /// Frees the device memory and registrations; `False` when tensors viewing it are still
+    /// alive (it is freed when the last one is dropped).
+    fn unload(&self, py: Python<'_>) -> PyResult<bool> {
         py.detach(|| self.inner.unload()).map_err(session_error)
     }
 

@@ -23,6 +23,20 @@ pub(crate) struct Redirected {
     pub(crate) private_in_place: HashSet<usize>,
 }
 
+/// A shared mapping of `path` if it is the file the private mapping maps (same device and
+/// inode, checked on the open file); `None` when it is not, cannot be opened, or mapping is not
+/// allowed: the storage is then served in place.
+fn map_same_file(
+    path: &std::path::Path,
+    file: Option<(u64, u64)>,
+    mmap: MmapChoice,
+) -> Option<MappedFile> {
+    use std::os::unix::fs::MetadataExt;
+    let map = MappedFile::map_with(path, mmap).ok()??;
+    let meta = std::fs::metadata(path).ok()?;
+    (Some((meta.dev(), meta.ino())) == file).then_some(map)
+}
+
 fn address(s: &HostSlice) -> u64 {
     s.as_bytes().as_ptr() as u64
 }
@@ -46,7 +60,13 @@ pub(crate) fn redirect(
     let mut files: HashMap<PathBuf, usize> = HashMap::new();
     for (i, s) in storages.iter().enumerate() {
         let (start, len) = (address(s), s.len() as u64);
-        let Some(m) = maps::private_file_mapping(&process, start, len) else { continue };
+        let Some(m) = maps::private_file_mapping(&process, start, len) else {
+            // Partly in a private file mapping (a split mapping): never page-lock it.
+            if maps::touches_private_file_mapping(&process, start, len) {
+                out.private_in_place.insert(i);
+            }
+            continue;
+        };
         let path = m.path.clone().expect("file mapping");
         let at = m.file_offset + (start - m.start);
         if !mmap.is_allowed() || !maps::private_pages_unwritten(start, len) {
@@ -55,7 +75,7 @@ pub(crate) fn redirect(
         }
         let file = match files.get(&path) {
             Some(&f) => f,
-            None => match MappedFile::map_with(&path, mmap)? {
+            None => match map_same_file(&path, m.file, mmap) {
                 Some(map) => {
                     let f = out.storages.len();
                     out.storages.push(HostSlice::whole(Arc::new(map) as Arc<dyn HostRegion>));

@@ -821,8 +821,9 @@ impl ComponentSession {
 
     /// Frees the weights' device memory and host registrations once every fence completed.
     /// Refused while a lease is live. Views handed out ([`TensorView::owner`]) keep the memory
-    /// until they are dropped; it is freed then.
-    pub fn unload(&self) -> Result<(), SessionError> {
+    /// until they are dropped; it is freed then. Returns whether the memory was freed now
+    /// (`false`: views still hold it).
+    pub fn unload(&self) -> Result<bool, SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         if !a.leases.is_empty() || !a.pass.is_empty() {
@@ -832,11 +833,14 @@ impl ComponentSession {
             )));
         }
         let attached = g.take().expect("attached");
-        if let Ok(memory) = Arc::try_unwrap(attached.memory) {
-            // Nothing else holds the memory: close now and report a failure.
-            memory.close()?;
+        match Arc::try_unwrap(attached.memory) {
+            Ok(memory) => {
+                // Nothing else holds the memory: close now and report a failure.
+                memory.close()?;
+                Ok(true)
+            }
+            Err(_held) => Ok(false),
         }
-        Ok(())
     }
 
     /// Whether the weights are unloaded.
@@ -900,7 +904,7 @@ impl ComponentSession {
 
     /// Closes the session: unloads (refused while leases are live).
     pub fn close(self) -> Result<(), SessionError> {
-        if self.is_unloaded() { Ok(()) } else { self.unload() }
+        if self.is_unloaded() { Ok(()) } else { self.unload().map(|_| ()) }
     }
 }
 

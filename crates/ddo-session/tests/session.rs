@@ -412,8 +412,7 @@ fn lazily_loaded(path: &Path, write: bool) -> Weights {
     if write {
         // A framework wrote into one weight (its page becomes a private copy).
         let s = &checkpoint.slices()[1];
-        let at = s.offset as usize;
-        map[at] = std::hint::black_box(map[at]);
+        map[s.offset as usize] = 0xEE;
     }
     let storage = HostSlice::whole(Arc::new(PrivateMapping(map)) as Arc<dyn HostRegion>);
     let tensors = checkpoint
@@ -456,7 +455,16 @@ fn tensors_in_a_private_file_mapping_are_served_from_a_shared_mapping_of_the_fil
     let s = setup(&written);
     assert_eq!(s.registered_bytes, Some(0), "{s:?}");
     assert!(s.unregistered_reason.clone().unwrap().contains("private file mapping"), "{s:?}");
-    run_and_check(&written, 2, &checkpoint_bytes(6));
+    // The written byte is what the device gets, not the file's.
+    written.begin_pass(S).unwrap();
+    let unit = written.units().unwrap().into_iter().find(|u| u.name == "blocks.0").unwrap();
+    let lease = written.acquire(unit.id, S).unwrap();
+    let got = written.read_tensor("blocks.0.attn.weight").unwrap();
+    let mut want = checkpoint_bytes(6)("blocks.0.attn.weight");
+    want[0] = 0xEE;
+    assert_eq!(got, want);
+    written.release(lease, S).unwrap();
+    written.end_pass(S).unwrap();
 }
 
 #[test]
@@ -479,14 +487,15 @@ fn a_view_handed_out_keeps_its_memory_after_unload() {
     let session = native(&path, &[]).unwrap();
     run_and_check(&session, 1, &checkpoint_bytes(4));
     let view = session.tensor("embed.weight").unwrap();
-    session.unload().unwrap();
+    assert!(!session.unload().unwrap(), "the view holds the memory");
     assert!(session.is_unloaded());
     // SAFETY: `view.owner` keeps the attach's host-backend memory mapped; the resident unit's
     // bytes were uploaded before unload and nothing writes them.
     let bytes = unsafe { std::slice::from_raw_parts(view.address as *const u8, view.len as usize) };
     assert_eq!(bytes, &checkpoint_bytes(4)("embed.weight")[..]);
     drop(view);
-    // The session attaches again with fresh memory.
+    // The session attaches again with fresh memory; without views, unload frees at once.
     session.reload().unwrap();
     run_and_check(&session, 1, &checkpoint_bytes(4));
+    assert!(session.unload().unwrap());
 }

@@ -266,7 +266,10 @@ impl Checkpoint {
                 return Err(changed("modification time changed".into()));
             }
             if now.ctime_ns != was.ctime_ns {
-                return Err(changed("status-change time changed (rewritten in place?)".into()));
+                return Err(changed(
+                    "status-change time changed (rewritten in place, or its links or permissions changed)"
+                        .into(),
+                ));
             }
         }
         Ok(())

@@ -226,7 +226,8 @@ impl WeightSource for HostTensorSource {
             if now != *identity {
                 return Err(SourceError::CheckpointChanged {
                     file: path.clone(),
-                    what: "its identity (device, inode, size or mtime)".into(),
+                    what: "its identity (device, inode, size, modification or status-change time)"
+                        .into(),
                 });
             }
         }

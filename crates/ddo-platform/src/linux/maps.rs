@@ -23,28 +23,43 @@ pub struct Mapping {
     pub shared: bool,
     /// The mapped file, for file-backed mappings.
     pub path: Option<PathBuf>,
+    /// The file's device (`major:minor` as the kernel encodes it in `st_dev`) and inode.
+    pub file: Option<(u64, u64)>,
 }
 
 /// The process's mappings, in address order, parsed from `text` (`/proc/self/maps`).
 pub fn parse_maps(text: &str) -> Vec<Mapping> {
-    text.lines()
-        .filter_map(|line| {
-            let mut f = line.split_whitespace();
-            let (range, perms, offset) = (f.next()?, f.next()?, f.next()?);
-            let (_dev, inode) = (f.next()?, f.next()?);
-            let rest: Vec<&str> = f.collect();
-            let (start, end) = range.split_once('-')?;
-            let path = rest.join(" ");
-            let file = inode != "0" && path.starts_with('/') && !path.ends_with(" (deleted)");
-            Some(Mapping {
-                start: u64::from_str_radix(start, 16).ok()?,
-                end: u64::from_str_radix(end, 16).ok()?,
-                file_offset: u64::from_str_radix(offset, 16).ok()?,
-                shared: perms.as_bytes().get(3) == Some(&b's'),
-                path: file.then(|| PathBuf::from(path)),
-            })
-        })
-        .collect()
+    text.lines().filter_map(parse_line).collect()
+}
+
+/// One line: five space-separated fields, then (after padding) the path, whose own spaces are
+/// kept as they are.
+fn parse_line(line: &str) -> Option<Mapping> {
+    let mut rest = line;
+    let mut field = || {
+        let r = rest.trim_start_matches(' ');
+        let end = r.find(' ').unwrap_or(r.len());
+        let (f, tail) = r.split_at(end);
+        rest = tail;
+        Some(f).filter(|f| !f.is_empty())
+    };
+    let (range, perms, offset, dev, inode) = (field()?, field()?, field()?, field()?, field()?);
+    let path = rest.strip_prefix(' ').unwrap_or(rest).trim_start_matches(' ');
+    let (start, end) = range.split_once('-')?;
+    let (major, minor) = dev.split_once(':')?;
+    let inode: u64 = inode.parse().ok()?;
+    let file = inode != 0 && path.starts_with('/') && !path.ends_with(" (deleted)");
+    let (major, minor) =
+        (u64::from_str_radix(major, 16).ok()?, u64::from_str_radix(minor, 16).ok()?);
+    Some(Mapping {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        file_offset: u64::from_str_radix(offset, 16).ok()?,
+        shared: perms.as_bytes().get(3) == Some(&b's'),
+        path: file.then(|| PathBuf::from(path)),
+        // The kernel's new_encode_dev, as stat reports st_dev.
+        file: file.then_some(((minor & 0xff) | (major << 8) | ((minor & !0xff) << 12), inode)),
+    })
 }
 
 /// The process's mappings now.
@@ -60,9 +75,16 @@ pub fn private_file_mapping(maps: &[Mapping], address: u64, len: u64) -> Option<
         .filter(|m| !m.shared && m.path.is_some())
 }
 
+/// Whether any part of `[address, address + len)` lies in a private file mapping.
+pub fn touches_private_file_mapping(maps: &[Mapping], address: u64, len: u64) -> bool {
+    let end = address.saturating_add(len.max(1));
+    maps.iter().any(|m| m.start < end && address < m.end && !m.shared && m.path.is_some())
+}
+
 const PAGE: u64 = 4096;
 /// Pagemap bits: the page is present; it is a file page or a shared anonymous page.
 const PRESENT: u64 = 1 << 63;
+const SWAPPED: u64 = 1 << 62;
 const FILE_PAGE: u64 = 1 << 61;
 
 /// Whether every page of `[address, address + len)` of a private file mapping still is the
@@ -84,7 +106,8 @@ pub fn private_pages_unwritten(address: u64, len: u64) -> bool {
         }
         for e in buf[..n * 8].chunks_exact(8) {
             let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
-            if e & PRESENT != 0 && e & FILE_PAGE == 0 {
+            // A private copy, present or swapped out, is not the file's page.
+            if (e & PRESENT != 0 && e & FILE_PAGE == 0) || e & SWAPPED != 0 {
                 return false;
             }
         }
@@ -100,14 +123,15 @@ mod tests {
     #[test]
     fn maps_lines() {
         let text = "\
-7fc6f6000000-7fc948ee7000 rw-p 00001000 fe:00 5308721    /m/a b.safetensors
+7fc6f6000000-7fc948ee7000 rw-p 00001000 fe:00 5308721    /m/a  b.safetensors
 7fcb90800000-7fcb96268000 r--s 00000000 fe:00 5308755    /m/c.safetensors
 7fcb96268000-7fcb96300000 rw-p 00000000 00:00 0 
 7fff00000000-7fff00001000 rw-p 00000000 00:00 0          [stack]
 ";
         let m = parse_maps(text);
         assert_eq!(m.len(), 4);
-        assert_eq!(m[0].path.as_deref(), Some(std::path::Path::new("/m/a b.safetensors")));
+        assert_eq!(m[0].path.as_deref(), Some(std::path::Path::new("/m/a  b.safetensors")));
+        assert_eq!(m[0].file, Some((0xfe00, 5308721)));
         assert_eq!((m[0].file_offset, m[0].shared), (0x1000, false));
         assert!(m[1].shared);
         assert_eq!(m[2].path, None);
@@ -132,6 +156,14 @@ mod tests {
         let maps = process_maps().unwrap();
         let m = private_file_mapping(&maps, base, 4 * 4096).expect("a private file mapping");
         assert_eq!(m.path.as_deref(), Some(path.as_path()));
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(
+            m.file,
+            Some((meta.dev(), meta.ino())),
+            "the maps line names the file stat sees"
+        );
+        assert!(touches_private_file_mapping(&maps, base + 4 * 4096 - 8, 64));
         assert!(private_pages_unwritten(base, 4 * 4096));
         map[2 * 4096] = 1;
         assert!(!private_pages_unwritten(base, 4 * 4096), "a written page is a private copy");

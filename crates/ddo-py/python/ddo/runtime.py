@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -82,6 +83,16 @@ def _host_tensors(module: torch.nn.Module) -> Tuple[list, list]:
     return storages, rows
 
 
+def _any_requires_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(_any_requires_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_any_requires_grad(v) for v in value.values())
+    return False
+
+
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
@@ -105,7 +116,9 @@ class SessionRuntime:
         self.originals: Dict[str, Any] = {}
         self.original_buffers: Dict[str, torch.Tensor] = {}
         # Every parameter as published, with the address it views (checked before each pass).
-        self.published: List[Tuple[str, torch.nn.Parameter, int]] = []
+        self.published: Dict[str, Tuple[torch.nn.Parameter, int]] = {}
+        # After reclaim() parameters are meta; the next pass publishes the views again.
+        self.republish = False
         # Forwards of one module run one at a time: a pass owns the module's leases.
         self.forward_lock = threading.Lock()
         self.in_forward: Dict[int, bool] = {}
@@ -132,7 +145,10 @@ class SessionRuntime:
                 self.handles.append(m.register_forward_pre_hook(self._pre(unit)))
                 self.handles.append(m.register_forward_hook(self._post(unit), always_call=True))
         self._wrap_forward()
-        self.handles.append(self.module._register_state_dict_hook(self._state_dict))
+        for path, m in self.module.named_modules(remove_duplicate=False):
+            owned = {attr: f"{path}.{attr}" if path else attr for attr, p in m._parameters.items() if p is not None}
+            if owned:
+                self.handles.append(m._register_state_dict_hook(self._state_dict_hook(owned)))
         self.handles.append(self.module._register_load_state_dict_pre_hook(self._refuse_load, with_module=True))
 
     def _publish(self, make) -> None:
@@ -151,13 +167,13 @@ class SessionRuntime:
             for n in names:
                 views[n] = view
         self._publish(lambda name, _p: torch.nn.Parameter(views[name], requires_grad=False))
-        self.published = [
-            (name, p, p.data_ptr()) for name, p in self.module.named_parameters(remove_duplicate=False)
-        ]
+        self.published = {
+            name: (p, p.data_ptr()) for name, p in self.module.named_parameters(remove_duplicate=False)
+        }
 
     def _publish_meta(self) -> None:
         # Holding the views would keep the arena's memory alive.
-        self.published = []
+        self.published = {}
         self._publish(
             lambda _n, p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
         )
@@ -187,27 +203,36 @@ class SessionRuntime:
 
         self.module.forward = forward
 
-    def _check_module(self) -> None:
-        """Refuses a forward the arena cannot serve correctly: training (gradients would be
-        computed from slot memory reused under them) and parameters changed after attach (a
-        dtype or device move, an assignment: they no longer view the arena)."""
+    def _check_module(self, args: tuple, kwargs: dict) -> None:
+        """Refuses a forward the arena cannot serve correctly: training or gradients (autograd
+        would keep views of slot memory that later blocks reuse), and parameters changed after
+        attach (a dtype or device move, an assignment: they no longer view the arena)."""
         if self.module.training:
             raise _native.DynamicOffloadLifecycleError(
                 f"{type(self.module).__name__} is in training mode; ddo offloads inference only: call module.eval()"
             )
-        for name, p, address in self.published:
+        if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
+            raise _native.DynamicOffloadLifecycleError(
+                "an input requires grad; ddo offloads inference only (gradients would read block memory that later "
+                "blocks reuse): run the forward under torch.no_grad() or torch.inference_mode()"
+            )
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            published = self.published.get(name)
             if p.requires_grad:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
                 )
-            if p.data_ptr() != address:
+            if published is None or p is not published[0] or p.data_ptr() != published[1]:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} was changed after ddo attached (a dtype or device move, or an assignment): "
                     "call remove_dynamic_offload(module) first, change the module, then offload it again"
                 )
 
     def _pass(self, original: Any, args: tuple, kwargs: dict) -> Any:
-        self._check_module()
+        if self.republish and not self.session.is_unloaded():
+            self._publish_views()
+            self.republish = False
+        self._check_module(args, kwargs)
         stream = _stream(self.device)
         self.leases.clear()
         self.session.begin_pass(stream)
@@ -226,20 +251,26 @@ class SessionRuntime:
         self.session.end_pass(stream)
         return out
 
-    def _state_dict(self, _m: torch.nn.Module, state: dict, prefix: str, _meta: Any) -> None:
-        """Outside a forward a streamed parameter's view shows whatever unit its slot holds:
-        ``state_dict()`` gives every parameter's own values instead (host tensors)."""
-        for names in self.session.parameter_names():
-            keys = [prefix + n for n in names if prefix + n in state]
-            if keys:
-                value = self._source_value(names[0], state[keys[0]])
-                for k in keys:
-                    state[k] = value
+    def _state_dict_hook(self, owned: Dict[str, str]):
+        """A hook for one module: outside a forward a streamed parameter's view shows whatever
+        unit its slot holds, so ``state_dict()`` (of this module or any module above it) gives
+        each parameter's own values instead. ``owned`` maps the module's attribute names to the
+        parameters' full names."""
+
+        def hook(_m: torch.nn.Module, state: dict, prefix: str, _meta: Any) -> None:
+            for attr, full in owned.items():
+                key = prefix + attr
+                if key in state:
+                    state[key] = self._source_value(full, state[key])
+
+        return hook
 
     def _source_value(self, name: str, like: torch.Tensor) -> torch.Tensor:
         original = self.originals.get(name)
         if original is not None and not original.is_meta and self.checkpoint is None:
             return original.detach()
+        if self.session.is_unloaded():
+            return like  # meta placeholders while unloaded
         raw = bytearray(self.session.source_tensor(name))
         return torch.frombuffer(raw, dtype=like.dtype).reshape(like.shape) if raw else torch.empty(like.shape, dtype=like.dtype)
 
@@ -278,14 +309,25 @@ class SessionRuntime:
         return list(self.session.warnings())
 
     def reclaim(self) -> tuple:
-        return self.session.reclaim()
+        """Releases idle slot memory. Parameters are meta until the next forward publishes the
+        views again (a streamed block's addresses have no memory until it is uploaded)."""
+        with self.forward_lock:
+            self.synchronize()
+            self._publish_meta()
+            self.republish = True
+            return self.session.reclaim()
 
     def unload(self) -> None:
         """Parameters become meta placeholders and the arena's memory is freed."""
         self.synchronize()
         self._publish_meta()
         self.session.end_pass(_stream(self.device))
-        self.session.unload()
+        if not self.session.unload():
+            warnings.warn(
+                f"ddo: tensors kept from {type(self.module).__name__} still view its device memory; it is freed "
+                "when the last of them is dropped",
+                stacklevel=3,
+            )
 
     def reload(self) -> None:
         """Attaches again (new addresses) and publishes the new views."""
@@ -303,7 +345,7 @@ class SessionRuntime:
             h.remove()
         self.handles.clear()
         self.module.__dict__.pop("forward", None)
-        self.published = []
+        self.published = {}
         if self.session is None:
             return
         self.synchronize()
