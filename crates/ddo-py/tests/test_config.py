@@ -73,3 +73,11 @@ def test_metrics_never_report_counters_a_route_lacks():
     ok.validate()
     assert ok.as_dict()["runtime"] == {}
     assert "placement=module=resident" in ok.format_profile()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_flag_values_out_of_range_are_refused_when_the_config_is_built(value):
+    parser = ddo.add_dynamic_offload_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--ddo-backend", "vmm", "--ddo-vmm-resident-weight-budget-gb", value])
+    with pytest.raises(ddo.DynamicOffloadConfigError, match=r"vmm_resident_weight_budget_gb = .* \(set by the flags .*--ddo-vmm-resident-weight-budget-gb"):
+        ddo.build_config_from_args(args)

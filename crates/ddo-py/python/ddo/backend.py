@@ -74,7 +74,12 @@ def build_config_from_args(args: argparse.Namespace) -> DynamicOffloadConfig:
     if getattr(args, "show_profile", False):
         values["show_profile"] = True
     config = DynamicOffloadConfig(**{k: v for k, v in values.items() if v is not None})
-    config.to_json()  # validates
-    if config.backend is not None or config.preset is not None:
-        resolve_dynamic_offload_backend(config.backend or "linear", config.preset or "auto")
+    # Every value and range is checked now, as the flags' own error, not at the first offload.
+    from .settings import resolve_settings
+
+    try:
+        resolve_settings("model", config=config, use_environment=False)
+    except DynamicOffloadConfigError as e:
+        flags = ", ".join(f"--ddo-{k.replace('_', '-')}" for k in config.as_dict())
+        raise DynamicOffloadConfigError(f"{e} (set by the flags {flags})") from None
     return config
