@@ -73,5 +73,20 @@ fn ci() -> Result<(), String> {
         run("cargo", &["test", "--workspace", "--all-features", "--lib", "--bins", "--tests"])?;
     }
     run("cargo", &["test", "--workspace", "--all-features", "--doc"])?;
+    // ddo-platform builds and works without CUDA (its `cuda` feature off).
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "ddo-platform",
+            "--no-default-features",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    run("cargo", &["test", "-p", "ddo-platform", "--no-default-features"])?;
     python::test()
 }
