@@ -69,19 +69,33 @@ pub(crate) fn execute(
     dsts: Vec<Vec<&mut [u8]>>,
 ) -> Result<(), SourceError> {
     let queue: Mutex<Vec<Job<'_>>> = Mutex::new(runs.into_iter().zip(dsts).rev().collect());
-    let workers = options.workers.max(1).min(queue.lock().expect("queue").len().max(1));
+    let workers = options
+        .workers
+        .max(1)
+        .min(queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len().max(1));
     let first_error: Mutex<Option<SourceError>> = Mutex::new(None);
     std::thread::scope(|scope| {
         for _ in 0..workers {
             scope.spawn(|| {
                 let mut worker = Worker::new(paths, maps, options);
                 loop {
-                    if first_error.lock().expect("error slot").is_some() {
+                    if first_error
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .is_some()
+                    {
                         return;
                     }
-                    let Some((run, mut dst)) = queue.lock().expect("queue").pop() else { return };
+                    let Some((run, mut dst)) =
+                        queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop()
+                    else {
+                        return;
+                    };
                     if let Err(e) = worker.read(&run, &mut dst) {
-                        first_error.lock().expect("error slot").get_or_insert(e);
+                        first_error
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .get_or_insert(e);
                         return;
                     }
                 }

@@ -71,12 +71,12 @@ impl Registrar {
 
     /// Bytes charged now (whole segments), including ranges whose unregistration failed.
     pub fn charged(&self) -> u64 {
-        self.ledger.lock().expect("ledger").charged
+        self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner).charged
     }
 
     /// Bytes kept registered after a failed unregistration.
     pub fn unsafe_retained(&self) -> u64 {
-        self.ledger.lock().expect("ledger").unsafe_retained
+        self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner).unsafe_retained
     }
 
     /// Registers `slice` (read-only for mapped files). Refused with nothing changed when the
@@ -87,7 +87,7 @@ impl Registrar {
         read_only: bool,
     ) -> Result<RegisteredRange, SourceError> {
         let charge = (slice.len() as u64).div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT;
-        let mut ledger = self.ledger.lock().expect("ledger");
+        let mut ledger = self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if ledger.charged + charge > self.ceiling {
             return Err(SourceError::CeilingExceeded {
                 what: "registration",
@@ -110,7 +110,7 @@ impl Registrar {
     /// Unregisters a range. On failure the range stays registered and charged, is counted as
     /// unsafe-retained, and the error is returned: the pages are never released by force.
     pub fn unregister(&self, range: RegisteredRange) -> Result<(), SourceError> {
-        let mut ledger = self.ledger.lock().expect("ledger");
+        let mut ledger = self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match self.residency.unregister_host(&range.registration) {
             Ok(()) => {
                 ledger.charged -= range.charged;

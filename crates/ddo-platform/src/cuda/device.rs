@@ -80,7 +80,12 @@ impl CudaDevice {
         let granularity = vmm::granularity(index).named("cuMemGetAllocationGranularity")? as u64;
         let mut device = device;
         device.granularity = granularity;
-        device.state.get_mut().expect("state").streams.insert(0, false);
+        device
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .streams
+            .insert(0, false);
         Ok(Arc::new(device))
     }
 
@@ -100,7 +105,12 @@ impl CudaDevice {
     /// 1. `raw` is a live `CUstream` of this device's primary context.
     /// 2. It stays alive while any port call uses it.
     pub unsafe fn adopt_stream(&self, raw: u64) -> StreamId {
-        self.state.lock().expect("state").streams.entry(raw).or_insert(false);
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .streams
+            .entry(raw)
+            .or_insert(false);
         StreamId(raw)
     }
 
@@ -187,12 +197,16 @@ impl Residency for CudaDevice {
         self.bind()?;
         let ptr = vmm::address_reserve(len as usize, self.granularity as usize)
             .named("cuMemAddressReserve")?;
-        self.state.lock().expect("state").book.add_reservation(ptr, len);
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .book
+            .add_reservation(ptr, len);
         Ok(Reservation { range: DeviceRange { start: DeviceAddress(ptr), len } })
     }
 
     fn release_reservation(&self, reservation: Reservation) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (start, len) = (reservation.range.start.0, reservation.range.len);
         state.book.check_release_reservation(reservation.range)?;
         self.bind()?;
@@ -208,12 +222,16 @@ impl Residency for CudaDevice {
         let handle = vmm::create(len as usize, self.index())
             .named("cuMemCreate")
             .map_err(|e| e.into_device(len))?;
-        self.state.lock().expect("state").book.add_backing(BackingId(handle), len);
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .book
+            .add_backing(BackingId(handle), len);
         Ok(BackingId(handle))
     }
 
     fn map(&self, range: DeviceRange, backing: BackingId) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_map(range, backing, self.granularity)?;
         self.bind()?;
         let (ptr, len) = (range.start.0, range.len as usize);
@@ -232,7 +250,7 @@ impl Residency for CudaDevice {
     }
 
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_unmap(range)?;
         self.bind()?;
         // SAFETY: exactly one mapping of this device; the caller (the arena) has proven with a
@@ -243,7 +261,7 @@ impl Residency for CudaDevice {
     }
 
     fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_release_backing(backing)?;
         self.bind()?;
         // SAFETY: a live allocation of this device mapped nowhere (checked above).
@@ -256,7 +274,11 @@ impl Residency for CudaDevice {
         self.bind()?;
         let s = driver::stream::create(driver::stream::StreamKind::NonBlocking)
             .named("cuStreamCreate")? as u64;
-        self.state.lock().expect("state").streams.insert(s, true);
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .streams
+            .insert(s, true);
         Ok(StreamId(s))
     }
 
@@ -267,7 +289,7 @@ impl Residency for CudaDevice {
         stream: StreamId,
     ) -> Result<(), DeviceError> {
         AddressBook::check_lengths("copy", src.len(), dst.len)?;
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_mapped(dst)?;
         let raw = Self::known_stream(&state, stream)?;
         self.bind()?;
@@ -283,7 +305,7 @@ impl Residency for CudaDevice {
 
     fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
         AddressBook::check_lengths("read", dst.len(), src.len)?;
-        let state = self.state.lock().expect("state");
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_mapped(src)?;
         self.bind()?;
         driver::ctx::synchronize().named("cuCtxSynchronize")?;
@@ -299,7 +321,7 @@ impl Residency for CudaDevice {
         read_only: bool,
     ) -> Result<Registration, DeviceError> {
         let ptr = slice.as_bytes().as_ptr() as u64;
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if state.registrations.contains_key(&ptr) {
             return Err(DeviceError::InvalidUse(format!(
                 "host memory at {ptr:#x} is already registered"
@@ -315,7 +337,7 @@ impl Residency for CudaDevice {
     }
 
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if !state.registrations.contains_key(&registration.handle) {
             return Err(DeviceError::InvalidUse(format!(
                 "registration {:#x} is not live",
@@ -333,7 +355,7 @@ impl Residency for CudaDevice {
 
 impl Fence for CudaDevice {
     fn record(&self, stream: StreamId) -> Result<FenceValue, DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let raw = Self::known_stream(&state, stream)?;
         self.bind()?;
         if state.events.len() > RETIRE_AFTER {
@@ -369,7 +391,7 @@ impl Fence for CudaDevice {
     }
 
     fn query(&self, value: FenceValue) -> Result<bool, DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if value.0 >= state.next_value || value.0 == 0 {
             return Err(DeviceError::InvalidUse(format!(
                 "fence value {} was never recorded",
@@ -388,7 +410,7 @@ impl Fence for CudaDevice {
 
     fn wait(&self, value: FenceValue) -> Result<(), DeviceError> {
         let event = {
-            let mut state = self.state.lock().expect("state");
+            let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if value.0 >= state.next_value || value.0 == 0 {
                 return Err(DeviceError::InvalidUse(format!(
                     "fence value {} was never recorded",
@@ -408,7 +430,7 @@ impl Fence for CudaDevice {
         // happens under the lock after completion, so a recycled event is re-recorded only
         // for a later value and synchronizing on it waits no less than needed.
         unsafe { driver::event::synchronize(event as sys::CUevent) }.named("cuEventSynchronize")?;
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         Self::retire(&mut state, value.0);
         // A host wait is a phase boundary (reclaim, close): give back every host slice whose
         // copy is proven complete, also those of values nobody asks about (uploads the
@@ -417,7 +439,7 @@ impl Fence for CudaDevice {
     }
 
     fn stream_wait(&self, stream: StreamId, value: FenceValue) -> Result<(), DeviceError> {
-        let state = self.state.lock().expect("state");
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if value.0 >= state.next_value || value.0 == 0 {
             return Err(DeviceError::InvalidUse(format!(
                 "fence value {} was never recorded",
@@ -446,7 +468,7 @@ impl Drop for CudaDevice {
             // Completion cannot be proven: keep every allocation (never force-free).
             return;
         }
-        let state = self.state.get_mut().expect("state");
+        let state = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
         // SAFETY: (all calls below) the context is synchronized, so no work uses these handles;
         // each was created by this device and is released exactly once here.
         unsafe {

@@ -89,7 +89,7 @@ impl HostDevice {
 
     /// What the device holds now.
     pub fn usage(&self) -> HostUsage {
-        *self.usage.lock().expect("usage")
+        *self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn invalid(message: String) -> DeviceError {
@@ -110,39 +110,40 @@ impl Residency for HostDevice {
         AddressBook::check_aligned(self.granularity, "reservation length", len)?;
         let span = ReservedSpan::new(len, self.granularity)?;
         let start = span.start();
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.reservations.insert(start, span);
         state.book.add_reservation(start, len);
-        self.usage.lock().expect("usage").reserved_bytes += len;
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).reserved_bytes += len;
         Ok(Reservation { range: DeviceRange { start: ddo_core::DeviceAddress(start), len } })
     }
 
     fn release_reservation(&self, reservation: Reservation) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let start = reservation.range.start.0;
         state.book.check_release_reservation(reservation.range)?;
         state.book.remove_reservation(start);
         drop(state.reservations.remove(&start));
-        self.usage.lock().expect("usage").reserved_bytes -= reservation.range.len;
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).reserved_bytes -=
+            reservation.range.len;
         Ok(())
     }
 
     fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
         AddressBook::check_aligned(self.granularity, "backing length", len)?;
         let backing = Backing::new(len)?;
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let id = BackingId(state.next_backing);
         state.next_backing += 1;
         state.backings.insert(id, backing);
         state.book.add_backing(id, len);
-        let mut usage = self.usage.lock().expect("usage");
+        let mut usage = self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         usage.backing_bytes += len;
         usage.peak_backing_bytes = usage.peak_backing_bytes.max(usage.backing_bytes);
         Ok(id)
     }
 
     fn map(&self, range: DeviceRange, backing: BackingId) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_map(range, backing, self.granularity)?;
         state.backings[&backing].map_at(range.start.0)?;
         state.book.add_mapping(range, backing);
@@ -150,7 +151,7 @@ impl Residency for HostDevice {
     }
 
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_unmap(range)?;
         vm::protect_none(range.start.0, range.len)?;
         state.book.remove_mapping(range.start.0);
@@ -158,11 +159,11 @@ impl Residency for HostDevice {
     }
 
     fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let len = state.book.check_release_backing(backing)?;
         state.book.remove_backing(backing);
         state.backings.remove(&backing);
-        self.usage.lock().expect("usage").backing_bytes -= len;
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).backing_bytes -= len;
         Ok(())
     }
 
@@ -177,7 +178,7 @@ impl Residency for HostDevice {
         _stream: StreamId,
     ) -> Result<(), DeviceError> {
         AddressBook::check_lengths("copy", src.len(), dst.len)?;
-        let state = self.state.lock().expect("state");
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_mapped(dst)?;
         // SAFETY: `dst` lies inside a live read/write mapping of this device (checked under the
         // lock, which also keeps it mapped during the copy); `src` is a live host slice of the
@@ -194,7 +195,7 @@ impl Residency for HostDevice {
 
     fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
         AddressBook::check_lengths("read", dst.len(), src.len)?;
-        let state = self.state.lock().expect("state");
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_mapped(src)?;
         // SAFETY: `src` lies inside a live mapping (checked under the lock); `dst` is a distinct
         // host buffer of the same length.
@@ -209,20 +210,22 @@ impl Residency for HostDevice {
         slice: HostSlice,
         _read_only: bool,
     ) -> Result<Registration, DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let handle = state.next_registration;
         state.next_registration += 1;
         state.registered.insert(handle, slice.len() as u64);
-        self.usage.lock().expect("usage").registered_bytes += slice.len() as u64;
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes +=
+            slice.len() as u64;
         Ok(Registration { slice, handle })
     }
 
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().expect("state");
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let len = state.registered.remove(&registration.handle).ok_or_else(|| {
             Self::invalid(format!("registration {} is not live", registration.handle))
         })?;
-        self.usage.lock().expect("usage").registered_bytes -= len;
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes -=
+            len;
         Ok(())
     }
 }
