@@ -106,11 +106,12 @@ fn observe_host_memory() -> String {
 /// Validates a checkpoint (file, index or folder) and lists its tensors as JSON:
 /// `{"files": [...], "tensors": [{name, dtype, shape, file, offset, len}]}`.
 #[pyfunction]
-fn inspect_checkpoint(path: &str) -> PyResult<String> {
-    let c = if path.ends_with(".index.json") {
-        ddo_source::Checkpoint::open_index(path)
+fn inspect_checkpoint(path: std::path::PathBuf) -> PyResult<String> {
+    // A path, not text: names that are not UTF-8 (os.fsdecode's surrogates) open as they are.
+    let c = if path.to_string_lossy().ends_with(".index.json") {
+        ddo_source::Checkpoint::open_index(&path)
     } else {
-        ddo_source::Checkpoint::open(path)
+        ddo_source::Checkpoint::open(&path)
     }
     .map_err(|e| errors::DynamicOffloadCheckpointError::new_err(e.to_string()))?;
     let tensors: Vec<serde_json::Value> = c

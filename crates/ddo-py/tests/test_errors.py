@@ -137,3 +137,18 @@ def test_every_error_is_a_dynamic_offload_error():
     assert ddo.DynamicOffloadConfigError.__module__ == "ddo._native"
     with pytest.raises(ddo.DynamicOffloadError, match='unknown preset "turbo"'):
         ddo.resolve_dynamic_offload_backend("linear", "turbo")
+
+
+def test_a_checkpoint_folder_whose_name_is_not_utf8_opens(tmp_path, flux):
+    import os
+
+    model, inputs = flux
+    folder = os.path.join(os.fsencode(tmp_path), b"model-\xff")
+    os.makedirs(folder)
+    path = os.fsdecode(folder)  # surrogate-escaped, as Python lists such names
+    model.save_pretrained(path)
+    config = ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=0.02)
+    loaded = ddo.from_pretrained_with_dynamic_offload(path, apply_dynamic=True, dynamic_offload_config=config)
+    with torch.no_grad():
+        assert torch.equal(loaded.module(**inputs)[0], model(**inputs)[0])
+    loaded.offload.remove()
