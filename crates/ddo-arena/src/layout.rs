@@ -205,7 +205,8 @@ impl Layout {
         let mut offset = 0;
         for (u, &s) in self.units.iter_mut().zip(streamed) {
             u.offset = offset;
-            offset += if s { slot_len.max(u.len) } else { u.len };
+            // Bounded by the plan (placed sizes stay below MAX_LAYOUT); saturating regardless.
+            offset = offset.saturating_add(if s { slot_len.max(u.len) } else { u.len });
         }
         self.reserved = offset;
     }

@@ -115,6 +115,17 @@ impl ResidencyPlan {
                 largest_unit: largest,
             });
         };
+        // Every streamed unit's range spans a whole slot: the placed layout must stay bounded.
+        let placed = units.iter().zip(&resident).try_fold(0u64, |acc, (u, r)| {
+            acc.checked_add(if *r { u.len } else { slot.max(u.len) })
+        });
+        if placed.is_none_or(|p| p > crate::MAX_LAYOUT) {
+            return Err(ArenaError::InvalidUnits(format!(
+                "{} streamed units in slots of {slot} bytes exceed what an arena can lay out ({} bytes)",
+                resident.iter().filter(|r| !**r).count(),
+                crate::MAX_LAYOUT
+            )));
+        }
         Ok(Self::finish(layout, budget, resident, slots, slot))
     }
 
