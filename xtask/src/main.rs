@@ -3,10 +3,13 @@
 //! - `ci`: formatting, lints, tests and doc tests, as CI runs them.
 //! - `demo`: the main job: shows what ddo decides for a Diffusers pipeline on this machine.
 //! - `test-gpu`: the CUDA tests and GPU benchmarks, here or as a bundle for a GPU machine.
+//! - `bench-gpu`: the side-by-side benchmark as a bundle for a GPU machine.
+//! - `fuzz`: every fuzz target on a nightly toolchain.
 
 use std::process::{Command, ExitCode};
 
 mod demo;
+mod fuzz;
 mod gpu;
 mod python;
 
@@ -18,7 +21,8 @@ tasks:
   demo    offload a Diffusers model from Python (CUDA when present, else CPU), then resolve a
           pipeline's plan and stream a checkpoint through the Rust arena
   test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)
-  bench-gpu the side-by-side GPU benchmark as a bundle for a GPU machine (--help)";
+  bench-gpu the side-by-side GPU benchmark as a bundle for a GPU machine (--help)
+  fuzz    every fuzz target on the nightly toolchain with cargo-fuzz (--help)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -27,6 +31,7 @@ fn main() -> ExitCode {
         Some("demo") => demo::run(&args[1..]),
         Some("test-gpu") => gpu::test_gpu(&args[1..]),
         Some("bench-gpu") => gpu::bench_gpu(&args[1..]),
+        Some("fuzz") => fuzz::run(&args[1..]),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())
