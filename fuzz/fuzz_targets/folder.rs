@@ -19,7 +19,8 @@ fuzz_target!(|data: &[u8]| {
     // Records: [kind, name, len, bytes...]; kind 0 = file, 1 = link to a name, 2 = folder.
     let mut rest = data;
     while rest.len() >= 3 {
-        let (kind, name, len) = (rest[0] % 3, NAMES[rest[1] as usize % NAMES.len()], rest[2] as usize);
+        let (kind, name, len) =
+            (rest[0] % 3, NAMES[rest[1] as usize % NAMES.len()], rest[2] as usize);
         let body = &rest[3..(3 + len).min(rest.len())];
         rest = &rest[(3 + len).min(rest.len())..];
         let path = dir.path().join(name);

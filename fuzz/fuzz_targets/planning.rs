@@ -30,7 +30,11 @@ fuzz_target!(|data: &[u8]| {
         offset = offset.saturating_add(len);
     }
     let units: Vec<UnitSpec> = (0..slices.len())
-        .map(|i| UnitSpec { name: format!("u{i}"), tensors: vec![i], pinned: pinned_mask >> (i % 8) & 1 == 1 })
+        .map(|i| UnitSpec {
+            name: format!("u{i}"),
+            tensors: vec![i],
+            pinned: pinned_mask >> (i % 8) & 1 == 1,
+        })
         .collect();
     if let Ok(mut layout) = Layout::build(&slices, &units, granularity) {
         if let Ok(plan) = ResidencyPlan::new(&layout, budget) {
