@@ -31,12 +31,12 @@ fn plan(data: &[u8]) {
             pinned: pinned_mask >> (i % 8) & 1 == 1,
         })
         .collect();
-    if let Ok(mut layout) = Layout::build(&slices, &units, granularity) {
-        if let Ok(plan) = ResidencyPlan::new(&layout, budget) {
-            let streamed: Vec<bool> = plan.resident.iter().map(|r| !r).collect();
-            layout.place(plan.slot_len, &streamed);
-            assert!(layout.reserved <= ddo_arena::MAX_LAYOUT);
-        }
+    if let Ok(mut layout) = Layout::build(&slices, &units, granularity)
+        && let Ok(plan) = ResidencyPlan::new(&layout, budget)
+    {
+        let streamed: Vec<bool> = plan.resident.iter().map(|r| !r).collect();
+        layout.place(plan.slot_len, &streamed);
+        assert!(layout.reserved <= ddo_arena::MAX_LAYOUT);
     }
 }
 
