@@ -18,18 +18,25 @@ def run(model, inputs):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def offload(tmp_path, model, route, *, native_budget_gb=0.006, native_prefetch=1):
+    """``model`` offloaded on ``route``: ``linear`` (two slots) or ``native`` (saved, then
+    loaded through the checkpoint on the host backend). Returns ``(result, module)``."""
+    if route == "linear":
+        return ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False), model
+    model.save_pretrained(tmp_path / "m")
+    extra = {} if native_prefetch is None else {"prefetch_depth": native_prefetch}
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=native_budget_gb, **extra
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
+    return loaded.offload, loaded.module
+
+
 @pytest.mark.parametrize("route", ["linear", "native"])
 def test_forwards_from_several_threads_run_one_at_a_time(tmp_path, flux, route):
     model, inputs = flux
     reference = run(copy.deepcopy(model), inputs)
-    if route == "linear":
-        result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
-        module = model
-    else:
-        model.save_pretrained(tmp_path / "m")
-        config = ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=0.02)
-        loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
-        result, module = loaded.offload, loaded.module
+    result, module = offload(tmp_path, model, route, native_budget_gb=0.02, native_prefetch=None)
     outcomes = []
 
     def worker():
@@ -173,16 +180,7 @@ def test_always_resident_variable_under_the_fields_name(flux):
 def test_state_dict_after_a_forward_is_the_modules_own_values(tmp_path, flux, route):
     model, inputs = flux
     reference = {k: v.clone() for k, v in model.state_dict().items()}
-    if route == "linear":
-        result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
-        module = model
-    else:
-        model.save_pretrained(tmp_path / "m")
-        config = ddo.DynamicOffloadConfig(
-            backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=0.006, prefetch_depth=1
-        )
-        loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
-        result, module = loaded.offload, loaded.module
+    result, module = offload(tmp_path, model, route)
     assert result.metrics_snapshot().as_dict()["setup"]["streamed_units"] >= 2
     run(module, inputs)
     state = module.state_dict()
@@ -265,14 +263,7 @@ def test_reload_after_remove_is_refused_and_hooks_never_double(flux):
 def test_after_reclaim_parameters_are_meta_until_the_next_forward(tmp_path, flux, route):
     model, inputs = flux
     reference = run(copy.deepcopy(model), inputs)
-    if route == "linear":
-        result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
-        module = model
-    else:
-        model.save_pretrained(tmp_path / "m")
-        config = ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=0.006, prefetch_depth=1)
-        loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
-        result, module = loaded.offload, loaded.module
+    result, module = offload(tmp_path, model, route)
     run(module, inputs)
     slots, freed = result.reclaim()
     assert slots > 0 and freed > 0
