@@ -34,6 +34,17 @@ impl HostSlice {
         HostSlice { region, offset: 0, len }
     }
 
+    /// The sub-range `[offset, offset + len)` of this slice, sharing its region, or `None` if it
+    /// leaves the slice.
+    pub fn slice(&self, offset: usize, len: usize) -> Option<HostSlice> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| HostSlice {
+            region: Arc::clone(&self.region),
+            offset: self.offset + offset,
+            len,
+        })
+    }
+
     /// The bytes of the slice.
     pub fn as_bytes(&self) -> &[u8] {
         &self.region.bytes()[self.offset..self.offset + self.len]
@@ -85,6 +96,11 @@ mod tests {
         assert_eq!(s.as_bytes(), &[2, 3]);
         assert!(HostSlice::new(region.clone(), 3, 2).is_none());
         assert!(HostSlice::new(region.clone(), usize::MAX, 2).is_none());
-        assert_eq!(HostSlice::whole(region).len(), 4);
+        let whole = HostSlice::whole(region);
+        assert_eq!(whole.len(), 4);
+        let inner = s.slice(1, 1).unwrap();
+        assert_eq!(inner.as_bytes(), &[3]);
+        assert!(s.slice(1, 2).is_none(), "leaves the slice");
+        assert_eq!(whole.slice(3, 1).unwrap().as_bytes(), &[4]);
     }
 }

@@ -4,8 +4,6 @@
 //! packed into one retained buffer so they upload in one copy too, instead of many latency-bound
 //! ones.
 
-use std::sync::Arc;
-
 use ddo_core::{
     CheckpointFileId, Dtype, HostSlice, ReadRequest, SourceError, TensorSlice, WeightSource,
 };
@@ -201,17 +199,8 @@ impl HostTensorSource {
 
     fn bytes_of(&self, file: CheckpointFileId, offset: u64, len: u64) -> Option<HostSlice> {
         let f = self.files.get(file.0 as usize)?;
-        let start = usize::try_from(offset).ok()?;
-        let len = usize::try_from(len).ok()?;
-        HostSlice::new(Arc::clone(f.region()), start.checked_add(offset_in(f))?, len)
-            .filter(|_| start.checked_add(len).is_some_and(|end| end <= f.len()))
+        f.slice(usize::try_from(offset).ok()?, usize::try_from(len).ok()?)
     }
-}
-
-/// Where `slice` starts inside its region.
-fn offset_in(slice: &HostSlice) -> usize {
-    let base = slice.region().bytes().as_ptr() as usize;
-    slice.as_bytes().as_ptr() as usize - base
 }
 
 impl WeightSource for HostTensorSource {
