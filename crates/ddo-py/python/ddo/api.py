@@ -80,10 +80,8 @@ class DynamicOffloadApplyResult:
             data = self.runtime.metrics("snapshot")
         else:
             runtime = {"passes": self.passes} if self.route == "diffusers_group_offload" else {}
-            setup = {k: v for k, v in self.setup.items() if k != "setup_seconds"}
-            setup["setup_seconds"] = self.setup.get("setup_seconds")
             data = json.loads(
-                self.settings.native.host_route_metrics(json.dumps(setup), json.dumps(runtime), "snapshot")
+                self.settings.native.host_route_metrics(json.dumps(self.setup), json.dumps(runtime), "snapshot")
             )
         data.pop("schema_version", None)
         return DynamicOffloadMetrics(**data)
