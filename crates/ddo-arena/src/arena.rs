@@ -610,6 +610,7 @@ impl Arena {
         self.source.check_unchanged()?;
         let u = &self.layout.units[unit.0 as usize];
         let base = self.reservation.range.start.offset(u.offset);
+        let mut copies = 0;
         for e in &u.extents {
             let pieces = match self.source.host_pieces(e.file, e.file_offset, e.len) {
                 Some(p) => p,
@@ -621,6 +622,7 @@ impl Arena {
                     .residency
                     .copy_to_device(host, dst, self.copy_stream)
                     .map_err(device("enqueue a weight upload"))?;
+                copies += 1;
             }
         }
         let f = self
@@ -630,6 +632,7 @@ impl Arena {
             .map_err(device("record the upload fence"))?;
         state.stats.uploads += 1;
         state.stats.upload_bytes += u.payload;
+        state.stats.upload_copies += copies;
         state.stats.upload_seconds += t.elapsed().as_secs_f64();
         Ok(f)
     }

@@ -17,6 +17,8 @@ pub struct ArenaStats {
     pub uploads: u64,
     /// Bytes uploaded.
     pub upload_bytes: u64,
+    /// Host-to-device copies enqueued by uploads.
+    pub upload_copies: u64,
     /// Host time spent enqueuing uploads.
     pub upload_seconds: f64,
     /// Host time spent blocked on fences (reclaim, close).
@@ -56,6 +58,7 @@ impl ArenaStats {
             passes: Some(self.passes),
             uploads: Some(self.uploads),
             upload_bytes: Some(self.upload_bytes),
+            upload_copies: Some(self.upload_copies),
             upload_seconds: Some(self.upload_seconds),
             wait_seconds: Some(self.wait_seconds),
             prefetch_hits: Some(self.prefetch_hits),

@@ -122,6 +122,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .count("passes", rt.passes)
         .count("uploads", rt.uploads)
         .gib("upload_gib", rt.upload_bytes)
+        .count("copies", rt.upload_copies)
         .seconds("upload_seconds", rt.upload_seconds)
         .seconds("wait_seconds", rt.wait_seconds)
         .render(&mut out, "");

@@ -142,6 +142,8 @@ optional_section! {
         uploads: u64,
         /// Bytes uploaded.
         upload_bytes: u64,
+        /// Host-to-device copies the uploads took (adjacent tensors share one).
+        upload_copies: u64,
         /// Host time spent enqueuing uploads, seconds.
         upload_seconds: f64,
         /// Time compute waited for uploads, seconds.
@@ -214,6 +216,7 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
         "passes",
         "uploads",
         "upload_bytes",
+        "upload_copies",
         "upload_seconds",
         "wait_seconds",
         "prefetch_hits",

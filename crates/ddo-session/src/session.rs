@@ -573,13 +573,13 @@ impl ComponentSession {
         if threshold > 0 {
             let index: HashMap<&str, usize> =
                 source.slices().iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
-            let mut groups: Vec<Vec<usize>> = vec![Vec::new(); self.assignment.units.len() + 1];
+            let mut units: Vec<Vec<usize>> = vec![Vec::new(); self.assignment.units.len() + 1];
             for p in &self.assignment.parameters {
                 let Some(&i) = p.names.iter().find_map(|n| index.get(n.as_str())) else { continue };
-                if source.slices()[i].len <= threshold {
-                    groups[p.unit.map_or(0, |u| u + 1)].push(i);
-                }
+                units[p.unit.map_or(0, |u| u + 1)].push(i);
             }
+            let groups: Vec<Vec<usize>> =
+                units.iter().map(|u| isolated_small(source.slices(), u, threshold)).collect();
             let store = RetainedStore::new(u64::MAX, self.platform.platform.admission.clone());
             match source.pack(&groups, &store) {
                 Ok(()) => {}
@@ -926,4 +926,26 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) setup_seconds: f64,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,
+}
+
+/// The tensors of one unit (`unit`: indices into `slices`) worth packing: those of at most
+/// `threshold` bytes not adjacent to another tensor of the unit in the same storage. Adjacent
+/// tensors already upload in one copy (a checkpoint file a framework mapped holds a block's
+/// tensors back to back); moving one of them out would split that copy in two.
+fn isolated_small(slices: &[TensorSlice], unit: &[usize], threshold: u64) -> Vec<usize> {
+    let mut order = unit.to_vec();
+    order.sort_by_key(|&i| (slices[i].file, slices[i].offset));
+    let touches = |a: usize, b: usize| {
+        let (a, b) = (&slices[a], &slices[b]);
+        a.file == b.file && a.offset + a.len == b.offset
+    };
+    (0..order.len())
+        .filter(|&k| {
+            let i = order[k];
+            let after = k > 0 && touches(order[k - 1], i);
+            let before = k + 1 < order.len() && touches(i, order[k + 1]);
+            slices[i].len <= threshold && !after && !before
+        })
+        .map(|k| order[k])
+        .collect()
 }

@@ -377,15 +377,20 @@ fn pinning_settings_decide_what_is_registered() {
 
 #[test]
 fn the_resident_budget_keeps_blocks_on_the_device() {
-    let none = linear(&[]).unwrap();
+    // Three slots of one 4 MiB block each, plus the resident budget.
+    let three = ("prefetch_depth", "2");
+    let none = linear(&[three]).unwrap();
     assert_eq!(setup(&none).resident_units, Some(1), "only the pinned rest");
-    let some = linear(&[("resident_module_budget_gb", "0.008")]).unwrap();
+    let some = linear(&[three, ("resident_module_budget_gb", "0.008")]).unwrap();
     assert_eq!(setup(&some).resident_units, Some(3), "two 4 MiB blocks beside the rest");
     run_and_check(&some, 2, &checkpoint_bytes(6));
     // Headroom is kept free inside the budget: one block fewer stays resident.
-    let headroom =
-        linear(&[("resident_module_budget_gb", "0.008"), ("auto_vram_headroom_gb", "0.004")])
-            .unwrap();
+    let headroom = linear(&[
+        three,
+        ("resident_module_budget_gb", "0.008"),
+        ("auto_vram_headroom_gb", "0.004"),
+    ])
+    .unwrap();
     assert_eq!(setup(&headroom).resident_units, Some(2));
     let s = setup(&headroom);
     assert_eq!(s.headroom_bytes, Some((0.004f64 * (1u64 << 30) as f64) as u64));
@@ -428,6 +433,31 @@ fn lazily_loaded(path: &Path, write: bool) -> Weights {
         .collect();
     // SAFETY: the test's checkpoint is not modified while mapped.
     Weights::Host { storages: vec![storage], tensors, mmap: unsafe { MmapChoice::auto() } }
+}
+
+#[test]
+fn a_block_adjacent_in_its_file_uploads_in_one_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    // Each norm (2 KiB) is small, but it lies next to its block's weight in the file: moving it
+    // into a pack would split the block's one copy in two.
+    let session = ComponentSession::open(SessionSpec {
+        plan: resolve(&[("backend", "linear"), ("small_tensor_threshold_kb", "4")]),
+        weights: lazily_loaded(&path, false),
+        tree: None,
+    })
+    .unwrap();
+    assert_eq!(setup(&session).packed_bytes, Some(0));
+    run_and_check(&session, 2, &checkpoint_bytes(6));
+    let rt = session.metrics(None).runtime;
+    assert!(rt.uploads.unwrap() >= 12, "{rt:?}");
+    // One copy per block; the resident rest (embed first, norm_out last in the file) takes two.
+    assert_eq!(rt.upload_copies, Some(rt.uploads.unwrap() + 1), "{rt:?}");
+    // Separate storages hold nothing adjacent: there the norms are packed, two copies a block.
+    let separate = linear(&[("small_tensor_threshold_kb", "4")]).unwrap();
+    run_and_check(&separate, 2, &checkpoint_bytes(6));
+    let rt = separate.metrics(None).runtime;
+    assert_eq!(rt.upload_copies, Some(2 * rt.uploads.unwrap()), "{rt:?}");
 }
 
 #[test]
