@@ -166,6 +166,10 @@ def child(a: argparse.Namespace) -> int:
             peak_gpu=sampler.peak - sampler.base, gpu_context=gpu_context, arena=arena, streamed=streamed,
             rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_base=rss_base, digest=digest,
         )
+        if native is not None:
+            snapshot = native.metrics_snapshot()
+            row["runtime"] = snapshot.as_dict()["runtime"]
+            row["profile"] = snapshot.format_profile()
         print("ROW " + json.dumps(row), flush=True)
     sampler.stop = True
     return 0
@@ -214,7 +218,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="5:512,5:1024,5:2048,12:1024")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ddo-bench"))
     ap.add_argument("--table", action="store_true", help="print the table of the rows in DIR and stop")
     ap.add_argument("--child", action="store_true")
@@ -267,6 +271,9 @@ def main() -> int:
                 new += [dict(size=size, nbytes=nbytes, link=link, variant=variant, resolution=r, error=err) for r in resolutions[len(got):]]
             else:
                 print(f"{label(size)} {variant}: done in {time.perf_counter() - t:.0f} s", flush=True)
+                for r in got:
+                    if r.get("profile"):
+                        print(f"  at {r['resolution']}:\n" + r["profile"].rstrip(), flush=True)
             kept = [r for r in load_rows(rows_path) if key(r) not in {key(n) for n in new}]
             with open(rows_path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept + new)

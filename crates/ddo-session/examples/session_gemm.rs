@@ -77,14 +77,9 @@ struct Chain {
 }
 
 impl Chain {
-    /// One pass: begin, acquire each streamed unit, a GEMM per weight, release, end. Returns the
-    /// seconds until its work completed and the index of the buffer holding the output.
-    fn pass(
-        &self,
-        session: &ComponentSession,
-        stream: StreamId,
-    ) -> Result<(f64, usize), Box<dyn Error>> {
-        let t = Instant::now();
+    /// One pass: begin, acquire each streamed unit, a GEMM per weight, release, end; waits until
+    /// its work completed. Returns the index of the buffer holding the output.
+    fn pass(&self, session: &ComponentSession, stream: StreamId) -> Result<usize, Box<dyn Error>> {
         session.begin_pass(stream)?;
         let mut current = 0;
         for unit in session.units()?.into_iter().filter(|u| !u.pinned) {
@@ -100,7 +95,7 @@ impl Chain {
         }
         session.end_pass(stream)?;
         self.stream.synchronize()?;
-        Ok((t.elapsed().as_secs_f64(), current))
+        Ok(current)
     }
 
     fn gemm(&self, weight: u64, src: usize) -> Result<(), Box<dyn Error>> {
@@ -113,12 +108,6 @@ impl Chain {
         unsafe { gemm::bf16(&self.blas, w, t, weight, x, y) }?;
         Ok(())
     }
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn run() -> Result<(), Box<dyn Error>> {
@@ -177,38 +166,31 @@ fn run() -> Result<(), Box<dyn Error>> {
         Ok(())
     };
 
+    // The output of one pass from the initial activations, and the steady step: passes run back
+    // to back (nothing between them, as a sampler's steps), timed as one span after a warm pass.
+    let mut measure = |session: &ComponentSession| -> Result<(Vec<u16>, f64), Box<dyn Error>> {
+        let cuda = session.cuda().ok_or("no CUDA device")?.clone();
+        // SAFETY: `compute` is a live stream of the primary context, alive until the end of run().
+        let stream = unsafe { cuda.adopt_stream(compute.cu_stream() as u64) };
+        reset(&mut chain)?;
+        let out = chain.pass(session, stream)?;
+        let output = compute.clone_dtoh(&chain.x[out])?;
+        let timed = a.passes.max(2) - 1;
+        let t = Instant::now();
+        for _ in 0..timed {
+            chain.pass(session, stream)?;
+        }
+        Ok((output, t.elapsed().as_secs_f64() / timed as f64))
+    };
     // Everything resident: the reference output and the compute-only step.
     let resident = open(gib + 1.0)?;
-    let cuda = resident.cuda().ok_or("no CUDA device")?.clone();
-    // SAFETY: `compute` is a live stream of the primary context, alive until the end of run().
-    let stream = unsafe { cuda.adopt_stream(compute.cu_stream() as u64) };
-    let mut compute_steps = Vec::new();
-    let mut reference = Vec::new();
-    for _ in 0..a.passes.max(2) {
-        reset(&mut chain)?;
-        let (s, out) = chain.pass(&resident, stream)?;
-        compute_steps.push(s);
-        reference = compute.clone_dtoh(&chain.x[out])?;
-    }
-    let compute_step = median(&compute_steps[1..]);
+    let (reference, compute_step) = measure(&resident)?;
     resident.close()?;
 
     let streamed = open(a.budget_gib)?;
-    let cuda = streamed.cuda().ok_or("no CUDA device")?.clone();
-    // SAFETY: as above.
-    let stream = unsafe { cuda.adopt_stream(compute.cu_stream() as u64) };
-    let mut steps = Vec::new();
-    let mut identical = true;
-    for p in 0..a.passes.max(2) {
-        reset(&mut chain)?;
-        let (s, out) = chain.pass(&streamed, stream)?;
-        let got = compute.clone_dtoh(&chain.x[out])?;
-        identical &= got == reference;
-        eprintln!("pass {p}: {s:.4} s");
-        steps.push(s);
-    }
-    // Steady passes: the first one starts primed.
-    let step = median(&steps[1..]);
+    let (first, step) = measure(&streamed)?;
+    let (again, _) = measure(&streamed)?;
+    let identical = first == reference && again == reference;
     let m = streamed.metrics(Some("session_gemm"));
     let bytes = m.setup.streamed_bytes_per_pass.unwrap_or(0) as f64;
     let link = m.setup.link_bytes_per_second.unwrap_or(f64::NAN);
@@ -216,7 +198,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     println!("| measure | value |");
     println!("|---|---|");
     println!("| link (pinned 64 MiB copy) | {:.1} GB/s |", link / 1e9);
-    println!("| compute-only step (all resident, median) | {compute_step:.4} s |");
+    println!("| compute-only step (all resident) | {compute_step:.4} s |");
     println!("| streamed GiB per pass | {:.2} |", bytes / (1u64 << 30) as f64);
     println!("| floor max(compute, streamed / link) | {floor:.4} s |");
     println!(
