@@ -83,6 +83,18 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def rss_parts() -> dict:
+    """Resident host bytes now, split into anonymous memory (the process's own) and file pages
+    (a mapping's cached pages, which the kernel can drop and read again)."""
+    parts = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("RssAnon", "RssFile", "RssShmem"):
+                parts[name] = int(value.split()[0]) * 1024
+    return parts
+
+
 def warm_up(dev, resolutions: list[int], fam: str) -> None:
     """Runs a one-block model of the same shapes at every resolution and frees it, so first-step
     figures show the offloader's cold pass, not CUDA's one-time kernel loading that every variant
@@ -122,6 +134,7 @@ def child(a: argparse.Namespace) -> int:
     # What the process holds before any weight: the interpreter, torch, the CUDA context and
     # the kernels every variant loads.
     rss_base, gpu_context = rss_now(), sampler.used() - sampler.base
+    parts_base = rss_parts()
     sampler.peak = sampler.used()
     t = time.perf_counter()
     streamed, arena, native = None, None, None
@@ -165,6 +178,7 @@ def child(a: argparse.Namespace) -> int:
             variant=a.variant, resolution=res, first=times[0], step=statistics.median(times[1:]), setup=setup,
             peak_gpu=sampler.peak - sampler.base, gpu_context=gpu_context, arena=arena, streamed=streamed,
             rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_base=rss_base, digest=digest,
+            rss_parts_above_base={k: v - parts_base.get(k, 0) for k, v in rss_parts().items()},
         )
         if native is not None:
             snapshot = native.metrics_snapshot()
@@ -209,6 +223,11 @@ def table(rows: list[dict]) -> None:
             print(f"| {label(size)} | {res} | {r['variant']} | {streamed / 2**30:.2f} | {r['step']:.4f} | {r['step'] / floor:.3f} | "
                   f"{r['first']:.4f} ({r['first'] / r['step']:.2f}) | {r['setup']:.1f} | {r['peak_gpu'] / 2**30:.2f}{arena} | "
                   f"{r['rss'] / 2**30:.2f} ({r['rss'] / nbytes:.2f}; {(r['rss'] - r['rss_base']) / nbytes:.2f}) | {same} |")
+        for r in group:
+            parts = r.get("rss_parts_above_base")
+            if parts:
+                print(f"| {label(size)} | {res} | {r['variant']}: host memory after the steps, above base: "
+                      f"anonymous {parts.get('RssAnon', 0) / 2**30:.2f} GiB, file pages {parts.get('RssFile', 0) / 2**30:.2f} GiB | | | | | | | | |")
         if resident:
             print(f"| {label(size)} | {res} | (resident model {nbytes / 2**30:.2f} GiB; copy {group[0]['link'] / 1e9:.1f} GB/s; "
                   f"CUDA context {resident['gpu_context'] / 2**30:.2f} GiB) | | | | | | | | |")
