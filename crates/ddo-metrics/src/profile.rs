@@ -110,6 +110,13 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("packed_gib", s.packed_bytes)
         .count("read_workers", s.read_workers)
         .render(&mut out, "");
+    Line::new("conversion")
+        .text("at", s.conversion.as_ref())
+        .count("tensors", s.converted_tensors)
+        .gib("from_gib", s.conversion_source_bytes)
+        .gib("gib", s.converted_bytes)
+        .seconds("seconds", s.conversion_seconds)
+        .render(&mut out, "");
     if let Some(reason) = &s.unregistered_reason {
         let _ = writeln!(out, "  unregistered: {reason}");
     }

@@ -118,6 +118,17 @@ optional_section! {
         read_workers: u64,
         /// Bytes of small tensors packed per unit so it uploads in few copies.
         packed_bytes: u64,
+        /// Where checkpoint tensors stored in another dtype than their parameters' were
+        /// converted (`host`: once at load, into retained memory).
+        conversion: String,
+        /// Tensors converted to their parameters' dtypes.
+        converted_tensors: u64,
+        /// Checkpoint bytes read for conversion, in the checkpoint's dtypes.
+        conversion_source_bytes: u64,
+        /// Bytes the converted tensors take in the parameters' dtypes.
+        converted_bytes: u64,
+        /// Seconds conversion took.
+        conversion_seconds: f64,
         /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `host_tensors`.
         host_source: String,
         /// The device the component runs on (`cuda:0`, `cpu`).

@@ -103,3 +103,32 @@ def clip():
         )
     ).eval()
     return model, dict(input_ids=torch.tensor([[1, 5, 9, 3, 2, 0]]), return_dict=False)
+
+
+@pytest.fixture
+def wan():
+    """A Wan-2.1-shaped video transformer: some modules are kept in fp32 by Diffusers
+    (``_keep_in_fp32_modules``) whatever ``torch_dtype`` says, and its rotary table is a buffer."""
+    from diffusers import WanTransformer3DModel
+
+    seeded(8)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=3,
+        rope_max_seq_len=32,
+    ).eval()
+    seeded(9)
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 1, 4, 4),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 16),
+        return_dict=False,
+    )
+    return model, inputs

@@ -189,3 +189,48 @@ def test_a_module_not_loaded_from_a_checkpoint_is_refused_for_the_native_route(f
     with pytest.raises(ddo.DynamicOffloadError, match="load the component with ddo.from_pretrained_with_dynamic_offload"):
         ddo.enable_offload(model, backend="vmm", execution_device="cpu", use_environment=False)
     assert all(p.device.type == "cpu" and not p.is_meta for p in model.parameters())
+
+
+def _with_rounding_cases(model):
+    """Puts values where narrowing decides (ties to even, subnormals, signed zero) into every
+    floating parameter, so conversion is checked where it can go wrong."""
+    cases = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-9), 2**-130, -0.0, 3 * 2**-25, 1e-3 + 2**-20])
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            n = min(len(cases), flat.numel())
+            flat[:n] = cases[:n].to(p.dtype)
+    return model
+
+
+@pytest.mark.parametrize(
+    "stored,loaded",
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16)],
+)
+def test_a_checkpoint_in_another_dtype_loads_as_diffusers_loads_it(tmp_path, wan, stored, loaded):
+    from diffusers import WanTransformer3DModel
+
+    model, inputs = wan
+    path = tmp_path / "wan"
+    _with_rounding_cases(model).to(stored).save_pretrained(path)
+    reference = WanTransformer3DModel.from_pretrained(path, torch_dtype=loaded).eval()
+    inputs = {k: v.to(loaded) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    want = run(reference, inputs)
+    config = ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(reference))
+    got = ddo.from_pretrained_with_dynamic_offload(
+        path, torch_dtype=loaded, apply_dynamic=True, component="transformer", dynamic_offload_config=config
+    )
+    params = dict(got.module.named_parameters())
+    ref_params = dict(reference.named_parameters())
+    assert {n: p.dtype for n, p in params.items()} == {n: p.dtype for n, p in ref_params.items()}
+    assert any(p.dtype == torch.float32 for p in params.values()), "keep-in-fp32 modules stay fp32"
+    for _ in range(2):
+        assert torch.equal(run(got.module, inputs), want)
+    state = got.module.state_dict()
+    for n, p in ref_params.items():
+        assert torch.equal(state[n].view(torch.uint8), p.detach().view(torch.uint8)), n
+    setup = metrics(got.offload)["setup"]
+    assert setup["conversion"] == "host" and setup["converted_tensors"] > 0, setup
+    assert setup["streamed_units"] >= 2, setup
+    assert "conversion=at=host" in got.offload.metrics_snapshot().format_profile()
+    got.offload.remove()

@@ -89,6 +89,13 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.packed_bytes = a.host_kind.starts_with("host_tensors").then_some(a.packed.bytes);
         setup.host_source = Some(a.host_kind.to_owned());
         setup.read_workers = a.read_workers;
+        if let Some(c) = a.conversion {
+            setup.conversion = Some("host".into());
+            setup.converted_tensors = Some(c.tensors);
+            setup.conversion_source_bytes = Some(c.source_bytes);
+            setup.converted_bytes = Some(c.bytes);
+            setup.conversion_seconds = Some(c.seconds);
+        }
         if let Some(reason) = a.not_packed {
             setup.warnings.get_or_insert_with(Vec::new).push(reason.to_owned());
         }

@@ -11,9 +11,9 @@ use ddo_core::{
 };
 use ddo_policy::{Origin, Plan, ReadBackend, Route};
 use ddo_source::{
-    Checkpoint, CheckpointSource, HostTensor, HostTensorSource, MmapChoice, PackReport,
-    REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar, RetainedReport, RetainedSource,
-    RetainedStore,
+    Checkpoint, CheckpointSource, ConversionReport, ConvertedSource, HostTensor, HostTensorSource,
+    MmapChoice, PackReport, REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar,
+    RetainedReport, RetainedSource, RetainedStore,
 };
 
 use crate::SessionError;
@@ -150,6 +150,7 @@ struct HostReport {
     unregistered_reason: Option<String>,
     retained: Option<RetainedReport>,
     packed: PackReport,
+    conversion: Option<ConversionReport>,
 }
 
 /// The device memory of one attach and the host registrations its copies use. Shared by the
@@ -498,6 +499,89 @@ impl ComponentSession {
         let p = &self.platform.platform;
         let checkpoint = Arc::new(Checkpoint::open(path)?);
         let workers = s.pin_cpu_workers.max(1) as usize;
+        let targets = self.conversions(checkpoint.slices())?;
+        let (source, mapped, ranges, mut host) =
+            self.checkpoint_bytes(checkpoint, mmap, &targets)?;
+        if targets.is_empty() {
+            return Ok((source, ranges, host));
+        }
+        let store = RetainedStore::new(u64::MAX, p.admission.clone());
+        // A converted tensor's pages of the mapping are not needed again: drop them, so the
+        // process holds the module's bytes once.
+        let drop_pages = |i: usize| {
+            if let Some(m) = &mapped {
+                let t = &m.slices()[i];
+                if let Some(file) = m.mapping(t.file.0 as usize) {
+                    file.drop_pages(t.offset as usize, t.len as usize);
+                }
+            }
+        };
+        let converted =
+            ConvertedSource::convert(source, &targets, &store, workers, &drop_pages).map_err(
+                |e| match e {
+                    e @ (SourceError::Refused(_) | SourceError::CeilingExceeded { .. }) => {
+                        SessionError::Capacity {
+                            setting: "torch_dtype",
+                            message: format!(
+                                "converting {} tensors to the module's dtypes needs host memory: {e}; load the model with torch_dtype matching the checkpoint",
+                                targets.len()
+                            ),
+                        }
+                    }
+                    e => SessionError::Source(e),
+                },
+            )?;
+        host.conversion = Some(converted.report());
+        let ranges = ranges
+            .into_iter()
+            .chain(converted.buffers().iter().map(|b| (b.clone(), false)))
+            .collect();
+        Ok((Arc::new(converted), ranges, host))
+    }
+
+    /// The checkpoint's tensors whose parameters have another floating dtype: `(slice, dtype)`.
+    fn conversions(&self, slices: &[TensorSlice]) -> Result<Vec<(usize, Dtype)>, SessionError> {
+        let index: HashMap<&str, usize> =
+            slices.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+        let mut targets: HashMap<usize, (Dtype, &str)> = HashMap::new();
+        for p in &self.assignment.parameters {
+            let Some(&i) = p.names.iter().find_map(|n| index.get(n.as_str())) else { continue };
+            let t = &slices[i];
+            let Some(to) = p.dtype.filter(|&d| ddo_source::convertible(t.dtype, d)) else {
+                continue;
+            };
+            if p.shape.as_ref().is_some_and(|shape| *shape != t.shape) {
+                continue; // bind() names the shape mismatch
+            }
+            if let Some((other, name)) = targets.insert(i, (to, &p.names[0]))
+                && other != to
+            {
+                return Err(SessionError::Weights(format!(
+                    "tensor {} is bound to parameters {name} ({}) and {} ({}); tied parameters need one dtype",
+                    t.name,
+                    other.as_str(),
+                    p.names[0],
+                    to.as_str()
+                )));
+            }
+        }
+        let mut out: Vec<(usize, Dtype)> = targets.into_iter().map(|(i, (d, _))| (i, d)).collect();
+        out.sort_unstable_by_key(|&(i, _)| i);
+        Ok(out)
+    }
+
+    /// The checkpoint's own bytes: retained windows, the mapping, or reads on demand. With
+    /// `targets` to convert, a mapping registers only the ranges of the tensors served as stored.
+    #[allow(clippy::type_complexity)]
+    fn checkpoint_bytes(
+        &self,
+        checkpoint: Arc<Checkpoint>,
+        mmap: MmapChoice,
+        targets: &[(usize, Dtype)],
+    ) -> Result<CheckpointBytes, SessionError> {
+        let s = &self.plan.settings;
+        let p = &self.platform.platform;
+        let workers = s.pin_cpu_workers.max(1) as usize;
         let reads = |backend: ReadBackend| match backend {
             ReadBackend::Direct => ReadOptions { workers, ..ReadOptions::direct() },
             _ => ReadOptions { workers, ..ReadOptions::pread() },
@@ -515,7 +599,7 @@ impl ComponentSession {
                 read_workers: Some(workers as u64),
                 ..HostReport::default()
             };
-            return Ok((Arc::new(source), windows, host));
+            return Ok((Arc::new(source), None, windows, host));
         }
         let mapped = match s.load_safetensors_backend {
             ReadBackend::Auto | ReadBackend::Mmap => {
@@ -525,16 +609,23 @@ impl ComponentSession {
         };
         match mapped {
             Some(source) => {
+                let source = Arc::new(source);
                 let maps = (0..checkpoint.files().len())
                     .filter_map(|i| {
-                        source
-                            .mapping(i)
-                            .map(|m| (HostSlice::whole(m.clone() as Arc<dyn HostRegion>), true))
+                        let map =
+                            HostSlice::whole(source.mapping(i)?.clone() as Arc<dyn HostRegion>);
+                        Some(map)
                     })
-                    .collect();
+                    .collect::<Vec<_>>();
+                let ranges = if targets.is_empty() {
+                    maps.into_iter().map(|m| (m, true)).collect()
+                } else {
+                    stored_runs(checkpoint.slices(), targets, &maps)
+                };
                 Ok((
-                    Arc::new(source),
-                    maps,
+                    source.clone() as Arc<dyn WeightSource>,
+                    Some(source),
+                    ranges,
                     HostReport { kind: "mapping", ..HostReport::default() },
                 ))
             }
@@ -542,6 +633,7 @@ impl ComponentSession {
                 let source = CheckpointSource::new(checkpoint, reads(s.load_safetensors_backend))?;
                 Ok((
                     Arc::new(source),
+                    None,
                     Vec::new(),
                     HostReport {
                         kind: "reads",
@@ -665,8 +757,13 @@ impl ComponentSession {
             let dtype_differs = p.dtype.is_some_and(|d| d != t.dtype);
             let shape_differs = p.shape.as_ref().is_some_and(|s| *s != t.shape);
             if dtype_differs || shape_differs {
+                let hint = if shape_differs {
+                    "the checkpoint is not this model's"
+                } else {
+                    "ddo converts between F32, F16 and BF16; load the model with torch_dtype matching the checkpoint"
+                };
                 return Err(SessionError::Weights(format!(
-                    "parameter {} is {} {:?} but {what} stores {} {:?}; load the model with torch_dtype matching the checkpoint",
+                    "parameter {} is {} {:?} but {what} stores {} {:?}; {hint}",
                     p.names[0],
                     p.dtype.map_or("?", Dtype::as_str),
                     p.shape.clone().unwrap_or_default(),
@@ -881,6 +978,7 @@ impl ComponentSession {
                     unregistered_reason: a.host.unregistered_reason.as_deref(),
                     retained: a.host.retained.as_ref(),
                     packed: a.host.packed,
+                    conversion: a.host.conversion,
                     not_packed: a.host.not_packed.as_deref(),
                     host_kind: a.host.kind,
                     read_workers: a.host.read_workers,
@@ -920,12 +1018,51 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) unregistered_reason: Option<&'a str>,
     pub(crate) retained: Option<&'a RetainedReport>,
     pub(crate) packed: PackReport,
+    pub(crate) conversion: Option<ConversionReport>,
     pub(crate) not_packed: Option<&'a str>,
     pub(crate) host_kind: &'static str,
     pub(crate) read_workers: Option<u64>,
     pub(crate) setup_seconds: f64,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,
+}
+
+/// A checkpoint's source, its mapped form when mapped, the host ranges to register and what the
+/// host side is.
+type CheckpointBytes =
+    (Arc<dyn WeightSource>, Option<Arc<CheckpointSource>>, Vec<(HostSlice, bool)>, HostReport);
+
+/// The ranges of file mappings `maps` holding tensors served as stored (not in `converted`),
+/// whole pages, adjacent ones merged: what a host registers when the rest is converted.
+fn stored_runs(
+    slices: &[TensorSlice],
+    converted: &[(usize, Dtype)],
+    maps: &[HostSlice],
+) -> Vec<(HostSlice, bool)> {
+    const PAGE: u64 = 4096;
+    let skip: std::collections::HashSet<usize> = converted.iter().map(|&(i, _)| i).collect();
+    let mut runs: Vec<(u32, u64, u64)> = slices
+        .iter()
+        .enumerate()
+        .filter(|(i, t)| !skip.contains(i) && t.len > 0)
+        .map(|(_, t)| (t.file.0, t.offset / PAGE * PAGE, (t.offset + t.len).div_ceil(PAGE) * PAGE))
+        .collect();
+    runs.sort_unstable();
+    let mut merged: Vec<(u32, u64, u64)> = Vec::new();
+    for (file, start, end) in runs {
+        match merged.last_mut() {
+            Some(last) if last.0 == file && start <= last.2 => last.2 = last.2.max(end),
+            _ => merged.push((file, start, end)),
+        }
+    }
+    merged
+        .into_iter()
+        .filter_map(|(file, start, end)| {
+            let map = maps.get(file as usize)?;
+            let end = end.min(map.len() as u64);
+            Some((map.slice(start as usize, (end - start) as usize)?, true))
+        })
+        .collect()
 }
 
 /// The tensors of one unit (`unit`: indices into `slices`) worth packing: those of at most

@@ -28,13 +28,24 @@ pub fn write_with(
     tensors: &[(String, Vec<u64>)],
     byte: impl Fn(usize, u64) -> u8,
 ) -> std::io::Result<()> {
+    write_dtype(path, ddo_core::Dtype::BF16, tensors, byte)
+}
+
+/// Writes tensors `(name, shape)` of `dtype` in order; byte `i` of tensor `t` is `byte(t, i)`.
+pub fn write_dtype(
+    path: &Path,
+    dtype: ddo_core::Dtype,
+    tensors: &[(String, Vec<u64>)],
+    byte: impl Fn(usize, u64) -> u8,
+) -> std::io::Result<()> {
+    let size = dtype.size_bytes();
     let mut header = serde_json::Map::new();
     let mut offset = 0u64;
     for (name, shape) in tensors {
-        let len = shape.iter().product::<u64>() * 2;
+        let len = shape.iter().product::<u64>() * size;
         header.insert(
             name.clone(),
-            serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + len]}),
+            serde_json::json!({"dtype": dtype.as_str(), "shape": shape, "data_offsets": [offset, offset + len]}),
         );
         offset += len;
     }
@@ -46,7 +57,7 @@ pub fn write_with(
     f.write_all(&(text.len() as u64).to_le_bytes())?;
     f.write_all(text.as_bytes())?;
     for (t, (_, shape)) in tensors.iter().enumerate() {
-        let len = shape.iter().product::<u64>() * 2;
+        let len = shape.iter().product::<u64>() * size;
         let bytes: Vec<u8> = (0..len).map(|i| byte(t, i)).collect();
         f.write_all(&bytes)?;
     }

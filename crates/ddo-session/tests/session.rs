@@ -259,9 +259,13 @@ fn weights_that_do_not_fit_the_module_are_refused_clearly() {
     let err = open(tree.clone()).unwrap_err().to_string();
     assert!(err.contains("parameter missing.weight has no tensor in the checkpoint"), "{err}");
     tree.parameters.pop();
+    tree.parameters[0].dtype = Some(Dtype::I32);
+    let err = open(tree.clone()).unwrap_err().to_string();
+    assert!(err.contains("is I32 [] but the checkpoint stores BF16 [1024, 1024]"), "{err}");
     tree.parameters[0].dtype = Some(Dtype::F32);
+    tree.parameters[0].shape = Some(vec![1024, 1023]);
     let err = open(tree).unwrap_err().to_string();
-    assert!(err.contains("is F32 [] but the checkpoint stores BF16 [1024, 1024]"), "{err}");
+    assert!(err.contains("the checkpoint is not this model's"), "{err}");
     let err = open(ddo_session::ModuleTree::default()).unwrap_err().to_string();
     assert!(err.contains("has no parameters"), "{err}");
     let bad = ComponentSession::open(SessionSpec {
@@ -528,4 +532,108 @@ fn a_view_handed_out_keeps_its_memory_after_unload() {
     session.reload().unwrap();
     run_and_check(&session, 1, &checkpoint_bytes(4));
     assert!(session.unload().unwrap());
+}
+
+// ---- dtype conversion at load ----------------------------------------------------------------
+
+/// The tree of [`testing::write_blocks`]'s tensors with every parameter declared `dtype`.
+fn tree_of(path: &Path, dtype: Dtype) -> ddo_arena::ModuleTree {
+    let c = ddo_source::Checkpoint::open(path).unwrap();
+    let mut tree =
+        ddo_arena::ModuleTree::from_tensor_names(c.slices().iter().map(|s| s.name.as_str()));
+    for p in &mut tree.parameters {
+        let s = &c.slices()[c.find(&p.name).unwrap()];
+        p.dtype = Some(dtype);
+        p.shape = Some(s.shape.clone());
+    }
+    tree
+}
+
+fn converted(
+    path: &Path,
+    dtype: Dtype,
+    extra: &[(&str, &str)],
+) -> Result<ComponentSession, SessionError> {
+    let mut args = vec![("backend", "vmm"), ("vmm_resident_weight_budget_gb", "0.02")];
+    args.extend_from_slice(extra);
+    // SAFETY: the test's checkpoint is not modified while the session lives.
+    let mmap = unsafe { MmapChoice::auto() };
+    ComponentSession::open(SessionSpec {
+        plan: resolve(&args),
+        weights: Weights::Checkpoint { path: path.to_owned(), mmap },
+        tree: Some(tree_of(path, dtype)),
+    })
+}
+
+#[test]
+fn a_checkpoint_in_another_dtype_streams_converted_to_the_parameters_dtype() {
+    conversion_streams_converted_bytes("cpu");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn on_cuda_a_checkpoint_in_another_dtype_streams_converted_to_the_parameters_dtype() {
+    conversion_streams_converted_bytes("cuda:0");
+}
+
+fn conversion_streams_converted_bytes(device: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    // fp32 weights loaded as bf16, and bf16 weights upcast to fp32 (modules kept in fp32).
+    let f32_path = dir.path().join("f32.safetensors");
+    let mut names = vec![("embed.weight".to_owned(), vec![W, 8])];
+    for b in 0..6 {
+        names.push((format!("blocks.{b}.attn.weight"), vec![W, W / 2]));
+        names.push((format!("blocks.{b}.norm.weight"), vec![W]));
+    }
+    names.push(("norm_out.weight".into(), vec![W]));
+    // Bytes that make every kind of f32 (including NaN and infinities) over the tensors.
+    let byte = |t: usize, i: u64| ((t as u64 * 131 + i * 7 + i / 4) % 256) as u8;
+    testing::write_dtype(&f32_path, Dtype::F32, &names, byte).unwrap();
+    let bf16_path = checkpoint(dir.path(), 6);
+    for (path, from, to, read) in [
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread"),
+        (&f32_path, Dtype::F32, Dtype::F16, "mmap"),
+        (&bf16_path, Dtype::BF16, Dtype::F32, "mmap"),
+    ] {
+        let extra = [("load_safetensors_backend", read), ("execution_device", device)];
+        let session = converted(path, to, &extra).unwrap();
+        let s = setup(&session);
+        assert_eq!(s.conversion.as_deref(), Some("host"), "{from:?} -> {to:?}");
+        let c = ddo_source::Checkpoint::open(path).unwrap();
+        assert_eq!(s.converted_tensors, Some(c.slices().len() as u64), "every tensor");
+        let ratio = to.size_bytes() as f64 / from.size_bytes() as f64;
+        let (src, out) = (s.conversion_source_bytes.unwrap(), s.converted_bytes.unwrap());
+        assert_eq!(out as f64, src as f64 * ratio);
+        assert!(s.conversion_seconds.unwrap() > 0.0);
+        assert!(session.metrics(None).format_profile().contains("conversion=at=host"));
+        let source =
+            ddo_source::CheckpointSource::new(c.into(), ddo_source::ReadOptions::default())
+                .unwrap();
+        let expect = |name: &str| {
+            use ddo_core::WeightSource;
+            let i = source.slices().iter().position(|t| t.name == name).unwrap();
+            let mut raw = vec![0; source.slices()[i].len as usize];
+            source.read(i, &mut raw).unwrap();
+            let mut want = vec![0; (raw.len() as f64 * ratio) as usize];
+            ddo_source::convert(from, to, &raw, &mut want);
+            want
+        };
+        run_and_check(&session, 2, &expect);
+        // Outside a pass, the source's view is converted too.
+        assert_eq!(session.source_tensor("embed.weight").unwrap(), expect("embed.weight"));
+        // Reload converts again, to the same bytes.
+        assert!(session.unload().unwrap());
+        session.reload().unwrap();
+        run_and_check(&session, 1, &expect);
+    }
+}
+
+#[test]
+fn a_dtype_ddo_does_not_convert_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 4);
+    let e = converted(&path, Dtype::I16, &[]).unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("ddo converts between F32, F16 and BF16"), "{text}");
+    assert!(text.contains("torch_dtype"), "{text}");
 }

@@ -10,6 +10,8 @@
 //!   mapped; the safe default reads.
 //! - [`HostTensorSource`] serves tensors already in host memory (a module's own parameters) in
 //!   place, small ones packed per unit so they upload in one copy.
+//! - [`ConvertedSource`] serves tensors converted once at load to the module's dtypes (F32,
+//!   F16, BF16), from retained memory, and every other tensor from the source it wraps.
 //! - [`RetainedStore`] keeps host copies under a storage ceiling, admitted by the host first;
 //!   [`Registrar`] page-locks host ranges under a separate ceiling of whole segments;
 //!   [`RetainedSource`] serves a checkpoint from retained windows as far as the ceiling allows.
@@ -18,6 +20,7 @@
 //! input makes parsing panic.
 
 mod checkpoint;
+mod convert;
 mod header;
 mod host_tensors;
 mod mapping;
@@ -29,6 +32,7 @@ mod retained_source;
 mod source;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
+pub use convert::{ConversionReport, ConvertedSource, convert, convertible};
 pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
 pub use host_tensors::{HostTensor, HostTensorSource, PackReport};
 pub use mapping::MappedFile;

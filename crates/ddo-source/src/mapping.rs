@@ -47,6 +47,20 @@ impl MappedFile {
         &self.map
     }
 
+    /// Drops this process's pages of `len` bytes at `offset` (whole pages around them): the
+    /// bytes stay the file's and are read again from the page cache or the disk when next
+    /// touched. Frees resident memory once a range was consumed (converted elsewhere).
+    pub fn drop_pages(&self, offset: usize, len: usize) {
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.map.len()) {
+            return;
+        }
+        // SAFETY: the mapping is shared and read-only, so discarding its pages loses nothing:
+        // the next access reads the file's bytes again. A failure only leaves the pages resident.
+        let _ = unsafe {
+            self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len)
+        };
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

@@ -77,6 +77,14 @@ impl RetainedStore {
         requests: &[ReadRequest],
         len: u64,
     ) -> Result<Arc<RetainedBuffer>, SourceError> {
+        let mut buffer = self.reserve(len)?;
+        // The buffer owns the reservation: dropping it (on a failed read) releases it.
+        source.read_batch(requests, buffer.bytes_mut())?;
+        Ok(Arc::new(buffer))
+    }
+
+    /// A new zeroed retained buffer of `len` bytes, refused as [`retain`](Self::retain) is.
+    pub(crate) fn reserve(&self, len: u64) -> Result<RetainedBuffer, SourceError> {
         // Reserve under the ceiling first so concurrent retains cannot overshoot it.
         let reserved = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
             used.checked_add(len).filter(|total| *total <= self.ceiling)
@@ -99,18 +107,19 @@ impl RetainedStore {
             release();
             return Err(SourceError::InvalidBatch(format!("{len} bytes do not fit in memory")));
         };
-        let map = match MmapMut::map_anon(size.max(1)) {
-            Ok(map) => map,
+        match MmapMut::map_anon(size.max(1)) {
+            Ok(map) => Ok(RetainedBuffer { map, len: size, used: self.used.clone() }),
             Err(e) => {
                 release();
-                return Err(SourceError::InvalidBatch(format!(
-                    "allocating {len} host bytes failed: {e}"
-                )));
+                Err(SourceError::InvalidBatch(format!("allocating {len} host bytes failed: {e}")))
             }
-        };
-        // From here the buffer owns the reservation: dropping it (on a failed read) releases it.
-        let mut buffer = RetainedBuffer { map, len: size, used: self.used.clone() };
-        source.read_batch(requests, &mut buffer.map[..size])?;
-        Ok(Arc::new(buffer))
+        }
+    }
+}
+
+impl RetainedBuffer {
+    /// The buffer's bytes, to fill before it is shared.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map[..self.len]
     }
 }

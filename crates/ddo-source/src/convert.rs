@@ -1,0 +1,344 @@
+//! Dtype conversion at load: a checkpoint stored in one floating dtype served in the dtype the
+//! module's parameters have (fp32 -> bf16/fp16, fp16 <-> bf16, and the bf16/fp16 -> fp32 upcast
+//! of modules a framework keeps in fp32).
+//!
+//! Values convert as PyTorch's `Tensor.to(dtype)` does on the host: widening is exact, narrowing
+//! rounds to nearest even, keeps subnormals, signed zeros and infinities, and overflows to
+//! infinity. NaN stays NaN; its payload is not part of the contract (PyTorch's own payload
+//! changes with the instruction set and the tensor's length).
+//!
+//! [`ConvertedSource`] converts once, on several threads, into retained host memory under a
+//! [`RetainedStore`]'s ceiling, and serves every other tensor from the source it wraps.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::{bf16, f16};
+
+use ddo_core::{
+    CheckpointFileId, Dtype, HostSlice, ReadRequest, SourceError, TensorSlice, WeightSource,
+};
+
+use crate::{RetainedBuffer, RetainedStore};
+
+/// Whether ddo converts `from` to `to` (two different dtypes among F32, F16 and BF16).
+pub fn convertible(from: Dtype, to: Dtype) -> bool {
+    let float = |d| matches!(d, Dtype::F32 | Dtype::F16 | Dtype::BF16);
+    from != to && float(from) && float(to)
+}
+
+/// Applies `f` to every `A`-byte element of `src`, writing `B`-byte elements into `dst`.
+fn each<const A: usize, const B: usize>(
+    src: &[u8],
+    dst: &mut [u8],
+    f: impl Fn([u8; A]) -> [u8; B],
+) {
+    for (s, d) in src.chunks_exact(A).zip(dst.chunks_exact_mut(B)) {
+        d.copy_from_slice(&f(s.try_into().expect("A bytes")));
+    }
+}
+
+/// Converts `src` (elements of `from`, little-endian) into `dst` (elements of `to`). Both
+/// must hold the same number of elements and `convertible(from, to)` must hold.
+///
+/// # Panics
+/// When the lengths disagree or the pair is not convertible (a caller's bug).
+pub fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
+    assert!(convertible(from, to), "no conversion from {from:?} to {to:?}");
+    let n = src.len() / from.size_bytes() as usize;
+    assert!(
+        src.len() == n * from.size_bytes() as usize && dst.len() == n * to.size_bytes() as usize,
+        "{} {from:?} bytes do not convert into {} {to:?} bytes",
+        src.len(),
+        dst.len()
+    );
+    use Dtype::{BF16, F16, F32};
+    let f32_of = f32::from_le_bytes;
+    // bf16 is the upper half of an f32: widening is a shift (NaN payloads included).
+    let bf16_f32 = |x: [u8; 2]| f32::from_bits(u32::from(u16::from_le_bytes(x)) << 16);
+    match (from, to) {
+        (F32, BF16) => each(src, dst, |x| bf16::from_f32(f32_of(x)).to_le_bytes()),
+        (F32, F16) => each(src, dst, |x| f16::from_f32(f32_of(x)).to_le_bytes()),
+        (BF16, F32) => each(src, dst, |x| bf16_f32(x).to_le_bytes()),
+        (F16, F32) => each(src, dst, |x| f16::from_le_bytes(x).to_f32().to_le_bytes()),
+        (F16, BF16) => {
+            each(src, dst, |x| bf16::from_f32(f16::from_le_bytes(x).to_f32()).to_le_bytes())
+        }
+        (BF16, F16) => {
+            each(src, dst, |x| f16::from_f32(bf16::from_le_bytes(x).to_f32()).to_le_bytes())
+        }
+        _ => unreachable!("convertible() holds"),
+    }
+}
+
+/// What conversion did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ConversionReport {
+    /// Tensors converted.
+    pub tensors: u64,
+    /// Bytes read in the checkpoint's dtypes.
+    pub source_bytes: u64,
+    /// Bytes written in the module's dtypes (retained).
+    pub bytes: u64,
+    /// Wall seconds converting took.
+    pub seconds: f64,
+    /// Threads that converted.
+    pub workers: u64,
+}
+
+/// A source whose chosen tensors are served converted to another dtype, from retained host
+/// memory; every other tensor comes from the source it wraps, unchanged.
+pub struct ConvertedSource {
+    inner: Arc<dyn WeightSource>,
+    slices: Vec<TensorSlice>,
+    /// File id of the first converted buffer (one buffer per file of the inner source).
+    first_file: u32,
+    buffers: Vec<HostSlice>,
+    converted: Vec<bool>,
+    report: ConversionReport,
+}
+
+impl std::fmt::Debug for ConvertedSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConvertedSource")
+            .field("tensors", &self.slices.len())
+            .field("report", &self.report)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConvertedSource {
+    /// Converts each `(slice, dtype)` of `targets` from `inner` on `workers` threads into
+    /// buffers of `store` (one per file, tensors in file order, so tensors adjacent in the
+    /// checkpoint stay adjacent). `done(slice)` is called once a tensor's source bytes are no
+    /// longer needed (a mapped source can drop those pages).
+    ///
+    /// Refused, with nothing kept, when a pair is not convertible, the store's ceiling or the
+    /// host refuses the bytes, or a read fails.
+    pub fn convert(
+        inner: Arc<dyn WeightSource>,
+        targets: &[(usize, Dtype)],
+        store: &RetainedStore,
+        workers: usize,
+        done: &(dyn Fn(usize) + Sync),
+    ) -> Result<ConvertedSource, SourceError> {
+        let t = Instant::now();
+        let mut slices = inner.slices().to_vec();
+        let first_file = slices.iter().map(|s| s.file.0 + 1).max().unwrap_or(0);
+        let mut converted = vec![false; slices.len()];
+        // Inner file -> converted tensors in file order.
+        let mut by_file: BTreeMap<u32, Vec<(u64, usize, Dtype)>> = BTreeMap::new();
+        for &(i, to) in targets {
+            let s =
+                slices.get(i).ok_or(SourceError::NoSuchTensor { index: i, count: slices.len() })?;
+            if !convertible(s.dtype, to) {
+                return Err(SourceError::InvalidBatch(format!(
+                    "tensor {:?} is {} and cannot be converted to {}; ddo converts between F32, F16 and BF16",
+                    s.name,
+                    s.dtype.as_str(),
+                    to.as_str()
+                )));
+            }
+            if std::mem::replace(&mut converted[i], true) {
+                return Err(SourceError::InvalidBatch(format!(
+                    "tensor {:?} converted twice",
+                    s.name
+                )));
+            }
+            by_file.entry(s.file.0).or_default().push((s.offset, i, to));
+        }
+        let mut report = ConversionReport::default();
+        let mut buffers = Vec::new();
+        // (slice, buffer index, offset in it, new dtype, new len)
+        let mut placed = Vec::new();
+        for tensors in by_file.values_mut() {
+            tensors.sort_unstable_by_key(|&(offset, i, _)| (offset, i));
+            let mut cursor = 0u64;
+            let buffer = buffers.len();
+            for &(_, i, to) in tensors.iter() {
+                let s = &slices[i];
+                let elements = s.len / s.dtype.size_bytes();
+                let len = elements * to.size_bytes();
+                placed.push((i, buffer, cursor, to, len));
+                report.tensors += 1;
+                report.source_bytes += s.len;
+                report.bytes += len;
+                cursor += len;
+            }
+            buffers.push(store.reserve(cursor)?);
+        }
+        let workers = workers.max(1);
+        report.workers = workers as u64;
+        Self::fill(&*inner, &slices, &placed, &mut buffers, workers, done)?;
+        let buffers: Vec<HostSlice> =
+            buffers.into_iter().map(|b| HostSlice::whole(Arc::new(b))).collect();
+        for &(i, buffer, offset, to, len) in &placed {
+            let s = &mut slices[i];
+            s.file = CheckpointFileId(first_file + buffer as u32);
+            s.offset = offset;
+            s.len = len;
+            s.dtype = to;
+        }
+        report.seconds = t.elapsed().as_secs_f64();
+        Ok(ConvertedSource { inner, slices, first_file, buffers, converted, report })
+    }
+
+    /// Converts every placed tensor into its buffer, `workers` threads taking chunks in turn.
+    fn fill(
+        inner: &dyn WeightSource,
+        slices: &[TensorSlice],
+        placed: &[(usize, usize, u64, Dtype, u64)],
+        buffers: &mut [RetainedBuffer],
+        workers: usize,
+        done: &(dyn Fn(usize) + Sync),
+    ) -> Result<(), SourceError> {
+        // Each tensor's destination, split off its buffer so threads write disjoint bytes.
+        let mut outputs: Vec<(usize, &mut [u8])> = Vec::with_capacity(placed.len());
+        let mut rest: Vec<&mut [u8]> = buffers.iter_mut().map(RetainedBuffer::bytes_mut).collect();
+        for &(i, buffer, _, _, len) in placed {
+            let whole = std::mem::take(&mut rest[buffer]);
+            let (head, tail) = whole.split_at_mut(len as usize);
+            rest[buffer] = tail;
+            outputs.push((i, head));
+        }
+        let next = std::sync::Mutex::new(outputs.into_iter().zip(placed));
+        let first_error = std::sync::Mutex::new(None::<SourceError>);
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| {
+                    let mut scratch = Vec::new();
+                    loop {
+                        let item = next.lock().unwrap_or_else(|p| p.into_inner()).next();
+                        let Some(((i, out), &(_, _, _, to, _))) = item else { break };
+                        let s = &slices[i];
+                        let result = convert_tensor(inner, i, s, to, out, &mut scratch);
+                        if let Err(e) = result {
+                            first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                            break;
+                        }
+                        done(i);
+                    }
+                });
+            }
+        });
+        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// What conversion did.
+    pub fn report(&self) -> ConversionReport {
+        self.report
+    }
+
+    /// The buffers holding converted tensors (retained, page-aligned): a host registers them.
+    pub fn buffers(&self) -> &[HostSlice] {
+        &self.buffers
+    }
+
+    /// Whether tensor `slice` is served converted.
+    pub fn is_converted(&self, slice: usize) -> bool {
+        self.converted.get(slice).copied().unwrap_or(false)
+    }
+
+    fn buffer(&self, file: CheckpointFileId) -> Option<&HostSlice> {
+        file.0.checked_sub(self.first_file).and_then(|b| self.buffers.get(b as usize))
+    }
+}
+
+/// Converts tensor `i` of `inner` into `out`: from its host bytes when the source holds them,
+/// else through one read into `scratch`.
+fn convert_tensor(
+    inner: &dyn WeightSource,
+    i: usize,
+    s: &TensorSlice,
+    to: Dtype,
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<(), SourceError> {
+    match inner.host_bytes(i) {
+        Some(h) => convert(s.dtype, to, h.as_bytes(), out),
+        None => {
+            scratch.resize(s.len as usize, 0);
+            inner.read(i, scratch)?;
+            convert(s.dtype, to, scratch, out);
+        }
+    }
+    Ok(())
+}
+
+impl WeightSource for ConvertedSource {
+    fn slices(&self) -> &[TensorSlice] {
+        &self.slices
+    }
+
+    fn check_unchanged(&self) -> Result<(), SourceError> {
+        self.inner.check_unchanged()
+    }
+
+    fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
+        if !self.is_converted(slice) {
+            return self.inner.read(slice, dst);
+        }
+        let bytes = self.host_bytes(slice).expect("converted tensors are retained");
+        if dst.len() != bytes.len() {
+            return Err(SourceError::InvalidBatch(format!(
+                "tensor {:?} has {} bytes, the buffer {}",
+                self.slices[slice].name,
+                bytes.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(bytes.as_bytes());
+        Ok(())
+    }
+
+    fn host_bytes(&self, slice: usize) -> Option<HostSlice> {
+        if !self.is_converted(slice) {
+            return self.inner.host_bytes(slice);
+        }
+        let s = &self.slices[slice];
+        self.buffer(s.file)?.slice(s.offset as usize, s.len as usize)
+    }
+
+    fn host_range(&self, file: CheckpointFileId, offset: u64, len: u64) -> Option<HostSlice> {
+        match self.buffer(file) {
+            Some(b) => b.slice(usize::try_from(offset).ok()?, usize::try_from(len).ok()?),
+            None => self.inner.host_range(file, offset, len),
+        }
+    }
+
+    fn host_pieces(
+        &self,
+        file: CheckpointFileId,
+        offset: u64,
+        len: u64,
+    ) -> Option<Vec<(u64, HostSlice)>> {
+        match self.buffer(file) {
+            Some(_) => self.host_range(file, offset, len).map(|h| vec![(0, h)]),
+            None => self.inner.host_pieces(file, offset, len),
+        }
+    }
+
+    fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
+        let (converted, rest): (Vec<ReadRequest>, Vec<ReadRequest>) =
+            requests.iter().copied().partition(|r| self.is_converted(r.slice));
+        self.inner.read_batch(&rest, dst)?;
+        for r in converted {
+            let len = self.slices[r.slice].len as usize;
+            let start = usize::try_from(r.dst_offset).unwrap_or(usize::MAX);
+            let piece = start.checked_add(len).and_then(|end| dst.get_mut(start..end)).ok_or_else(
+                || {
+                    SourceError::InvalidBatch(format!(
+                        "tensor {:?} at offset {} does not fit the buffer",
+                        self.slices[r.slice].name, r.dst_offset
+                    ))
+                },
+            )?;
+            self.read(r.slice, piece)?;
+        }
+        Ok(())
+    }
+}
