@@ -30,22 +30,25 @@ import sys
 import threading
 import time
 
-from flux_workload import SD3_LARGE, flux_inputs, link_speed, saved_flux, saved_sd3, sd3_inputs, timed
+from flux_workload import (
+    SD3_LARGE, WAN_14B, flux_inputs, link_speed, saved_flux, saved_sd3, saved_wan, sd3_inputs, timed, wan_inputs,
+)
 
-# Model sizes of --configs: Flux-style 5 B and 11.9 B, and the SD3.5-Large-shaped "sd3" (8.1 B).
-SIZES = {"5": (8, 16), "12": (19, 38), "sd3": None}
+# Model sizes of --configs: Flux-style 5 B and 11.9 B, the SD3.5-Large-shaped "sd3" (8.1 B), and
+# "wan": the Wan-2.1-14B shape with 12 of its 40 blocks (4.4 B), saved in fp32, loaded as bf16.
+SIZES = {"5": (8, 16), "12": (19, 38), "sd3": None, "wan": 12}
 
 
 def family(size: str) -> str:
-    return "sd3" if size == "sd3" else "flux"
+    return size if size in ("sd3", "wan") else "flux"
 
 
 def label(size: str) -> str:
-    return "SD3-L 8.1 B" if size == "sd3" else f"Flux {size} B"
+    return {"sd3": "SD3-L 8.1 B", "wan": "Wan-14B-shaped, 12 blocks, fp32 file"}.get(size, f"Flux {size} B")
 
 
 def inputs_of(fam: str):
-    return sd3_inputs if fam == "sd3" else flux_inputs
+    return {"sd3": sd3_inputs, "wan": wan_inputs}.get(fam, flux_inputs)
 VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "vmm@6", "vmm@9"]
 # Also measurable with --variants: vmm_fast_runtime fed from retained host windows holding the
 # whole model (vmm_source_cache_gb) instead of the checkpoint's mapping.
@@ -100,12 +103,14 @@ def warm_up(dev, resolutions: list[int], fam: str) -> None:
     figures show the offloader's cold pass, not CUDA's one-time kernel loading that every variant
     pays."""
     import torch
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(dev):
         if fam == "sd3":
             model = SD3Transformer2DModel(**dict(SD3_LARGE, num_layers=1)).eval()
+        elif fam == "wan":
+            model = WanTransformer3DModel(**dict(WAN_14B, num_layers=1)).eval()
         else:
             model = FluxTransformer2DModel(num_layers=1, num_single_layers=1).eval()
     torch.set_default_dtype(torch.float32)
@@ -123,10 +128,10 @@ def child(a: argparse.Namespace) -> int:
     import torch
 
     import ddo
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
     fam = a.family
-    cls = SD3Transformer2DModel if fam == "sd3" else FluxTransformer2DModel
+    cls = {"sd3": SD3Transformer2DModel, "wan": WanTransformer3DModel}.get(fam, FluxTransformer2DModel)
 
     dev = torch.device("cuda:0")
     resolutions = [int(r) for r in a.resolutions.split(",")]
@@ -171,7 +176,7 @@ def child(a: argparse.Namespace) -> int:
     for res in resolutions:
         x = inputs_of(fam)(res, dev, g)
         times, out = timed(lambda: model(**x)[0], a.steps)
-        digest = hashlib.sha256(out.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:12]
+        digest = hashlib.sha256(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
             arena = native.metrics_snapshot().as_dict()["runtime"]["peak_bytes"]
         row = dict(
@@ -268,7 +273,12 @@ def main() -> int:
     print(f"pinned host->device copy: {link / 1e9:.1f} GB/s", flush=True)
     failed = False
     for size, resolutions in by_size.items():
-        path, nbytes = saved_sd3(a.dir) if size == "sd3" else saved_flux(a.dir, *SIZES[size])
+        if size == "sd3":
+            path, nbytes = saved_sd3(a.dir)
+        elif size == "wan":
+            path, nbytes = saved_wan(a.dir, SIZES[size])
+        else:
+            path, nbytes = saved_flux(a.dir, *SIZES[size])
         for variant in a.variants.split(","):
             if size != "5" and "@" in variant:
                 continue  # the budget sweep runs on the 5 B model

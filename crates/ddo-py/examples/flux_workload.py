@@ -25,9 +25,10 @@ def random_model(cls, **config):
     return model
 
 
-def saved_model(work: str, name: str, cls, label: str, **config) -> tuple[str, int]:
+def saved_model(work: str, name: str, cls, label: str, save_dtype=None, **config) -> tuple[str, int]:
     """``cls(**config)`` with random weights saved under ``work/name`` (built once and reused
-    while the folder lives); returns its folder and its parameter bytes."""
+    while the folder lives), in ``save_dtype`` when given; returns its folder and its parameter
+    bytes in bf16."""
     path = os.path.join(work, name)
     marker = os.path.join(path, "ddo-built.json")
     if os.path.exists(marker):
@@ -37,6 +38,8 @@ def saved_model(work: str, name: str, cls, label: str, **config) -> tuple[str, i
     model = random_model(cls, **config)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
+    if save_dtype is not None:
+        model = model.to(save_dtype)
     model.save_pretrained(path)
     del model
     with open(marker, "w") as f:
@@ -68,6 +71,35 @@ def saved_sd3(work: str) -> tuple[str, int]:
     from diffusers import SD3Transformer2DModel
 
     return saved_model(work, "sd3-large", SD3Transformer2DModel, "SD3-style", **SD3_LARGE)
+
+
+# Wan-2.1-14B-shaped WanTransformer3DModel (40 blocks of 5120 wide; fewer here), saved in fp32 as
+# many published checkpoints are and loaded as bf16: the third family, and the conversion row.
+WAN_14B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+
+
+def saved_wan(work: str, layers: int) -> tuple[str, int]:
+    """The Wan-14B-shaped model with ``layers`` blocks saved in fp32 under ``work``."""
+    from diffusers import WanTransformer3DModel
+
+    return saved_model(work, f"wan-{layers}-fp32", WanTransformer3DModel, "Wan-style (saved in fp32)",
+                       save_dtype=torch.float32, **dict(WAN_14B, num_layers=layers))
+
+
+def wan_inputs(resolution: int, device, generator: torch.Generator) -> dict:
+    """Three latent frames of ``resolution`` x ``resolution`` (8x VAE, 2x2 patches: 3 *
+    (resolution / 16)^2 tokens) with 512 text tokens."""
+    side = resolution // 8
+    return dict(
+        hidden_states=torch.randn(1, 16, 3, side, side, generator=generator).to(device, torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, 512, 4096, generator=generator).to(device, torch.bfloat16),
+        timestep=torch.tensor([500]).to(device),
+        return_dict=False,
+    )
 
 
 def sd3_inputs(resolution: int, device, generator: torch.Generator) -> dict:
