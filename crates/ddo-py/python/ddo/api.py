@@ -414,13 +414,7 @@ def from_pretrained_with_dynamic_offload(
     folder = os.path.join(os.fspath(path), subfolder) if subfolder else os.fspath(path)
     source = _association(folder)
     if model_loader is None:
-        import diffusers
-
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            class_name = json.load(f).get("_class_name")
-        model_loader = getattr(diffusers, str(class_name), None)
-        if model_loader is None:
-            raise DynamicOffloadError(f"{folder}/config.json names class {class_name!r}, which diffusers does not have; pass model_loader=")
+        model_loader = _loader_of(folder)
     if subfolder:
         from_pretrained_kwargs["subfolder"] = subfolder
     module = None
@@ -428,8 +422,11 @@ def from_pretrained_with_dynamic_offload(
         # The native route streams every weight from the checkpoint's mapping: build the module
         # without weights (meta) so host memory holds the model once, in the mapping.
         settings = resolve_settings(component, config=dynamic_offload_config)
-        if settings.route_name == "vmm_fast_runtime" and hasattr(model_loader, "from_config"):
-            module = _meta_module(model_loader, folder, from_pretrained_kwargs.get("torch_dtype"))
+        if settings.route_name == "vmm_fast_runtime":
+            if _is_transformers(model_loader):
+                module = _meta_transformers(model_loader, folder, from_pretrained_kwargs)
+            elif hasattr(model_loader, "from_config"):
+                module = _meta_module(model_loader, folder, from_pretrained_kwargs.get("torch_dtype"))
     if module is None:
         module = model_loader.from_pretrained(os.fspath(path), **from_pretrained_kwargs)
     source["path"] = folder
@@ -446,6 +443,69 @@ def from_pretrained_with_dynamic_offload(
         result.offload = enable_offload(module, component=component, config=dynamic_offload_config)
         result.offload.source = source
     return result
+
+
+def _loader_of(folder: str) -> Any:
+    """The class a model folder's ``config.json`` names: a Diffusers ``_class_name``, else the
+    first transformers ``architectures`` entry."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    class_name = config.get("_class_name")
+    if class_name is not None:
+        import diffusers
+
+        loader = getattr(diffusers, str(class_name), None)
+        if loader is None:
+            raise DynamicOffloadError(f"{folder}/config.json names class {class_name!r}, which diffusers does not have; pass model_loader=")
+        return loader
+    architectures = config.get("architectures") or []
+    if architectures:
+        import transformers
+
+        loader = getattr(transformers, str(architectures[0]), None)
+        if loader is None:
+            raise DynamicOffloadError(
+                f"{folder}/config.json names architecture {architectures[0]!r}, which transformers "
+                f"{transformers.__version__} does not have; pass model_loader="
+            )
+        return loader
+    raise DynamicOffloadError(
+        f"{folder}/config.json names neither a Diffusers class (_class_name) nor a transformers architecture "
+        "(architectures); pass model_loader="
+    )
+
+
+def _is_transformers(loader: Any) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(loader, type) and issubclass(loader, PreTrainedModel)
+
+
+def _meta_transformers(loader: Any, folder: str, kwargs: Dict[str, Any]) -> Optional[torch.nn.Module]:
+    """A transformers model as its ``from_pretrained`` builds it (dtypes, ``_keep_in_fp32_modules``,
+    tied weights) with every parameter on the meta device, and non-persistent buffers computed
+    as construction computes them. ``None`` when a buffer's values come from the checkpoint."""
+    try:
+        import accelerate
+    except ImportError:
+        return None
+    dtype_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype") if k in kwargs}
+    extra = {k: kwargs[k] for k in ("revision", "trust_remote_code") if k in kwargs}
+    module = loader.from_pretrained(folder, device_map="meta", **dtype_kwargs, **extra)
+    missing = [n for n, b in module.named_buffers() if b.is_meta]
+    if missing:
+        if set(missing) & set(module.state_dict().keys()):
+            return None
+        with accelerate.init_empty_weights(include_buffers=False):
+            skeleton = loader._from_config(module.config, **dtype_kwargs)
+        real = dict(skeleton.named_buffers())
+        for name in missing:
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
+            holder._buffers[leaf] = real[name]
+    return module.eval()
 
 
 def _meta_module(loader: Any, folder: str, dtype: Any) -> Optional[torch.nn.Module]:
