@@ -234,3 +234,31 @@ def test_a_checkpoint_in_another_dtype_loads_as_diffusers_loads_it(tmp_path, wan
     assert setup["streamed_units"] >= 2, setup
     assert "conversion=at=host" in got.offload.metrics_snapshot().format_profile()
     got.offload.remove()
+
+
+def _cached(cache, repo, model):
+    """Puts ``model`` into a Hugging Face hub cache folder as a download would leave it."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    model.save_pretrained(root / "snapshots" / commit)
+
+
+def test_a_hub_id_resolves_in_the_local_cache_without_network(tmp_path, monkeypatch, flux):
+    import huggingface_hub.constants
+
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _cached(tmp_path / "hub", "example/tiny-flux", model)
+    config = ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model))
+    loaded = ddo.from_pretrained_with_dynamic_offload(
+        "example/tiny-flux", apply_dynamic=True, component="transformer", dynamic_offload_config=config
+    )
+    assert torch.equal(run(loaded.module, inputs), reference)
+    assert loaded.source["path"].startswith(str(tmp_path / "hub"))
+    loaded.offload.remove()
+    with pytest.raises(ddo.DynamicOffloadError, match="hf download example/missing"):
+        ddo.from_pretrained_with_dynamic_offload("example/missing")

@@ -411,7 +411,8 @@ def from_pretrained_with_dynamic_offload(
     ``model_loader.from_pretrained`` (default: the Diffusers class named in its ``config.json``),
     binds each parameter to its checkpoint slice by name, and with ``apply_dynamic`` offloads it.
     A corrupt checkpoint raises :class:`DynamicOffloadError` naming the file and tensor."""
-    folder = os.path.join(os.fspath(path), subfolder) if subfolder else os.fspath(path)
+    path = _local_path(path, from_pretrained_kwargs.get("revision"))
+    folder = os.path.join(path, subfolder) if subfolder else path
     source = _association(folder)
     if model_loader is None:
         model_loader = _loader_of(folder)
@@ -443,6 +444,31 @@ def from_pretrained_with_dynamic_offload(
         result.offload = enable_offload(module, component=component, config=dynamic_offload_config)
         result.offload.source = source
     return result
+
+
+def _local_path(path: Union[str, os.PathLike], revision: Optional[str]) -> str:
+    """``path`` itself when it exists; else a Hugging Face hub id (``org/name``) resolved in the
+    local hub cache (``HF_HUB_CACHE`` / ``HF_HOME``), without network access."""
+    text = os.fspath(path)
+    if os.path.exists(text) or text.count("/") != 1 or text.startswith((".", "/", "~")):
+        return text
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise DynamicOffloadError(
+            f"{text!r} is not a local path, and resolving it as a hub id needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
+    try:
+        return snapshot_download(text, revision=revision, local_files_only=True)
+    except LocalEntryNotFoundError:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise DynamicOffloadError(
+            f"{text!r} is neither a local path nor in the Hugging Face cache at {HF_HUB_CACHE}"
+            f"{f' (revision {revision})' if revision else ''}; ddo reads the cache only: fetch it first with "
+            f"`hf download {text}` (or huggingface_hub.snapshot_download), or pass a local folder"
+        ) from None
 
 
 def _loader_of(folder: str) -> Any:
