@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -79,6 +78,16 @@ class GpuSampler:
         while not self.stop:
             self.peak = max(self.peak, self.used())
             time.sleep(0.002)
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes (VmHWM). Not ``ru_maxrss``: Linux carries the parent's
+    peak into it across fork and exec, so a parent that built a model inflates every variant."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def rss_now() -> int:
@@ -182,7 +191,7 @@ def child(a: argparse.Namespace) -> int:
         row = dict(
             variant=a.variant, resolution=res, first=times[0], step=statistics.median(times[1:]), setup=setup,
             peak_gpu=sampler.peak - sampler.base, gpu_context=gpu_context, arena=arena, streamed=streamed,
-            rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_base=rss_base, digest=digest,
+            rss=peak_rss(), rss_base=rss_base, digest=digest,
             rss_parts_above_base={k: v - parts_base.get(k, 0) for k, v in rss_parts().items()},
         )
         if native is not None:
