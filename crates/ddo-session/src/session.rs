@@ -684,6 +684,9 @@ impl ComponentSession {
         }
         // Private file pages are never page-locked (the kernel would copy each one).
         let mut unregistered = 0u64;
+        // A file mapped for its tensors is registered where they lie, not whole: the rest of
+        // the file (tensors the framework converted, other components' bytes) stays unlocked.
+        let mapped_files = storages.len()..storages.len() + files.paths.len();
         let ranges = source
             .storages_in_use()
             .into_iter()
@@ -694,7 +697,14 @@ impl ComponentSession {
                 }
                 keep
             })
-            .map(|(_, r)| (r, true))
+            .flat_map(|(i, r)| {
+                if mapped_files.contains(&i) {
+                    used_runs(source.slices(), |t| t.file.0 as usize == i, &r)
+                } else {
+                    vec![r]
+                }
+            })
+            .map(|r| (r, true))
             .chain(source.packs().into_iter().map(|p| (p, true)))
             .collect();
         let packed = source.packed();
@@ -1032,35 +1042,51 @@ pub(crate) struct AttachedView<'a> {
 type CheckpointBytes =
     (Arc<dyn WeightSource>, Option<Arc<CheckpointSource>>, Vec<(HostSlice, bool)>, HostReport);
 
-/// The ranges of file mappings `maps` holding tensors served as stored (not in `converted`),
-/// whole pages, adjacent ones merged: what a host registers when the rest is converted.
+/// The ranges of file mappings `maps` holding tensors served as stored (not in `converted`):
+/// what a host registers when the rest is converted.
 fn stored_runs(
     slices: &[TensorSlice],
     converted: &[(usize, Dtype)],
     maps: &[HostSlice],
 ) -> Vec<(HostSlice, bool)> {
-    const PAGE: u64 = 4096;
-    let skip: std::collections::HashSet<usize> = converted.iter().map(|&(i, _)| i).collect();
-    let mut runs: Vec<(u32, u64, u64)> = slices
-        .iter()
+    let skip: std::collections::HashSet<&str> =
+        converted.iter().map(|&(i, _)| slices[i].name.as_str()).collect();
+    maps.iter()
         .enumerate()
-        .filter(|(i, t)| !skip.contains(i) && t.len > 0)
-        .map(|(_, t)| (t.file.0, t.offset / PAGE * PAGE, (t.offset + t.len).div_ceil(PAGE) * PAGE))
+        .flat_map(|(file, map)| {
+            used_runs(slices, |t| t.file.0 as usize == file && !skip.contains(t.name.as_str()), map)
+        })
+        .map(|r| (r, true))
+        .collect()
+}
+
+/// The parts of `region` (one file or storage, offsets as the slices give them) that the
+/// tensors `uses` selects lie in: whole pages, adjacent ones merged.
+fn used_runs(
+    slices: &[TensorSlice],
+    uses: impl Fn(&TensorSlice) -> bool,
+    region: &HostSlice,
+) -> Vec<HostSlice> {
+    const PAGE: u64 = 4096;
+    let mut runs: Vec<(u64, u64)> = slices
+        .iter()
+        .filter(|t| t.len > 0 && uses(t))
+        .map(|t| (t.offset / PAGE * PAGE, (t.offset + t.len).div_ceil(PAGE) * PAGE))
         .collect();
     runs.sort_unstable();
-    let mut merged: Vec<(u32, u64, u64)> = Vec::new();
-    for (file, start, end) in runs {
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (start, end) in runs {
         match merged.last_mut() {
-            Some(last) if last.0 == file && start <= last.2 => last.2 = last.2.max(end),
-            _ => merged.push((file, start, end)),
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
         }
     }
     merged
         .into_iter()
-        .filter_map(|(file, start, end)| {
-            let map = maps.get(file as usize)?;
-            let end = end.min(map.len() as u64);
-            Some((map.slice(start as usize, (end - start) as usize)?, true))
+        .filter_map(|(start, end)| {
+            let end = end.min(region.len() as u64);
+            region
+                .slice(usize::try_from(start).ok()?, usize::try_from(end.checked_sub(start)?).ok()?)
         })
         .collect()
 }

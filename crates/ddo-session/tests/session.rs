@@ -637,3 +637,34 @@ fn a_dtype_ddo_does_not_convert_is_refused_with_what_to_do() {
     assert!(text.contains("ddo converts between F32, F16 and BF16"), "{text}");
     assert!(text.contains("torch_dtype"), "{text}");
 }
+
+#[test]
+fn a_mapped_file_is_registered_only_where_its_served_tensors_lie() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    // The framework converted the blocks' weights into memory of its own; only the rest (the
+    // norms, the embedding) are still views into its mapping of the file.
+    let Weights::Host { mut storages, mut tensors, mmap } = lazily_loaded(&path, false) else {
+        unreachable!()
+    };
+    let expect = checkpoint_bytes(6);
+    for t in tensors.iter_mut().filter(|t| t.name.ends_with("attn.weight")) {
+        storages.push(HostSlice::whole(Arc::new(Buffer(expect(&t.name))) as Arc<dyn HostRegion>));
+        t.storage = storages.len() - 1;
+        t.offset = 0;
+    }
+    let session = ComponentSession::open(SessionSpec {
+        plan: resolve(&[("backend", "linear"), ("small_tensor_threshold_kb", "0")]),
+        weights: Weights::Host { storages, tensors, mmap },
+        tree: None,
+    })
+    .unwrap();
+    let s = setup(&session);
+    assert_eq!(s.host_source.as_deref(), Some("host_tensors+file"));
+    let file = std::fs::metadata(&path).unwrap().len();
+    let weights = 6 * W * W * 2;
+    // The weights' own buffers, plus pages around the norms and embedding: not the whole file.
+    let registered = s.registered_bytes.unwrap();
+    assert!(registered >= weights && registered < weights + file / 2, "{registered} of {file}: {s:?}");
+    run_and_check(&session, 2, &expect);
+}
