@@ -50,6 +50,7 @@ from .settings import (
     is_wsl_environment,
     load_dynamic_offload_settings_from_env,
 )
+from .pipeline import DynamicOffloadPipelineResult, from_pretrained_pipeline_with_dynamic_offload
 from .runtime import find_execution_units
 
 __version__ = _native.version()
@@ -58,6 +59,7 @@ __all__ = [
     "ComponentPolicy",
     "DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION",
     "DynamicOffloadApplyResult",
+    "DynamicOffloadPipelineResult",
     "DynamicOffloadBackend",
     "DynamicOffloadCapacityError",
     "DynamicOffloadCheckpointError",
@@ -75,6 +77,7 @@ __all__ = [
     "enable_pipeline_offload",
     "find_execution_units",
     "format_dynamic_offload_presets",
+    "from_pretrained_pipeline_with_dynamic_offload",
     "from_pretrained_with_dynamic_offload",
     "get_dynamic_offload_presets",
     "inspect_host_memory",

@@ -1,0 +1,156 @@
+"""Whole pipelines: one call loads a Diffusers pipeline folder with every model component on the
+route its policy names, under one GPU weight budget."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from . import _native
+from .api import DynamicOffloadApplyResult, _local_path, enable_offload, from_pretrained_with_dynamic_offload
+from .config import DynamicOffloadConfig
+from .errors import DynamicOffloadCapacityError, DynamicOffloadError
+from .metrics import DynamicOffloadMetrics
+from .settings import resolve_settings
+
+__all__ = ["DynamicOffloadPipelineResult", "from_pretrained_pipeline_with_dynamic_offload"]
+
+
+@dataclasses.dataclass
+class DynamicOffloadPipelineResult:
+    """What :func:`from_pretrained_pipeline_with_dynamic_offload` loaded: the pipeline, how each
+    model component is offloaded, and the GPU weight budget each arena component was given."""
+
+    pipeline: Any
+    offload: Dict[str, DynamicOffloadApplyResult]
+    budgets_gb: Dict[str, float]
+
+    def metrics_snapshots(self) -> Dict[str, DynamicOffloadMetrics]:
+        """Each offloaded component's metrics."""
+        return {name: r.metrics_snapshot() for name, r in self.offload.items()}
+
+    def remove(self) -> None:
+        """Removes every component's offload (the pipeline's modules get their weights back
+        where they can)."""
+        for r in self.offload.values():
+            r.remove()
+
+
+def _class_of(library: str, name: str, where: str) -> Any:
+    try:
+        module = importlib.import_module(library)
+    except ImportError as e:
+        raise DynamicOffloadError(f"{where} names library {library!r}, which cannot be imported: {e}") from None
+    found = getattr(module, name, None)
+    if found is None:
+        raise DynamicOffloadError(f"{where} names class {name!r}, which {library} does not have")
+    return found
+
+
+def _has_safetensors(folder: str) -> bool:
+    return os.path.isdir(folder) and any(f.endswith(".safetensors") for f in os.listdir(folder))
+
+
+def _weight_bytes(folder: str) -> int:
+    return int(sum(t["len"] for t in json.loads(_native.inspect_checkpoint(folder))["tensors"]))
+
+
+def from_pretrained_pipeline_with_dynamic_offload(
+    path: Union[str, os.PathLike],
+    *,
+    pipeline_class: Any = None,
+    torch_dtype: Optional[torch.dtype] = None,
+    dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
+    gpu_budget_gb: Optional[float] = None,
+    revision: Optional[str] = None,
+    **pipeline_kwargs: Any,
+) -> DynamicOffloadPipelineResult:
+    """Loads the Diffusers pipeline folder (or cached hub id) ``path``: every model component
+    stored as safetensors (transformer or UNet, text encoders, VAE) goes the route
+    ``dynamic_offload_config`` resolves for its name (its ``components`` policies included);
+    components on an arena route stream from their checkpoints
+    (:func:`from_pretrained_with_dynamic_offload`), the others are loaded by their class and
+    handed to :func:`enable_offload`. Tokenizers, schedulers and other parts load as the pipeline
+    would load them. ``pipeline_kwargs`` go to the pipeline's constructor (a component given
+    there is used as is, not loaded).
+
+    ``gpu_budget_gb`` is split among the components on ``vmm_fast_runtime`` in proportion to
+    their weight bytes (each gets ``vmm_resident_weight_budget_gb`` = its share); components on
+    ``linear_runtime`` take their execution slots plus ``resident_module_budget_gb``. A share too
+    small for a component's working set raises :class:`DynamicOffloadCapacityError` naming it.
+    If any component fails, the ones already offloaded are removed and the error re-raised."""
+    root = _local_path(path, revision)
+    index_path = os.path.join(root, "model_index.json")
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise DynamicOffloadError(f"{root} has no model_index.json: pass a Diffusers pipeline folder") from None
+    except ValueError as e:
+        raise DynamicOffloadError(f"{index_path} is not valid JSON: {e}") from None
+    if pipeline_class is None:
+        pipeline_class = _class_of("diffusers", str(index.get("_class_name")), index_path)
+    config = dynamic_offload_config or DynamicOffloadConfig()
+    specs = {k: v for k, v in index.items() if not k.startswith("_")}
+    routes: Dict[str, str] = {}
+    for name, spec in specs.items():
+        if name in pipeline_kwargs or not isinstance(spec, list) or None in spec:
+            continue
+        loader = _class_of(spec[0], spec[1], f"{index_path} ({name})")
+        if isinstance(loader, type) and issubclass(loader, torch.nn.Module) and _has_safetensors(os.path.join(root, name)):
+            routes[name] = resolve_settings(name, config=config).route_name
+    budgets: Dict[str, float] = {}
+    arena = [n for n, r in routes.items() if r == "vmm_fast_runtime"]
+    if gpu_budget_gb is not None and arena:
+        sizes = {n: _weight_bytes(os.path.join(root, n)) for n in arena}
+        total = sum(sizes.values()) or 1
+        budgets = {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
+    components: Dict[str, Any] = dict(pipeline_kwargs)
+    offload: Dict[str, DynamicOffloadApplyResult] = {}
+    try:
+        for name, spec in specs.items():
+            if name in components:
+                continue
+            if not isinstance(spec, list) or None in spec:
+                components[name] = None
+                continue
+            loader = _class_of(spec[0], spec[1], f"{index_path} ({name})")
+            folder = os.path.join(root, name)
+            dtype_kwargs = {}
+            if torch_dtype is not None and name in routes:
+                dtype_kwargs = {"dtype" if spec[0] == "transformers" else "torch_dtype": torch_dtype}
+            if name in routes and routes[name] in ("vmm_fast_runtime", "linear_runtime"):
+                own = config.replace(vmm_resident_weight_budget_gb=budgets[name]) if name in budgets else config
+                try:
+                    loaded = from_pretrained_with_dynamic_offload(
+                        folder, model_loader=loader, apply_dynamic=True, component=name, dynamic_offload_config=own,
+                        **dtype_kwargs,
+                    )
+                except DynamicOffloadCapacityError as e:
+                    if name not in budgets:
+                        raise
+                    raise DynamicOffloadCapacityError(
+                        f"{name}: its share of gpu_budget_gb={gpu_budget_gb} is {budgets[name]:.4f} GiB (by weight bytes), "
+                        f"too small: {e}; raise gpu_budget_gb"
+                    ) from None
+                components[name] = loaded.module
+                offload[name] = loaded.offload
+            elif name in routes:
+                module = loader.from_pretrained(folder, **dtype_kwargs)
+                offload[name] = enable_offload(module, component=name, config=config)
+                components[name] = module
+            else:
+                components[name] = loader.from_pretrained(folder)
+        pipeline = pipeline_class(**components)
+    except BaseException:
+        for r in offload.values():
+            with contextlib.suppress(Exception):
+                r.remove()
+        raise
+    return DynamicOffloadPipelineResult(pipeline=pipeline, offload=offload, budgets_gb=budgets)

@@ -1,0 +1,83 @@
+"""Whole pipelines from one call: tiny random Flux-, SD3- and Wan-shaped pipelines saved with
+tokenizers built here, loaded with every model component streamed from its checkpoint, generate
+exactly what Diffusers' own loading generates."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ddo
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from tiny_pipelines import PIPELINES, flux_pipeline, generate  # noqa: E402
+
+def own_memory(pipe):
+    """``pipe`` with every weight in an allocation of its own. A loader may leave weights as
+    views into a file mapping at any 4-byte offset, and CPU kernels pick other code paths (and
+    round differently) for such addresses; a resident run on a device copies each weight into
+    aligned memory, and the reference here does the same."""
+    with torch.no_grad():
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for p in component.parameters():
+                    p.data = p.data.clone()
+    return pipe
+
+
+def every_model_streamed(**overrides):
+    """Every model component on the arena (text encoders and VAE included), on the CPU, with a
+    budget of three 2 MiB granules so the blocks of each stream."""
+    components = {n: ddo.ComponentPolicy(route="dynamic") for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")}
+    return ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=6 / 1024, components=components, **overrides
+    )
+
+
+@pytest.mark.parametrize("family", sorted(PIPELINES))
+def test_a_pipeline_folder_loads_in_one_call_and_generates_what_diffusers_generates(tmp_path, family):
+    from diffusers import DiffusionPipeline
+
+    torch.manual_seed(0)
+    pipe, extra = PIPELINES[family]()
+    pipe.save_pretrained(tmp_path / family)
+    want = generate(own_memory(DiffusionPipeline.from_pretrained(tmp_path / family)), extra)
+    result = ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / family, dynamic_offload_config=every_model_streamed())
+    assert type(result.pipeline) is type(pipe)
+    models = {n for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert set(result.offload) == models, result.offload.keys()
+    routes = {n: r.metrics_snapshot().as_dict()["route"]["name"] for n, r in result.offload.items()}
+    assert set(routes.values()) == {"vmm_fast_runtime"}, routes
+    streamed = {n: s.as_dict()["setup"]["streamed_units"] for n, s in result.metrics_snapshots().items()}
+    assert streamed["transformer"] >= 2, streamed
+    for _ in range(2):
+        np.testing.assert_array_equal(generate(result.pipeline, extra), want)
+    result.remove()
+
+
+def test_one_gpu_budget_is_split_by_weight_bytes(tmp_path):
+    pipe, extra = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "flux")
+    result = ddo.from_pretrained_pipeline_with_dynamic_offload(
+        tmp_path / "flux", dynamic_offload_config=every_model_streamed(), gpu_budget_gb=1.0
+    )
+    budgets = result.budgets_gb
+    assert set(budgets) == set(result.offload) and abs(sum(budgets.values()) - 1.0) < 1e-9, budgets
+    sizes = {n: sum(p.numel() * p.element_size() for p in getattr(pipe, n).parameters()) for n in budgets}
+    assert max(budgets, key=budgets.get) == max(sizes, key=sizes.get)
+    for name, r in result.offload.items():
+        gpu = r.metrics_snapshot().as_dict()["setup"]["gpu_budget_bytes"]
+        assert abs(gpu - budgets[name] * 2**30) < 1e6, (name, gpu, budgets[name])
+    result.remove()
+    tiny = ddo.from_pretrained_pipeline_with_dynamic_offload
+    with pytest.raises(ddo.DynamicOffloadCapacityError, match="share of gpu_budget_gb=0.001 .*raise gpu_budget_gb"):
+        tiny(tmp_path / "flux", dynamic_offload_config=every_model_streamed(), gpu_budget_gb=0.001)
+
+
+def test_a_folder_without_a_pipeline_says_so(tmp_path):
+    with pytest.raises(ddo.DynamicOffloadError, match="model_index.json"):
+        ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path)
