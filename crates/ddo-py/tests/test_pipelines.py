@@ -81,3 +81,24 @@ def test_one_gpu_budget_is_split_by_weight_bytes(tmp_path):
 def test_a_folder_without_a_pipeline_says_so(tmp_path):
     with pytest.raises(ddo.DynamicOffloadError, match="model_index.json"):
         ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path)
+
+
+def test_plain_settings_of_the_index_reach_the_pipeline(tmp_path):
+    from tiny_pipelines import wan_pipeline
+    from diffusers import WanPipeline
+
+    pipe, _ = wan_pipeline()
+    pipe = WanPipeline(**{k: v for k, v in pipe.components.items() if v is not None}, boundary_ratio=0.875)
+    pipe.save_pretrained(tmp_path / "wan")
+    result = ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "wan", dynamic_offload_config=every_model_streamed())
+    assert result.pipeline.config.boundary_ratio == 0.875
+    assert result.pipeline.transformer_2 is None
+    result.remove()
+
+
+def test_a_budget_with_nothing_to_split_among_is_refused(tmp_path):
+    pipe, _ = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "flux")
+    linear = ddo.DynamicOffloadConfig(backend="linear", execution_device="cpu")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="gpu_budget_gb=2 .*none resolved to it"):
+        ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "flux", dynamic_offload_config=linear, gpu_budget_gb=2)

@@ -1067,11 +1067,12 @@ fn used_runs(
     uses: impl Fn(&TensorSlice) -> bool,
     region: &HostSlice,
 ) -> Vec<HostSlice> {
-    const PAGE: u64 = 4096;
+    // Whole host pages: two runs never share a page, so neither registration overlaps the other.
+    let page = ddo_platform::linux::page_size();
     let mut runs: Vec<(u64, u64)> = slices
         .iter()
         .filter(|t| t.len > 0 && uses(t))
-        .map(|t| (t.offset / PAGE * PAGE, (t.offset + t.len).div_ceil(PAGE) * PAGE))
+        .map(|t| (t.offset / page * page, (t.offset + t.len).div_ceil(page) * page))
         .collect();
     runs.sort_unstable();
     let mut merged: Vec<(u64, u64)> = Vec::new();

@@ -665,6 +665,9 @@ fn a_mapped_file_is_registered_only_where_its_served_tensors_lie() {
     let weights = 6 * W * W * 2;
     // The weights' own buffers, plus pages around the norms and embedding: not the whole file.
     let registered = s.registered_bytes.unwrap();
-    assert!(registered >= weights && registered < weights + file / 2, "{registered} of {file}: {s:?}");
+    assert!(
+        registered >= weights && registered < weights + file / 2,
+        "{registered} of {file}: {s:?}"
+    );
     run_and_check(&session, 2, &expect);
 }

@@ -77,7 +77,8 @@ fn regular_file(path: &Path) -> Result<(), SourceError> {
 impl Checkpoint {
     /// Opens a safetensors file, or a directory: with exactly one `*.safetensors.index.json`
     /// the files it names, otherwise every `*.safetensors` file in it (a Diffusers model folder
-    /// or its `transformer/` subfolder).
+    /// or its `transformer/` subfolder). Variant files (`model.fp16.safetensors`) are skipped
+    /// when files without a variant are there, as Diffusers and transformers load them.
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint, SourceError> {
         let path = path.as_ref();
         let meta = std::fs::metadata(path).map_err(|e| io(path, e))?;
@@ -104,7 +105,7 @@ impl Checkpoint {
                 None,
                 "the folder has no .safetensors files; pass a safetensors file or a model folder",
             )),
-            [] => Checkpoint::open_files(&shards),
+            [] => Checkpoint::open_files(&without_variants(path, shards)?),
             many => Err(invalid(
                 path,
                 None,
@@ -285,6 +286,42 @@ fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(got)
+}
+
+/// The variant of a checkpoint file: `fp16` for `model.fp16.safetensors` or
+/// `model.fp16-00001-of-00002.safetensors`; `None` for `model.safetensors`.
+fn variant_of(file: &Path) -> Option<String> {
+    let digits = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
+    let mut stem = file.file_name()?.to_str()?.strip_suffix(".safetensors")?;
+    if let Some((head, total)) = stem.rsplit_once("-of-")
+        && let Some((base, index)) = head.rsplit_once('-')
+        && digits(total)
+        && digits(index)
+    {
+        stem = base;
+    }
+    stem.rsplit_once('.').map(|(_, variant)| variant.to_owned())
+}
+
+/// `files` without variant files when files without a variant are among them; one variant's
+/// files when only that variant is; several variants alone are refused.
+fn without_variants(folder: &Path, files: Vec<PathBuf>) -> Result<Vec<PathBuf>, SourceError> {
+    let (plain, variants): (Vec<PathBuf>, Vec<PathBuf>) =
+        files.into_iter().partition(|f| variant_of(f).is_none());
+    if !plain.is_empty() {
+        return Ok(plain);
+    }
+    let mut names: Vec<String> = variants.iter().filter_map(|f| variant_of(f)).collect();
+    names.sort();
+    names.dedup();
+    if names.len() > 1 {
+        return Err(invalid(
+            folder,
+            None,
+            format!("the folder holds variants {}; pass the file(s) of one", names.join(", ")),
+        ));
+    }
+    Ok(variants)
 }
 
 /// Parses a `*.safetensors.index.json`: its `weight_map` of tensor name to file name.

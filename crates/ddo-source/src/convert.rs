@@ -209,6 +209,9 @@ impl ConvertedSource {
                 scope.spawn(|| {
                     let mut scratch = Vec::new();
                     loop {
+                        if first_error.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+                            break; // another worker failed: the result is an error anyway
+                        }
                         let item = next.lock().unwrap_or_else(|p| p.into_inner()).next();
                         let Some(((i, out), &(_, _, _, to, _))) = item else { break };
                         let s = &slices[i];

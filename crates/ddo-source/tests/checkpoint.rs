@@ -49,6 +49,32 @@ fn a_diffusers_folder_with_and_without_index() {
     assert_eq!(c.slices()[c.find("c").unwrap()].file.0, 1);
 }
 
+#[test]
+fn variant_files_are_skipped_beside_the_plain_ones() {
+    let dir = scratch();
+    let d = dir.path();
+    write(&d.join("model.safetensors"), &[("x", vec![2])]);
+    write(&d.join("model.fp16.safetensors"), &[("x", vec![2])]);
+    write(&d.join("model.bf16-00001-of-00002.safetensors"), &[("x", vec![2])]);
+    let c = Checkpoint::open(d).unwrap();
+    assert_eq!(c.files().len(), 1);
+    assert!(c.files()[0].path.ends_with("model.safetensors"));
+    // Shards without a variant are plain files.
+    let sharded = scratch();
+    let s = sharded.path();
+    write(&s.join("model-00001-of-00002.safetensors"), &[("a", vec![2])]);
+    write(&s.join("model-00002-of-00002.safetensors"), &[("b", vec![2])]);
+    write(&s.join("model.fp16-00001-of-00001.safetensors"), &[("a", vec![2]), ("b", vec![2])]);
+    assert_eq!(Checkpoint::open(s).unwrap().files().len(), 2);
+    // One variant alone is the checkpoint; two variants alone are refused by name.
+    std::fs::remove_file(d.join("model.safetensors")).unwrap();
+    std::fs::remove_file(d.join("model.bf16-00001-of-00002.safetensors")).unwrap();
+    assert_eq!(Checkpoint::open(d).unwrap().files().len(), 1);
+    write(&d.join("model.bf16.safetensors"), &[("x", vec![2])]);
+    let e = open_err(d);
+    assert!(e.contains("variants bf16, fp16"), "{e}");
+}
+
 fn index_folder(weight_map: &str) -> tempfile::TempDir {
     let dir = scratch();
     write(&dir.path().join("s1.safetensors"), &[("a", vec![2])]);

@@ -555,20 +555,24 @@ def _meta_module(loader: Any, folder: str, dtype: Any) -> Optional[torch.nn.Modu
             module = loader.from_config(config)
     finally:
         torch.set_default_dtype(previous)
-    persistent = set(module.state_dict().keys()) - {n for n, _ in module.named_parameters()}
+    persistent = set(module.state_dict().keys()) - {n for n, _ in module.named_parameters(remove_duplicate=False)}
     if persistent:
         return None
     keep = getattr(loader, "_keep_in_fp32_modules", None) or []
     keep = [keep] if isinstance(keep, str) else list(keep)
     if floating:
-        for name, param in list(module.named_parameters()):
+        # One replacement per parameter, set under every name it has (tied parameters stay tied).
+        replaced: Dict[int, torch.nn.Parameter] = {}
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
             want = torch.float32 if any(k in name.split(".") for k in keep) else dtype
-            if param.is_floating_point() and param.dtype != want:
-                owner, _, leaf = name.rpartition(".")
-                holder = module.get_submodule(owner) if owner else module
-                holder._parameters[leaf] = torch.nn.Parameter(
+            if id(param) not in replaced and param.is_floating_point() and param.dtype != want:
+                replaced[id(param)] = torch.nn.Parameter(
                     torch.empty(param.shape, dtype=want, device="meta"), requires_grad=param.requires_grad
                 )
+            if id(param) in replaced:
+                owner, _, leaf = name.rpartition(".")
+                holder = module.get_submodule(owner) if owner else module
+                holder._parameters[leaf] = replaced[id(param)]
     return module.eval()
 
 

@@ -15,7 +15,7 @@ import torch
 from . import _native
 from .api import DynamicOffloadApplyResult, _local_path, enable_offload, from_pretrained_with_dynamic_offload
 from .config import DynamicOffloadConfig
-from .errors import DynamicOffloadCapacityError, DynamicOffloadError
+from .errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
 from .metrics import DynamicOffloadMetrics
 from .settings import resolve_settings
 
@@ -43,14 +43,24 @@ class DynamicOffloadPipelineResult:
 
 
 def _class_of(library: str, name: str, where: str) -> Any:
+    """The class ``name`` of ``library``, found as Diffusers finds it: a library that is one of
+    Diffusers' pipeline modules (``stable_diffusion``) is looked up there."""
     try:
-        module = importlib.import_module(library)
+        import diffusers.pipelines
+
+        module = getattr(diffusers.pipelines, library, None)
+        module = module if module is not None else importlib.import_module(library)
     except ImportError as e:
         raise DynamicOffloadError(f"{where} names library {library!r}, which cannot be imported: {e}") from None
     found = getattr(module, name, None)
     if found is None:
         raise DynamicOffloadError(f"{where} names class {name!r}, which {library} does not have")
     return found
+
+
+def _is_component(spec: Any) -> bool:
+    """A ``[library, class]`` entry naming a class (not ``[null, null]``, not a plain value)."""
+    return isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)
 
 
 def _has_safetensors(folder: str) -> bool:
@@ -81,9 +91,11 @@ def from_pretrained_pipeline_with_dynamic_offload(
     there is used as is, not loaded).
 
     ``gpu_budget_gb`` is split among the components on ``vmm_fast_runtime`` in proportion to
-    their weight bytes (each gets ``vmm_resident_weight_budget_gb`` = its share); components on
-    ``linear_runtime`` take their execution slots plus ``resident_module_budget_gb``. A share too
-    small for a component's working set raises :class:`DynamicOffloadCapacityError` naming it.
+    their checkpoint bytes (each gets ``vmm_resident_weight_budget_gb`` = its share); components
+    on ``linear_runtime`` take their execution slots plus ``resident_module_budget_gb``. A share
+    too small for a component's working set raises :class:`DynamicOffloadCapacityError` naming
+    it; a budget with no ``vmm_fast_runtime`` component to split among is refused.
+    ``torch_dtype`` goes to every model component, whatever its route.
     If any component fails, the ones already offloaded are removed and the error re-raised."""
     root = _local_path(path, revision)
     index_path = os.path.join(root, "model_index.json")
@@ -96,18 +108,27 @@ def from_pretrained_pipeline_with_dynamic_offload(
         raise DynamicOffloadError(f"{index_path} is not valid JSON: {e}") from None
     if pipeline_class is None:
         pipeline_class = _class_of("diffusers", str(index.get("_class_name")), index_path)
-    config = dynamic_offload_config or DynamicOffloadConfig()
+    config = dynamic_offload_config
     specs = {k: v for k, v in index.items() if not k.startswith("_")}
+    modules: Dict[str, Any] = {}
     routes: Dict[str, str] = {}
     for name, spec in specs.items():
-        if name in pipeline_kwargs or not isinstance(spec, list) or None in spec:
+        if name in pipeline_kwargs or not _is_component(spec):
             continue
         loader = _class_of(spec[0], spec[1], f"{index_path} ({name})")
-        if isinstance(loader, type) and issubclass(loader, torch.nn.Module) and _has_safetensors(os.path.join(root, name)):
-            routes[name] = resolve_settings(name, config=config).route_name
+        if isinstance(loader, type) and issubclass(loader, torch.nn.Module):
+            modules[name] = loader
+            if _has_safetensors(os.path.join(root, name)):
+                routes[name] = resolve_settings(name, config=config).route_name
     budgets: Dict[str, float] = {}
-    arena = [n for n, r in routes.items() if r == "vmm_fast_runtime"]
-    if gpu_budget_gb is not None and arena:
+    if gpu_budget_gb is not None:
+        arena = [n for n, r in routes.items() if r == "vmm_fast_runtime"]
+        if not arena:
+            raise DynamicOffloadConfigError(
+                f"gpu_budget_gb={gpu_budget_gb} is split among components on vmm_fast_runtime, and none resolved to it "
+                f"({', '.join(f'{n}: {r}' for n, r in routes.items()) or 'no safetensors model components'}); "
+                "use backend='vmm', or leave gpu_budget_gb unset"
+            )
         sizes = {n: _weight_bytes(os.path.join(root, n)) for n in arena}
         total = sum(sizes.values()) or 1
         budgets = {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
@@ -117,16 +138,22 @@ def from_pretrained_pipeline_with_dynamic_offload(
         for name, spec in specs.items():
             if name in components:
                 continue
-            if not isinstance(spec, list) or None in spec:
+            if spec is None or (isinstance(spec, list) and spec == [None, None]):
                 components[name] = None
+                continue
+            if not _is_component(spec):
+                components[name] = spec  # a plain setting (boundary_ratio, requires_safety_checker)
                 continue
             loader = _class_of(spec[0], spec[1], f"{index_path} ({name})")
             folder = os.path.join(root, name)
+            if name not in modules:
+                components[name] = loader.from_pretrained(folder)
+                continue
             dtype_kwargs = {}
-            if torch_dtype is not None and name in routes:
+            if torch_dtype is not None:
                 dtype_kwargs = {"dtype" if spec[0] == "transformers" else "torch_dtype": torch_dtype}
-            if name in routes and routes[name] in ("vmm_fast_runtime", "linear_runtime"):
-                own = config.replace(vmm_resident_weight_budget_gb=budgets[name]) if name in budgets else config
+            if routes.get(name) in ("vmm_fast_runtime", "linear_runtime"):
+                own = (config or DynamicOffloadConfig()).replace(vmm_resident_weight_budget_gb=budgets[name]) if name in budgets else config
                 try:
                     loaded = from_pretrained_with_dynamic_offload(
                         folder, model_loader=loader, apply_dynamic=True, component=name, dynamic_offload_config=own,
@@ -141,12 +168,10 @@ def from_pretrained_pipeline_with_dynamic_offload(
                     ) from None
                 components[name] = loaded.module
                 offload[name] = loaded.offload
-            elif name in routes:
+            else:
                 module = loader.from_pretrained(folder, **dtype_kwargs)
                 offload[name] = enable_offload(module, component=name, config=config)
                 components[name] = module
-            else:
-                components[name] = loader.from_pretrained(folder)
         pipeline = pipeline_class(**components)
     except BaseException:
         for r in offload.values():
