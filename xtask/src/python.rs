@@ -15,6 +15,7 @@ const REQUIREMENTS: &[&str] = &[
     "transformers",
     "safetensors",
     "accelerate",
+    "peft",
     "maturin>=1.5,<2",
     "pytest",
 ];
@@ -31,7 +32,10 @@ pub(crate) fn ensure_env() -> Result<(), String> {
         run("python3", &["-m", "venv", VENV])?;
     }
     let ready = Command::new(&py)
-        .args(["-c", "import torch, diffusers, transformers, safetensors, maturin, pytest"])
+        .args([
+            "-c",
+            "import torch, diffusers, transformers, safetensors, accelerate, peft, maturin, pytest",
+        ])
         .output()
         .is_ok_and(|o| o.status.success());
     if !ready {

@@ -115,8 +115,12 @@ class SessionRuntime:
         self.leases: Dict[int, List[int]] = {}
         self.originals: Dict[str, Any] = {}
         self.original_buffers: Dict[str, torch.Tensor] = {}
-        # Every parameter as published, with the address it views (checked before each pass).
-        self.published: Dict[str, Tuple[torch.nn.Parameter, int]] = {}
+        # Where each managed parameter lives: (owning module, attribute, name at attach). Held by
+        # module object, not by path, so wrappers that move a layer (adapters) keep it found.
+        self.places: List[Tuple[torch.nn.Module, str, str]] = []
+        self.buffer_places: List[Tuple[torch.nn.Module, str, str]] = []
+        # Every parameter as published (by identity), with the address it views.
+        self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
         # After reclaim() parameters are meta; the next pass publishes the views again.
         self.republish = False
         # Forwards of one module run one at a time: a pass owns the module's leases.
@@ -134,11 +138,15 @@ class SessionRuntime:
         kind, index = self.session.device()
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         self.originals = dict(self.module.named_parameters(remove_duplicate=False))
+        self.places = [(*_owner(self.module, name), name) for name in self.originals]
         self._publish_views()
         for name, b in list(self.module.named_buffers()):
             self.original_buffers[name] = b
             owner, attr = _owner(self.module, name)
+            self.buffer_places.append((owner, attr, name))
             setattr(owner, attr, b.to(self.device))
+        if "fuse_lora" not in self.module.__dict__ and hasattr(self.module, "fuse_lora"):
+            self.module.fuse_lora = self._refuse_fuse
         for unit, name, pinned in self.session.units():
             if not pinned:
                 m = self.module.get_submodule(name)
@@ -152,12 +160,12 @@ class SessionRuntime:
         self.handles.append(self.module._register_load_state_dict_pre_hook(self._refuse_load, with_module=True))
 
     def _publish(self, make) -> None:
-        """Sets every parameter name (aliases too) to ``make(name, old)``, one object per key."""
+        """Sets every managed parameter (aliases too) to ``make(name, old)``, one object per key."""
         new: Dict[int, torch.nn.Parameter] = {}
-        for name, p in list(self.module.named_parameters(remove_duplicate=False)):
+        for owner, attr, name in self.places:
+            p = owner._parameters[attr]
             if id(p) not in new:
                 new[id(p)] = make(name, p)
-            owner, attr = _owner(self.module, name)
             setattr(owner, attr, new[id(p)])
 
     def _publish_views(self) -> None:
@@ -167,9 +175,8 @@ class SessionRuntime:
             for n in names:
                 views[n] = view
         self._publish(lambda name, _p: torch.nn.Parameter(views[name], requires_grad=False))
-        self.published = {
-            name: (p, p.data_ptr()) for name, p in self.module.named_parameters(remove_duplicate=False)
-        }
+        current = (owner._parameters[attr] for owner, attr, _ in self.places)
+        self.published = {id(p): (p, p.data_ptr()) for p in current}
 
     def _publish_meta(self) -> None:
         # Holding the views would keep the arena's memory alive.
@@ -216,16 +223,39 @@ class SessionRuntime:
                 "an input requires grad; ddo offloads inference only (gradients would read block memory that later "
                 "blocks reuse): run the forward under torch.no_grad() or torch.inference_mode()"
             )
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            published = self.published.get(name)
-            if p.requires_grad:
-                raise _native.DynamicOffloadLifecycleError(
-                    f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
-                )
+        for owner, attr, name in self.places:
+            p = owner._parameters.get(attr)
+            published = self.published.get(id(p))
             if published is None or p is not published[0] or p.data_ptr() != published[1]:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} was changed after ddo attached (a dtype or device move, or an assignment): "
                     "call remove_dynamic_offload(module) first, change the module, then offload it again"
+                )
+            if p.requires_grad:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
+                )
+        # Parameters added after attach (adapters such as LoRA) are the module's own: they must be
+        # on the execution device, and trainable ones only run without gradients.
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in self.published:
+                continue
+            if p.device != self.device:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"parameter {name} was added after ddo attached and is on {p.device}, not on the execution device "
+                    f"{self.device}: move it there (adapters are resident beside the streamed weights)"
+                )
+            if p.requires_grad and torch.is_grad_enabled():
+                raise _native.DynamicOffloadLifecycleError(
+                    f"parameter {name} requires grad; ddo offloads inference only: run the forward under "
+                    "torch.no_grad() or torch.inference_mode()"
+                )
+        for path, m in self.module.named_modules():
+            if getattr(m, "merged_adapters", None):
+                raise _native.DynamicOffloadLifecycleError(
+                    f"adapters {m.merged_adapters} were fused into {path or 'the module'}, whose weights stream from "
+                    "their source: the fused values would be lost at the next upload. Restore the weights with "
+                    "result.unload() and result.reload() and use the adapters unfused"
                 )
 
     def _pass(self, original: Any, args: tuple, kwargs: dict) -> Any:
@@ -273,6 +303,13 @@ class SessionRuntime:
             return like  # meta placeholders while unloaded
         raw = bytearray(self.session.source_tensor(name))
         return torch.frombuffer(raw, dtype=like.dtype).reshape(like.shape) if raw else torch.empty(like.shape, dtype=like.dtype)
+
+    def _refuse_fuse(self, *_args: Any, **_kwargs: Any) -> None:
+        raise _native.DynamicOffloadLifecycleError(
+            f"{type(self.module).__name__} is offloaded by ddo: its weights stream from their source, so fused "
+            "adapter values would be lost at the next upload. Use the adapters unfused (set_adapters weighs them), "
+            "or call remove_dynamic_offload(module) before fuse_lora"
+        )
 
     def _refuse_load(self, *_args: Any, **_kwargs: Any) -> None:
         raise _native.DynamicOffloadLifecycleError(
@@ -345,17 +382,17 @@ class SessionRuntime:
             h.remove()
         self.handles.clear()
         self.module.__dict__.pop("forward", None)
+        if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
+            del self.module.__dict__["fuse_lora"]
         self.published = {}
         if self.session is None:
             return
         self.synchronize()
         if self.checkpoint is None:
-            for name, p in self.originals.items():
-                owner, attr = _owner(self.module, name)
-                setattr(owner, attr, p)
-            for name, b in self.original_buffers.items():
-                owner, attr = _owner(self.module, name)
-                setattr(owner, attr, b)
+            for owner, attr, name in self.places:
+                setattr(owner, attr, self.originals[name])
+            for owner, attr, name in self.buffer_places:
+                setattr(owner, attr, self.original_buffers[name])
         else:
             self._publish_meta()
         if not self.session.is_unloaded():
