@@ -36,6 +36,15 @@ fn resolve(extra: &[(&str, &str)]) -> ddo_policy::Plan {
 }
 
 fn native(path: &Path, extra: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {
+    native_with(path, extra, None)
+}
+
+/// The native route over the mapped checkpoint at `path`, with the module `tree` when given.
+fn native_with(
+    path: &Path,
+    extra: &[(&str, &str)],
+    tree: Option<ddo_arena::ModuleTree>,
+) -> Result<ComponentSession, SessionError> {
     let mut args = vec![("backend", "vmm"), ("vmm_resident_weight_budget_gb", "0.02")];
     args.extend_from_slice(extra);
     // SAFETY: the test's checkpoint is not modified while the session lives.
@@ -43,7 +52,7 @@ fn native(path: &Path, extra: &[(&str, &str)]) -> Result<ComponentSession, Sessi
     ComponentSession::open(SessionSpec {
         plan: resolve(&args),
         weights: Weights::Checkpoint { path: path.to_owned(), mmap },
-        tree: None,
+        tree,
     })
 }
 
@@ -554,15 +563,7 @@ fn converted(
     dtype: Dtype,
     extra: &[(&str, &str)],
 ) -> Result<ComponentSession, SessionError> {
-    let mut args = vec![("backend", "vmm"), ("vmm_resident_weight_budget_gb", "0.02")];
-    args.extend_from_slice(extra);
-    // SAFETY: the test's checkpoint is not modified while the session lives.
-    let mmap = unsafe { MmapChoice::auto() };
-    ComponentSession::open(SessionSpec {
-        plan: resolve(&args),
-        weights: Weights::Checkpoint { path: path.to_owned(), mmap },
-        tree: Some(tree_of(path, dtype)),
-    })
+    native_with(path, extra, Some(tree_of(path, dtype)))
 }
 
 #[test]

@@ -286,16 +286,7 @@ impl WeightSource for ConvertedSource {
             return self.inner.read(slice, dst);
         }
         let bytes = self.host_bytes(slice).expect("converted tensors are retained");
-        if dst.len() != bytes.len() {
-            return Err(SourceError::InvalidBatch(format!(
-                "tensor {:?} has {} bytes, the buffer {}",
-                self.slices[slice].name,
-                bytes.len(),
-                dst.len()
-            )));
-        }
-        dst.copy_from_slice(bytes.as_bytes());
-        Ok(())
+        crate::copy_host_bytes(&self.slices[slice].name, &bytes, dst)
     }
 
     fn host_bytes(&self, slice: usize) -> Option<HostSlice> {

@@ -227,16 +227,7 @@ impl WeightSource for HostTensorSource {
         let bytes = self
             .host_bytes(slice)
             .ok_or(SourceError::NoSuchTensor { index: slice, count: self.slices.len() })?;
-        if bytes.len() != dst.len() {
-            return Err(SourceError::InvalidBatch(format!(
-                "tensor {:?} has {} bytes, the destination {}",
-                self.slices[slice].name,
-                bytes.len(),
-                dst.len()
-            )));
-        }
-        dst.copy_from_slice(bytes.as_bytes());
-        Ok(())
+        crate::copy_host_bytes(&self.slices[slice].name, &bytes, dst)
     }
 
     fn host_bytes(&self, slice: usize) -> Option<HostSlice> {

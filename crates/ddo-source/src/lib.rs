@@ -41,3 +41,20 @@ pub use registration::{REGISTRATION_SEGMENT, RegisteredRange, Registrar};
 pub use retained::{RetainedBuffer, RetainedStore};
 pub use retained_source::{RetainedReport, RetainedSource};
 pub use source::{CheckpointSource, MmapChoice};
+
+/// Copies a tensor's host bytes into `dst`, which must be as long.
+pub(crate) fn copy_host_bytes(
+    name: &str,
+    bytes: &ddo_core::HostSlice,
+    dst: &mut [u8],
+) -> Result<(), ddo_core::SourceError> {
+    if bytes.len() != dst.len() {
+        return Err(ddo_core::SourceError::InvalidBatch(format!(
+            "tensor {name:?} has {} bytes, the destination {}",
+            bytes.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(bytes.as_bytes());
+    Ok(())
+}

@@ -5,9 +5,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use ddo_core::{
-    Admission, CheckpointFileId, Dtype, MockAdmissionProbe, ReadRequest, SourceError, WeightSource,
-};
+use ddo_core::{CheckpointFileId, Dtype, ReadRequest, SourceError, WeightSource};
 use ddo_source::{
     Checkpoint, CheckpointSource, ConvertedSource, ReadOptions, RetainedStore, convert, convertible,
 };
@@ -189,24 +187,6 @@ fn only_floating_pairs_convert() {
 }
 
 // ---- the source ------------------------------------------------------------------------------
-
-fn probe(grant: bool) -> Arc<MockAdmissionProbe> {
-    let mut p = MockAdmissionProbe::new();
-    p.expect_admit().returning(move |r| {
-        if grant {
-            Admission::Granted { headroom: 1 << 40 }
-        } else {
-            Admission::Refused(ddo_core::Refusal {
-                request: *r,
-                reason: ddo_core::RefusalReason::MemAvailable {
-                    available: 1 << 20,
-                    margin: 1 << 30,
-                },
-            })
-        }
-    });
-    Arc::new(p)
-}
 
 /// An F32 checkpoint: `a`, `b` (adjacent), `c`, each of 1000 elements with [`pattern`] bytes.
 fn f32_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {

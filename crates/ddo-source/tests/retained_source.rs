@@ -5,25 +5,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use ddo_core::{
-    Admission, MockAdmissionProbe, ReadRequest, Refusal, RefusalReason, SourceError, WeightSource,
-};
+use ddo_core::{ReadRequest, SourceError, WeightSource};
 use ddo_source::{Checkpoint, CheckpointSource, ReadOptions, RetainedSource, RetainedStore};
-
-fn probe(grant: bool) -> Arc<MockAdmissionProbe> {
-    let mut p = MockAdmissionProbe::new();
-    p.expect_admit().returning(move |r| {
-        if grant {
-            Admission::Granted { headroom: 1 << 40 }
-        } else {
-            Admission::Refused(Refusal {
-                request: *r,
-                reason: RefusalReason::MemAvailable { available: 1 << 20, margin: 1 << 30 },
-            })
-        }
-    });
-    Arc::new(p)
-}
 
 const WIDTH: usize = 64; // a block: 3 * 64*64*2 + 128 = 24.7 KiB
 

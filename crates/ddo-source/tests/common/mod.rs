@@ -76,3 +76,21 @@ pub fn raw(path: &Path, header: &[u8], len_field: u64, data: usize) -> PathBuf {
     std::fs::write(path, v).unwrap();
     path.to_owned()
 }
+
+/// An admission probe that grants everything, or refuses everything for lack of memory.
+#[allow(dead_code)]
+pub fn probe(grant: bool) -> std::sync::Arc<ddo_core::MockAdmissionProbe> {
+    use ddo_core::{Admission, Refusal, RefusalReason};
+    let mut p = ddo_core::MockAdmissionProbe::new();
+    p.expect_admit().returning(move |r| {
+        if grant {
+            Admission::Granted { headroom: 1 << 40 }
+        } else {
+            Admission::Refused(Refusal {
+                request: *r,
+                reason: RefusalReason::MemAvailable { available: 1 << 20, margin: 1 << 30 },
+            })
+        }
+    });
+    std::sync::Arc::new(p)
+}
