@@ -95,25 +95,49 @@ def test_fusing_an_adapter_is_refused_before_it_writes(offloaded):
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="fuse"):
         loaded.module.fuse_lora()
     assert torch.equal(run(loaded.module, inputs), want), "nothing was written"
-    # Fusing through peft directly is caught at the next forward, and unload/reload restores.
-    for m in loaded.module.modules():
-        if hasattr(m, "merge") and hasattr(m, "merged_adapters"):
-            m.merge()
+    # Merging through peft directly (what merge_and_unload and Diffusers' fuse paths call) is
+    # refused before anything is written.
+    layer = next(m for m in loaded.module.modules() if hasattr(m, "merged_adapters"))
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="merging adapters"):
+        layer.merge()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="merging adapters"):
+        layer.merge(safe_merge=True)
+    assert torch.equal(run(loaded.module, inputs), want), "nothing was written"
+    # A layer that says it is merged (merged before attach, say) does not run with streamed
+    # unmerged weights: the forward is refused.
+    layer.merged_adapters.append("style")
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="fused"):
         run(loaded.module, inputs)
-    for m in loaded.module.modules():
-        if getattr(m, "merged_adapters", None):
-            m.unmerge()
-    loaded.offload.unload()
-    loaded.offload.reload()
+    layer.merged_adapters.clear()
     assert torch.equal(run(loaded.module, inputs), want)
     loaded.offload.remove()
 
 
-def test_an_adapter_left_on_another_device_is_refused(offloaded):
+def test_an_adapter_loads_from_its_state_dict_as_pipelines_load_it(offloaded):
+    from peft.utils import get_peft_model_state_dict
+
+    loaded, reference, inputs = offloaded
+    adapter(reference)
+    want = run(reference, inputs)
+    weights = get_peft_model_state_dict(reference, adapter_name="style")
+    loaded.module.load_lora_adapter(weights, prefix=None, adapter_name="style")
+    assert torch.equal(run(loaded.module, inputs), want)
+    # A state dict naming a streamed weight is still refused, and nothing is loaded.
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="view arena memory"):
+        loaded.module.load_state_dict({"proj_out.weight": torch.zeros(4, 32)}, strict=False)
+    assert torch.equal(run(loaded.module, inputs), want)
+    loaded.offload.remove()
+
+
+def test_an_adapter_without_values_is_refused_with_what_to_do(offloaded):
     loaded, _, inputs = offloaded
-    adapter(loaded.module)
-    name, layer = next((n, m) for n, m in loaded.module.named_modules() if "lora_A" in n and hasattr(m, "weight"))
-    layer.weight = torch.nn.Parameter(torch.empty(layer.weight.shape, device="meta"))
-    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="added after ddo attached and is on meta"):
+    run(loaded.module, inputs)
+    loaded.offload.reclaim()
+    adapter(loaded.module)  # placed where the base weights are: meta placeholders after reclaim()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="has no values: delete it"):
         run(loaded.module, inputs)
+    loaded.module.delete_adapters("style")
+    run(loaded.module, inputs)
+    adapter(loaded.module)
+    run(loaded.module, inputs)
+    loaded.offload.remove()

@@ -262,3 +262,39 @@ def test_a_hub_id_resolves_in_the_local_cache_without_network(tmp_path, monkeypa
     loaded.offload.remove()
     with pytest.raises(ddo.DynamicOffloadError, match="hf download example/missing"):
         ddo.from_pretrained_with_dynamic_offload("example/missing")
+
+
+def test_unload_and_remove_wait_for_a_forward_in_another_thread(tmp_path, flux):
+    import threading
+    import time
+
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    loaded = load_native(tmp_path, model)
+    block = loaded.module.transformer_blocks[0]
+    original = block.forward
+    entered = threading.Event()
+
+    def slow(*args, **kwargs):
+        entered.set()
+        time.sleep(0.3)
+        return original(*args, **kwargs)
+
+    block.forward = slow
+    results = []
+    worker = threading.Thread(target=lambda: results.append(run(loaded.module, inputs)))
+    worker.start()
+    entered.wait(5)
+    loaded.offload.unload()  # waits for the pass in the other thread to end
+    worker.join(5)
+    assert len(results) == 1 and torch.equal(results[0], reference)
+    loaded.offload.reload()
+    del block.forward
+    worker = threading.Thread(target=lambda: results.append(run(loaded.module, inputs)))
+    block.forward = slow
+    entered.clear()
+    worker.start()
+    entered.wait(5)
+    loaded.offload.remove()
+    worker.join(5)
+    assert len(results) == 2 and torch.equal(results[1], reference)

@@ -102,3 +102,17 @@ def test_a_budget_with_nothing_to_split_among_is_refused(tmp_path):
     linear = ddo.DynamicOffloadConfig(backend="linear", execution_device="cpu")
     with pytest.raises(ddo.DynamicOffloadConfigError, match="gpu_budget_gb=2 .*none resolved to it"):
         ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "flux", dynamic_offload_config=linear, gpu_budget_gb=2)
+
+
+@pytest.mark.parametrize(
+    "index,message",
+    [("[]", "not an object of components"), ('{"_class_name": "FluxPipeline", "x": ["os", "system"]}', "not a class"),
+     ('{"_class_name": "FluxPipeline", "x": ["diffusers", "NoSuchThing"]}', "not a class"), ("{", "cannot be read as JSON")],
+)
+def test_a_bad_index_is_refused_by_name(tmp_path, index, message):
+    (tmp_path / "model_index.json").write_text(index)
+    with pytest.raises(ddo.DynamicOffloadError, match=message):
+        ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path)
+    (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="number of GiB"):
+        ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path, gpu_budget_gb=True)

@@ -107,3 +107,20 @@ def test_a_config_naming_no_class_says_what_to_pass(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
     with pytest.raises(ddo.DynamicOffloadError, match="NoSuchModel"):
         ddo.from_pretrained_with_dynamic_offload(tmp_path)
+
+
+def test_auto_dtype_builds_buffers_in_the_loaded_dtype(tmp_path):
+    torch.manual_seed(3)
+    model = clip().eval()
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "clip")
+    reference = type(model).from_pretrained(tmp_path / "clip", dtype="auto").eval()
+    ids = torch.tensor([[1, 5, 9, 3, 2, 7]])
+    with torch.no_grad():
+        want = first(reference(input_ids=ids, return_dict=False))
+    config = ddo.DynamicOffloadConfig(route="dynamic", backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=6 / 1024)
+    got = ddo.from_pretrained_with_dynamic_offload(
+        tmp_path / "clip", dtype="auto", apply_dynamic=True, component="text_encoder", dynamic_offload_config=config
+    )
+    with torch.no_grad():
+        assert torch.equal(first(got.module(input_ids=ids, return_dict=False)), want)
+    got.offload.remove()

@@ -524,8 +524,11 @@ def _meta_transformers(loader: Any, folder: str, kwargs: Dict[str, Any]) -> Opti
     if missing:
         if set(missing) & set(module.state_dict().keys()):
             return None
+        # Buffers are computed as construction under the loaded dtype computes them.
+        dtype = getattr(module.config, "dtype", None) or getattr(module.config, "torch_dtype", None)
+        dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         with accelerate.init_empty_weights(include_buffers=False):
-            skeleton = loader._from_config(module.config, **dtype_kwargs)
+            skeleton = loader._from_config(module.config, **({"dtype": dtype} if isinstance(dtype, torch.dtype) else {}))
         real = dict(skeleton.named_buffers())
         for name in missing:
             owner, _, leaf = name.rpartition(".")

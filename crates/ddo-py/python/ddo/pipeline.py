@@ -53,8 +53,8 @@ def _class_of(library: str, name: str, where: str) -> Any:
     except ImportError as e:
         raise DynamicOffloadError(f"{where} names library {library!r}, which cannot be imported: {e}") from None
     found = getattr(module, name, None)
-    if found is None:
-        raise DynamicOffloadError(f"{where} names class {name!r}, which {library} does not have")
+    if not isinstance(found, type) or not hasattr(found, "from_pretrained"):
+        raise DynamicOffloadError(f"{where} names {library}.{name}, which is not a class that loads with from_pretrained")
     return found
 
 
@@ -104,8 +104,12 @@ def from_pretrained_pipeline_with_dynamic_offload(
             index = json.load(f)
     except FileNotFoundError:
         raise DynamicOffloadError(f"{root} has no model_index.json: pass a Diffusers pipeline folder") from None
-    except ValueError as e:
-        raise DynamicOffloadError(f"{index_path} is not valid JSON: {e}") from None
+    except (ValueError, OSError) as e:
+        raise DynamicOffloadError(f"{index_path} cannot be read as JSON: {e}") from None
+    if not isinstance(index, dict):
+        raise DynamicOffloadError(f"{index_path} holds a {type(index).__name__}, not an object of components")
+    if gpu_budget_gb is not None and (isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, (int, float))):
+        raise DynamicOffloadConfigError(f"gpu_budget_gb must be a number of GiB, not {gpu_budget_gb!r}")
     if pipeline_class is None:
         pipeline_class = _class_of("diffusers", str(index.get("_class_name")), index_path)
     config = dynamic_offload_config

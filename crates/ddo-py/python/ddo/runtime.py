@@ -8,9 +8,12 @@ block runs and release it after, on PyTorch's current stream."""
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 import json
 import threading
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -102,6 +105,50 @@ def _owner(module: torch.nn.Module, dotted: str) -> Tuple[torch.nn.Module, str]:
     return (module.get_submodule(parent) if parent else module), attr
 
 
+# Attached runtimes, for the adapter-merge guard.
+_RUNTIMES: "weakref.WeakSet[SessionRuntime]" = weakref.WeakSet()
+
+
+def _refuse_merge_into_streamed(layer: Any) -> None:
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    own = [id(p) for p in base.parameters(recurse=False)]
+    for runtime in list(_RUNTIMES):
+        if any(i in runtime.published for i in own):
+            raise _native.DynamicOffloadLifecycleError(
+                f"merging adapters into a {type(base).__name__} of {type(runtime.module).__name__} would write into "
+                "weights ddo streams from their source (the merged values would be lost at the next upload): use the "
+                "adapters unmerged, or call remove_dynamic_offload(module) first"
+            )
+
+
+def _guarded(merge: Any) -> Any:
+    @functools.wraps(merge)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_merge_into_streamed(self)
+        return merge(self, *args, **kwargs)
+
+    guarded._ddo_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _guard_adapter_merges() -> None:
+    """Wraps the ``merge`` of peft's adapter layers (what ``fuse_lora`` and ``merge_and_unload``
+    call) so that merging into a weight ddo streams is refused before anything is written."""
+    if "peft" not in sys.modules and importlib.util.find_spec("peft") is None:
+        return
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return
+    stack = [BaseTunerLayer]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        merge = cls.__dict__.get("merge")
+        if merge is not None and not getattr(merge, "_ddo_guard", False):
+            setattr(cls, "merge", _guarded(merge))
+
+
 class SessionRuntime:
     """One module attached to a session (routes ``linear_runtime`` and ``vmm_fast_runtime``)."""
 
@@ -147,6 +194,8 @@ class SessionRuntime:
             setattr(owner, attr, b.to(self.device))
         if "fuse_lora" not in self.module.__dict__ and hasattr(self.module, "fuse_lora"):
             self.module.fuse_lora = self._refuse_fuse
+        _guard_adapter_merges()
+        _RUNTIMES.add(self)
         for unit, name, pinned in self.session.units():
             if not pinned:
                 m = self.module.get_submodule(name)
@@ -235,11 +284,18 @@ class SessionRuntime:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
                 )
+        _guard_adapter_merges()
         # Parameters added after attach (adapters such as LoRA) are the module's own: they must be
         # on the execution device, and trainable ones only run without gradients.
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if id(p) in self.published:
                 continue
+            if p.is_meta:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"parameter {name} was added after ddo attached while the weights were placeholders (after "
+                    "reclaim() or unload()), so it has no values: delete it (delete_adapters) and add it again after "
+                    "a forward or reload()"
+                )
             if p.device != self.device:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} was added after ddo attached and is on {p.device}, not on the execution device "
@@ -311,11 +367,18 @@ class SessionRuntime:
             "or call remove_dynamic_offload(module) before fuse_lora"
         )
 
-    def _refuse_load(self, *_args: Any, **_kwargs: Any) -> None:
-        raise _native.DynamicOffloadLifecycleError(
-            f"{type(self.module).__name__} is offloaded by ddo: its parameters view arena memory; call "
-            "remove_dynamic_offload(module) before load_state_dict"
-        )
+    def _refuse_load(self, _module: Any, state_dict: dict, prefix: str, *_args: Any, **_kwargs: Any) -> None:
+        """Refuses a ``load_state_dict`` that would write a streamed weight (it views arena memory);
+        one that loads only the module's own parameters (adapters added after attach) goes on."""
+        managed = {prefix + n for n, p in self.module.named_parameters(remove_duplicate=False) if id(p) in self.published}
+        managed |= {prefix + name for _, _, name in self.places}
+        touched = sorted(k for k in state_dict if k in managed)
+        if touched:
+            raise _native.DynamicOffloadLifecycleError(
+                f"{type(self.module).__name__} is offloaded by ddo: its weights ({touched[0]}"
+                f"{f' and {len(touched) - 1} more' if len(touched) > 1 else ''}) view arena memory; call "
+                "remove_dynamic_offload(module) before load_state_dict"
+            )
 
     def _pre(self, unit: int):
         def hook(_m: torch.nn.Module, _args: tuple) -> None:
@@ -354,8 +417,18 @@ class SessionRuntime:
             self.republish = True
             return self.session.reclaim()
 
+    def _not_inside_forward(self, what: str) -> None:
+        if self.in_forward.get(threading.get_ident()):
+            raise _native.DynamicOffloadLifecycleError(f"{what} was called inside the module's forward; call it between passes")
+
     def unload(self) -> None:
-        """Parameters become meta placeholders and the arena's memory is freed."""
+        """Parameters become meta placeholders and the arena's memory is freed (after a forward
+        running in another thread ends)."""
+        self._not_inside_forward("unload()")
+        with self.forward_lock:
+            self._unload()
+
+    def _unload(self) -> None:
         self.synchronize()
         self._publish_meta()
         self.session.end_pass(_stream(self.device))
@@ -377,7 +450,14 @@ class SessionRuntime:
     def detach(self) -> None:
         """Removes the hooks and closes the session after the device's work completed. Host
         tensors the module had (linear route) are put back; weights that lived only in the
-        arena (native route) become meta placeholders."""
+        arena (native route) become meta placeholders. Waits for a forward running in another
+        thread to end."""
+        self._not_inside_forward("remove()")
+        with self.forward_lock:
+            self._detach()
+
+    def _detach(self) -> None:
+        _RUNTIMES.discard(self)
         for h in self.handles:
             h.remove()
         self.handles.clear()
