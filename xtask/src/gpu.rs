@@ -246,7 +246,14 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
             "importlib_metadata",
         ],
     )?;
-    for script in ["bench_gpu.py", "gpu_native.py", "gpu_linear.py", "flux_workload.py"] {
+    for script in [
+        "bench_gpu.py",
+        "gpu_native.py",
+        "gpu_linear.py",
+        "flux_workload.py",
+        "gpu_features.py",
+        "tiny_pipelines.py",
+    ] {
         copy(&Path::new("crates/ddo-py/examples").join(script), &dir.join(script))?;
     }
     let run_sh = BENCH_RUN_SH.replace("@CONFIGS@", &configs);
@@ -271,14 +278,16 @@ export PYTHONPATH="$site" PYTHONUNBUFFERED=1
 work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 # One command per part keeps each under a machine's per-command limit:
 #   bash run.sh native            fidelity of the native route (Flux 512/1024/2048, SD3, AutoencoderKL)
+#   bash run.sh features          pipelines, text encoders, LoRA and conversion against resident runs
 #   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
 #   bash run.sh table             the table of every row measured so far
 case "${1:-bench}" in
   native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
+  features) cmd=(python3 "$bundle/gpu_features.py") ;;
   bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work")
          [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
-  *) echo "usage: run.sh native | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
+  *) echo "usage: run.sh native | features | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

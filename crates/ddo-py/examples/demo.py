@@ -115,17 +115,12 @@ def pipeline(folder: str, device: str) -> int:
     from diffusers import DiffusionPipeline
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tiny_pipelines import flux_pipeline, generate
+    from tiny_pipelines import flux_pipeline, generate, own_memory
 
     torch.manual_seed(0)
     pipe, extra = flux_pipeline()
     pipe.save_pretrained(folder)
-    reference = DiffusionPipeline.from_pretrained(folder).to(device)
-    with torch.no_grad():
-        for component in reference.components.values():
-            if isinstance(component, torch.nn.Module):
-                for p in component.parameters():
-                    p.data = p.data.clone()  # own memory, as a resident run on a device has
+    reference = own_memory(DiffusionPipeline.from_pretrained(folder).to(device))
     want = generate(reference, extra)
     del reference
     # Text encoders stream through the arena too (presets give them Diffusers' leaf offload); the

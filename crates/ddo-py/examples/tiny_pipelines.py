@@ -100,3 +100,16 @@ def generate(pipe, extra, steps: int = 2):
     out = pipe(prompt="a red cat on the mat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
                output_type="np", **extra)
     return np.asarray(out[0])
+
+
+def own_memory(pipe):
+    """``pipe`` with every weight in an allocation of its own. A loader may leave weights as
+    views into a file mapping at any 4-byte offset, and CPU kernels pick other code paths (and
+    round differently) for such addresses; a resident run on a GPU copies each weight into
+    aligned memory, and a reference on the CPU does the same here."""
+    with torch.no_grad():
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for p in component.parameters():
+                    p.data = p.data.clone()
+    return pipe

@@ -14,20 +14,7 @@ import torch
 import ddo
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from tiny_pipelines import PIPELINES, flux_pipeline, generate  # noqa: E402
-
-def own_memory(pipe):
-    """``pipe`` with every weight in an allocation of its own. A loader may leave weights as
-    views into a file mapping at any 4-byte offset, and CPU kernels pick other code paths (and
-    round differently) for such addresses; a resident run on a device copies each weight into
-    aligned memory, and the reference here does the same."""
-    with torch.no_grad():
-        for component in pipe.components.values():
-            if isinstance(component, torch.nn.Module):
-                for p in component.parameters():
-                    p.data = p.data.clone()
-    return pipe
-
+from tiny_pipelines import PIPELINES, flux_pipeline, generate, own_memory  # noqa: E402
 
 def every_model_streamed(**overrides):
     """Every model component on the arena (text encoders and VAE included), on the CPU, with a
