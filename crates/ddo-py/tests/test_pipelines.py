@@ -5,6 +5,7 @@ exactly what Diffusers' own loading generates."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -103,3 +104,31 @@ def test_a_bad_index_is_refused_by_name(tmp_path, index, message):
     (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
     with pytest.raises(ddo.DynamicOffloadConfigError, match="number of GiB"):
         ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path, gpu_budget_gb=True)
+
+
+def test_a_variant_loads_its_own_files(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    torch.manual_seed(0)
+    pipe, extra = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "flux")
+    # An fp16 variant beside the plain files, with other values, as hub repos hold them.
+    torch.manual_seed(1)
+    other, _ = flux_pipeline()
+    other.to(torch.float16).save_pretrained(tmp_path / "variant", variant="fp16")
+    for weights in (tmp_path / "variant").glob("*/*.fp16.safetensors"):
+        shutil.copy(weights, tmp_path / "flux" / weights.parent.name / weights.name)
+    want = generate(own_memory(DiffusionPipeline.from_pretrained(tmp_path / "flux", variant="fp16", torch_dtype=torch.float32)), extra)
+    plain = generate(own_memory(DiffusionPipeline.from_pretrained(tmp_path / "flux")), extra)
+    assert not np.array_equal(want, plain)
+    result = ddo.from_pretrained_pipeline_with_dynamic_offload(
+        tmp_path / "flux", variant="fp16", torch_dtype=torch.float32, dynamic_offload_config=every_model_streamed()
+    )
+    np.testing.assert_array_equal(generate(result.pipeline, extra), want)
+    result.remove()
+    # Without a variant, the plain files (variant files beside them are skipped).
+    result = ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "flux", dynamic_offload_config=every_model_streamed())
+    np.testing.assert_array_equal(generate(result.pipeline, extra), plain)
+    result.remove()
+    with pytest.raises(ddo.DynamicOffloadError, match="no single checkpoint of variant 'bf16'"):
+        ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "flux", variant="bf16", dynamic_offload_config=every_model_streamed())

@@ -75,7 +75,8 @@ fn regular_file(path: &Path) -> Result<(), SourceError> {
 }
 
 impl Checkpoint {
-    /// Opens a safetensors file, or a directory: with exactly one `*.safetensors.index.json`
+    /// Opens a safetensors file, an index (`*.json`), or a directory: with exactly one
+    /// `*.safetensors.index.json`
     /// the files it names, otherwise every `*.safetensors` file in it (a Diffusers model folder
     /// or its `transformer/` subfolder). Variant files (`model.fp16.safetensors`) are skipped
     /// when files without a variant are there, as Diffusers and transformers load them.
@@ -83,6 +84,10 @@ impl Checkpoint {
         let path = path.as_ref();
         let meta = std::fs::metadata(path).map_err(|e| io(path, e))?;
         if !meta.is_dir() {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if name.ends_with(".json") {
+                return Checkpoint::open_index(path);
+            }
             return Checkpoint::open_files(&[path]);
         }
         let mut indexes = Vec::new();

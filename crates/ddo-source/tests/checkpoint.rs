@@ -47,6 +47,10 @@ fn a_diffusers_folder_with_and_without_index() {
     let c = Checkpoint::open(d).unwrap();
     assert_eq!(c.files().len(), 2);
     assert_eq!(c.slices()[c.find("c").unwrap()].file.0, 1);
+    // The index itself opens the same checkpoint (how a variant's index is chosen).
+    let by_index =
+        Checkpoint::open(d.join("diffusion_pytorch_model.safetensors.index.json")).unwrap();
+    assert_eq!(by_index.slices().len(), 3);
 }
 
 #[test]

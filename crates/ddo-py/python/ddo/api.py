@@ -413,7 +413,8 @@ def from_pretrained_with_dynamic_offload(
     A corrupt checkpoint raises :class:`DynamicOffloadError` naming the file and tensor."""
     path = _local_path(path, from_pretrained_kwargs.get("revision"))
     folder = os.path.join(path, subfolder) if subfolder else path
-    source = _association(folder)
+    checkpoint = _variant_checkpoint(folder, from_pretrained_kwargs.get("variant"))
+    source = _association(checkpoint)
     if model_loader is None:
         model_loader = _loader_of(folder)
     if subfolder:
@@ -430,7 +431,7 @@ def from_pretrained_with_dynamic_offload(
                 module = _meta_module(model_loader, folder, from_pretrained_kwargs.get("torch_dtype"))
     if module is None:
         module = model_loader.from_pretrained(os.fspath(path), **from_pretrained_kwargs)
-    source["path"] = folder
+    source["path"] = checkpoint
     module._ddo_source = source
     names = {t["name"]: t for t in source["tensors"]}
     bound = 0
@@ -444,6 +445,26 @@ def from_pretrained_with_dynamic_offload(
         result.offload = enable_offload(module, component=component, config=dynamic_offload_config)
         result.offload.source = source
     return result
+
+
+def _variant_checkpoint(folder: str, variant: Optional[str]) -> str:
+    """What to open for ``variant`` (``fp16``) of the model in ``folder``, as Diffusers and
+    transformers name variant files: its index (``*.safetensors.index.fp16.json``) or its one
+    file (``*.fp16.safetensors``). Without a variant, the folder (variant files beside plain ones
+    are skipped)."""
+    if not variant or not os.path.isdir(folder):
+        return folder
+    names = sorted(os.listdir(folder))
+    indexes = [n for n in names if n.endswith(f".safetensors.index.{variant}.json")]
+    files = [n for n in names if n.endswith(f".{variant}.safetensors")]
+    if len(indexes) == 1:
+        return os.path.join(folder, indexes[0])
+    if not indexes and len(files) == 1:
+        return os.path.join(folder, files[0])
+    raise DynamicOffloadError(
+        f"{folder} has no single checkpoint of variant {variant!r} "
+        f"(indexes {indexes or 'none'}, files {files or 'none'}); pass another variant= or none"
+    )
 
 
 def _local_path(path: Union[str, os.PathLike], revision: Optional[str]) -> str:
@@ -518,7 +539,7 @@ def _meta_transformers(loader: Any, folder: str, kwargs: Dict[str, Any]) -> Opti
     except ImportError:
         return None
     dtype_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype") if k in kwargs}
-    extra = {k: kwargs[k] for k in ("revision", "trust_remote_code") if k in kwargs}
+    extra = {k: kwargs[k] for k in ("revision", "trust_remote_code", "variant") if k in kwargs}
     module = loader.from_pretrained(folder, device_map="meta", **dtype_kwargs, **extra)
     missing = [n for n, b in module.named_buffers() if b.is_meta]
     if missing:

@@ -13,7 +13,13 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from . import _native
-from .api import DynamicOffloadApplyResult, _local_path, enable_offload, from_pretrained_with_dynamic_offload
+from .api import (
+    DynamicOffloadApplyResult,
+    _local_path,
+    _variant_checkpoint,
+    enable_offload,
+    from_pretrained_with_dynamic_offload,
+)
 from .config import DynamicOffloadConfig
 from .errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
 from .metrics import DynamicOffloadMetrics
@@ -67,8 +73,18 @@ def _has_safetensors(folder: str) -> bool:
     return os.path.isdir(folder) and any(f.endswith(".safetensors") for f in os.listdir(folder))
 
 
-def _weight_bytes(folder: str) -> int:
-    return int(sum(t["len"] for t in json.loads(_native.inspect_checkpoint(folder))["tensors"]))
+def _weight_bytes(checkpoint: str, dtype: Optional[torch.dtype]) -> int:
+    """The bytes a component's weights take loaded: floating tensors in ``dtype`` when given."""
+    total = 0
+    for t in json.loads(_native.inspect_checkpoint(checkpoint))["tensors"]:
+        if dtype is not None and t["dtype"] in ("F32", "F16", "BF16", "F64"):
+            count = 1
+            for d in t["shape"]:
+                count *= int(d)
+            total += count * dtype.itemsize
+        else:
+            total += int(t["len"])
+    return total
 
 
 def from_pretrained_pipeline_with_dynamic_offload(
@@ -79,6 +95,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
     dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
     gpu_budget_gb: Optional[float] = None,
     revision: Optional[str] = None,
+    variant: Optional[str] = None,
     **pipeline_kwargs: Any,
 ) -> DynamicOffloadPipelineResult:
     """Loads the Diffusers pipeline folder (or cached hub id) ``path``: every model component
@@ -91,11 +108,12 @@ def from_pretrained_pipeline_with_dynamic_offload(
     there is used as is, not loaded).
 
     ``gpu_budget_gb`` is split among the components on ``vmm_fast_runtime`` in proportion to
-    their checkpoint bytes (each gets ``vmm_resident_weight_budget_gb`` = its share); components
+    their weight bytes as loaded (floating tensors counted in ``torch_dtype`` when given) (each gets ``vmm_resident_weight_budget_gb`` = its share); components
     on ``linear_runtime`` take their execution slots plus ``resident_module_budget_gb``. A share
     too small for a component's working set raises :class:`DynamicOffloadCapacityError` naming
     it; a budget with no ``vmm_fast_runtime`` component to split among is refused.
-    ``torch_dtype`` goes to every model component, whatever its route.
+    ``torch_dtype`` and ``variant`` (``fp16``: the ``*.fp16.safetensors`` files) go to every model
+    component, whatever its route.
     If any component fails, the ones already offloaded are removed and the error re-raised."""
     root = _local_path(path, revision)
     index_path = os.path.join(root, "model_index.json")
@@ -133,7 +151,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 f"({', '.join(f'{n}: {r}' for n, r in routes.items()) or 'no safetensors model components'}); "
                 "use backend='vmm', or leave gpu_budget_gb unset"
             )
-        sizes = {n: _weight_bytes(os.path.join(root, n)) for n in arena}
+        sizes = {n: _weight_bytes(_variant_checkpoint(os.path.join(root, n), variant), torch_dtype) for n in arena}
         total = sum(sizes.values()) or 1
         budgets = {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
     components: Dict[str, Any] = dict(pipeline_kwargs)
@@ -153,9 +171,9 @@ def from_pretrained_pipeline_with_dynamic_offload(
             if name not in modules:
                 components[name] = loader.from_pretrained(folder)
                 continue
-            dtype_kwargs = {}
+            dtype_kwargs: Dict[str, Any] = {"variant": variant} if variant else {}
             if torch_dtype is not None:
-                dtype_kwargs = {"dtype" if spec[0] == "transformers" else "torch_dtype": torch_dtype}
+                dtype_kwargs["dtype" if spec[0] == "transformers" else "torch_dtype"] = torch_dtype
             if routes.get(name) in ("vmm_fast_runtime", "linear_runtime"):
                 own = (config or DynamicOffloadConfig()).replace(vmm_resident_weight_budget_gb=budgets[name]) if name in budgets else config
                 try:
