@@ -1,5 +1,5 @@
 //! `cargo xtask fuzz [--seconds N] [TARGET...]`: every fuzz target (checkpoint headers and
-//! indexes, checkpoint folders, configuration resolution, planning) on a nightly toolchain with
+//! indexes, GGUF headers, checkpoint folders, configuration resolution, planning) on a nightly toolchain with
 //! cargo-fuzz, each for a time budget; prints the executions each ran.
 
 use std::path::{Path, PathBuf};
@@ -9,12 +9,13 @@ const USAGE: &str = "usage: cargo xtask fuzz [--seconds N] [TARGET...]
 
   Runs each fuzz target for N seconds (default 60) with cargo-fuzz on the nightly toolchain
   (installed into target/fuzz-tools when missing) and prints how many inputs each ran.
-  Targets: header, index (crates/ddo-source/fuzz); config, planning, folder (fuzz/).";
+  Targets: header, index, gguf (crates/ddo-source/fuzz); config, planning, folder (fuzz/).";
 
 /// `(fuzz crate folder, target)`.
 const TARGETS: &[(&str, &str)] = &[
     ("crates/ddo-source/fuzz", "header"),
     ("crates/ddo-source/fuzz", "index"),
+    ("crates/ddo-source/fuzz", "gguf"),
     ("fuzz", "config"),
     ("fuzz", "planning"),
     ("fuzz", "folder"),

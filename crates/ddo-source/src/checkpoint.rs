@@ -21,11 +21,12 @@ pub struct CheckpointFile {
     pub data_start: u64,
 }
 
-/// A validated checkpoint: its files and every tensor's immutable slice.
+/// A validated checkpoint: its files (safetensors, or GGUF) and every tensor's immutable slice.
 ///
-/// Every tensor name is unique across the files, each file's ranges cover its data section
-/// exactly (no gap, no overlap, nothing after the last tensor), and each length equals shape x
-/// dtype size. Opening reads only headers.
+/// Every tensor name is unique across the files, no two ranges overlap, a safetensors file's
+/// ranges cover its data section exactly (no gap, nothing after the last tensor; a GGUF file's
+/// are aligned and may leave padding), and each length equals the shape's bytes. Opening reads
+/// only headers.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     files: Vec<CheckpointFile>,
@@ -198,12 +199,24 @@ impl Checkpoint {
             let identity = identity_of(&meta).map_err(|e| io(path, e))?;
             let mut prefix = [0u8; 8];
             let got = read_up_to(&mut file, &mut prefix).map_err(|e| io(path, e))?;
-            let n = header_len(&prefix[..got], identity.size, path)?;
-            debug_assert!(n <= MAX_HEADER_LEN);
-            let mut bytes = prefix.to_vec();
-            bytes.resize(8 + n as usize, 0);
-            file.read_exact(&mut bytes[8..]).map_err(|e| io(path, e))?;
-            let header = parse_header(&bytes, identity.size, path)?;
+            let is_gguf = prefix[..got].starts_with(&crate::gguf::GGUF_MAGIC);
+            if !is_gguf && path.extension().is_some_and(|e| e == "gguf") {
+                return Err(invalid(
+                    path,
+                    None,
+                    "not a GGUF file (it does not start with \"GGUF\")",
+                ));
+            }
+            let header = if is_gguf {
+                gguf_header(&mut file, identity.size, path)?
+            } else {
+                let n = header_len(&prefix[..got], identity.size, path)?;
+                debug_assert!(n <= MAX_HEADER_LEN);
+                let mut bytes = prefix.to_vec();
+                bytes.resize(8 + n as usize, 0);
+                file.read_exact(&mut bytes[8..]).map_err(|e| io(path, e))?;
+                parse_header(&bytes, identity.size, path)?
+            };
             let id = CheckpointFileId(u32::try_from(i).expect("fewer than 2^32 files"));
             for e in header.entries {
                 if let Some(&other) = by_name.get(&e.name) {
@@ -291,6 +304,23 @@ fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(got)
+}
+
+/// A GGUF file's header as a checkpoint header: read in growing pieces (the header's length is
+/// known only once it is parsed), up to [`MAX_HEADER_LEN`] bytes.
+fn gguf_header(file: &mut File, file_len: u64, path: &Path) -> Result<crate::Header, SourceError> {
+    use std::io::{Seek, SeekFrom};
+    let mut want = (4u64 << 20).min(file_len);
+    loop {
+        let mut bytes = vec![0u8; want as usize];
+        file.seek(SeekFrom::Start(0)).map_err(|e| io(path, e))?;
+        file.read_exact(&mut bytes).map_err(|e| io(path, e))?;
+        match crate::gguf::parse_gguf(&bytes, file_len, path) {
+            Ok(h) => return Ok(crate::Header { entries: h.entries, data_start: h.data_start }),
+            Err(e) if want >= file_len.min(MAX_HEADER_LEN) => return Err(e),
+            Err(_) => want = (want * 4).min(file_len).min(MAX_HEADER_LEN),
+        }
+    }
 }
 
 /// The variant of a checkpoint file: `fp16` for `model.fp16.safetensors` or

@@ -10,6 +10,8 @@
 //!   mapped; the safe default reads.
 //! - [`HostTensorSource`] serves tensors already in host memory (a module's own parameters) in
 //!   place, small ones packed per unit so they upload in one copy.
+//! - GGUF files open as checkpoints too ([`parse_gguf`]): quantized tensors as opaque bytes,
+//!   shaped as their rows times the bytes of a row.
 //! - [`ConvertedSource`] serves tensors converted once at load to the module's dtypes (F32,
 //!   F16, BF16), from retained memory, and every other tensor from the source it wraps.
 //! - [`RetainedStore`] keeps host copies under a storage ceiling, admitted by the host first;
@@ -21,6 +23,7 @@
 
 mod checkpoint;
 mod convert;
+mod gguf;
 mod header;
 mod host_tensors;
 mod mapping;
@@ -33,6 +36,7 @@ mod source;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
 pub use convert::{ConversionReport, ConvertedSource, convert, convertible};
+pub use gguf::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufHeader, parse_gguf};
 pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
 pub use host_tensors::{HostTensor, HostTensorSource, PackReport};
 pub use mapping::MappedFile;
