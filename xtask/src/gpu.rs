@@ -187,6 +187,7 @@ const BENCH_USAGE: &str =
   Writes DIR with the ddo-offload wheel, the Diffusers wheels a GPU machine without network needs,
   the benchmark and check scripts, and run.sh. On the GPU machine, from a copy of this repository:
   bash DIR/run.sh native          the native route's fidelity checks
+  bash DIR/run.sh features        pipelines, text encoders, LoRA and conversion against resident runs
   bash DIR/run.sh bench [CONFIGS] [VARIANTS]  rows of the side-by-side table (one model size per
                                    call fits a 10-minute limit; rows accumulate under target/)
   bash DIR/run.sh table           the table of every row measured so far

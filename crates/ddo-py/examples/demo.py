@@ -7,7 +7,7 @@ CUDA when present (otherwise on the CPU), checks that every output equals the re
 bit for bit, and prints the offload profile; then does the same on the native route, streaming from
 the checkpoint through the weight arena under a small budget. Last, it saves a tiny Flux pipeline
 (CLIP and T5 text encoders, transformer, VAE, tokenizers) and loads the whole folder in one call,
-every model streamed from its checkpoint, and checks that it generates what Diffusers' own
+text encoders and transformer streamed from their checkpoints, and checks that it generates what Diffusers' own
 loading generates.
 """
 
@@ -111,7 +111,8 @@ def main() -> int:
 
 
 def pipeline(folder: str, device: str) -> int:
-    """A whole pipeline folder in one call: every model component streamed from its checkpoint."""
+    """A whole pipeline folder in one call: text encoders and transformer streamed from their
+    checkpoints, the tiny VAE resident."""
     from diffusers import DiffusionPipeline
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
