@@ -76,15 +76,6 @@ fn main() {
     }
 }
 
-/// Host bytes (page-locked once registered).
-#[derive(Debug)]
-struct HostBuffer(Vec<u8>);
-impl HostRegion for HostBuffer {
-    fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
-
 /// A plain device buffer made of one reservation and one backing.
 fn device_buffer(r: &dyn Residency, len: u64) -> Result<DeviceRange, Box<dyn Error>> {
     let g = r.granularity()?;
@@ -239,7 +230,8 @@ fn run() -> Result<(), Box<dyn Error>> {
         let bytes = (a.width * tokens * 2) as u64;
         let x0 = device_buffer(&*platform.residency, bytes)?;
         let x1 = device_buffer(&*platform.residency, bytes)?;
-        let init = HostSlice::whole(Arc::new(HostBuffer(bf16_pattern(bytes as usize, 5))));
+        let init =
+            HostSlice::whole(Arc::new(ddo_core::HostBytes::from(bf16_pattern(bytes as usize, 5))));
         platform.residency.copy_to_device(
             init,
             DeviceRange { start: x0.start, len: bytes },
@@ -267,7 +259,8 @@ fn run() -> Result<(), Box<dyn Error>> {
     // Copy ceilings: one large pinned copy, one large copy from the registered mapping.
     let big = GIB;
     let dst = device_buffer(&*platform.residency, big)?;
-    let pinned = HostSlice::whole(Arc::new(HostBuffer(bf16_pattern(big as usize, 3))));
+    let pinned =
+        HostSlice::whole(Arc::new(ddo_core::HostBytes::from(bf16_pattern(big as usize, 3))));
     let pinned_reg = platform.residency.register_host(pinned.clone(), false)?;
     let pinned_gbs = copy_gbs(&platform, pinned.clone(), dst, stream)?;
     let mmap_slice = HostSlice::new(mapping.clone(), 4096, big as usize)

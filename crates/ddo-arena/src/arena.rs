@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use ddo_core::{
-    BackingId, DeviceRange, FenceValue, HostRegion, HostSlice, Platform, ReadRequest, Reservation,
-    SlotId, StreamId, UnitId, WeightSource,
+    BackingId, DeviceRange, FenceValue, HostSlice, Platform, ReadRequest, Reservation, SlotId,
+    StreamId, UnitId, WeightSource,
 };
 
 use crate::error::device;
@@ -651,7 +651,7 @@ impl Arena {
             .collect();
         let mut buf = vec![0u8; e.len as usize];
         self.source.read_batch(&requests, &mut buf)?;
-        Ok(HostSlice::whole(Arc::new(ReadBuffer(buf))))
+        Ok(HostSlice::whole(Arc::new(ddo_core::HostBytes::from(buf))))
     }
 
     /// Uploads the next streamed units in the expected order into free slots (at most
@@ -915,14 +915,5 @@ impl Drop for Arena {
     fn drop(&mut self) {
         // Best effort; on failure everything stays owned (never force-freed).
         let _ = self.close();
-    }
-}
-
-#[derive(Debug)]
-struct ReadBuffer(Vec<u8>);
-
-impl HostRegion for ReadBuffer {
-    fn bytes(&self) -> &[u8] {
-        &self.0
     }
 }

@@ -7,10 +7,48 @@ use std::sync::Arc;
 /// a mapped checkpoint file, a retained buffer, a staging buffer.
 ///
 /// Ports that copy asynchronously keep an `Arc` of the region until the copy is proven complete,
-/// so a region can never be freed under a copy in flight.
-pub trait HostRegion: Send + Sync + fmt::Debug {
+/// so a region can never be freed under a copy in flight. [`HostBytes`] is the safe owned one.
+///
+/// # Safety
+///
+/// Devices read the bytes behind the returned address after `bytes` returns: asynchronous
+/// copies and page-locked registrations keep the raw address. An implementor promises that
+/// `bytes` returns the same address and length on every call, and that the memory stays
+/// allocated, readable and unchanged for as long as the value lives. Safe code cannot make that
+/// promise:
+///
+/// ```compile_fail
+/// #[derive(Debug)]
+/// struct Mine(Vec<u8>);
+/// impl ddo_core::HostRegion for Mine {
+///     fn bytes(&self) -> &[u8] {
+///         &self.0
+///     }
+/// }
+/// ```
+#[allow(unsafe_code)]
+pub unsafe trait HostRegion: Send + Sync + fmt::Debug {
     /// The region's bytes. The same address and length on every call.
     fn bytes(&self) -> &[u8];
+}
+
+/// Bytes owned on the heap: a [`HostRegion`] whose memory never moves or changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostBytes(Box<[u8]>);
+
+impl From<Vec<u8>> for HostBytes {
+    fn from(bytes: Vec<u8>) -> Self {
+        HostBytes(bytes.into_boxed_slice())
+    }
+}
+
+// SAFETY: the boxed slice is owned and only lent immutably: its address, length and contents
+// stay the same until it is dropped.
+#[allow(unsafe_code)]
+unsafe impl HostRegion for HostBytes {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 /// A sub-range of a [`HostRegion`], sharing ownership of the region.
@@ -81,17 +119,9 @@ pub struct Registration {
 mod tests {
     use super::*;
 
-    #[derive(Debug)]
-    struct Buffer(Vec<u8>);
-    impl HostRegion for Buffer {
-        fn bytes(&self) -> &[u8] {
-            &self.0
-        }
-    }
-
     #[test]
     fn slices_are_bounded_by_their_region() {
-        let region: Arc<dyn HostRegion> = Arc::new(Buffer(vec![1, 2, 3, 4]));
+        let region: Arc<dyn HostRegion> = Arc::new(HostBytes::from(vec![1, 2, 3, 4]));
         let s = HostSlice::new(region.clone(), 1, 2).unwrap();
         assert_eq!(s.as_bytes(), &[2, 3]);
         assert!(HostSlice::new(region.clone(), 3, 2).is_none());

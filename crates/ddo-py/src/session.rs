@@ -34,7 +34,10 @@ impl std::fmt::Debug for PyHostRegion {
     }
 }
 
-impl HostRegion for PyHostRegion {
+// SAFETY: the address and length are fixed at construction, and `_owner` (the tensor holding
+// the storage) keeps the memory allocated for as long as the region lives; the package hands the
+// session tensors it no longer exposes to the user, so nothing writes them meanwhile.
+unsafe impl HostRegion for PyHostRegion {
     fn bytes(&self) -> &[u8] {
         if self.len == 0 {
             return &[];

@@ -4,26 +4,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ddo_core::{DeviceError, DeviceRange, HostRegion, HostSlice, Platform};
+use ddo_core::{DeviceError, DeviceRange, HostBytes, HostRegion, HostSlice, Platform};
 
 /// Bytes per copy: large enough to reach link speed.
 const PROBE_BYTES: usize = 64 << 20;
-
-#[derive(Debug)]
-struct Probe(Vec<u8>);
-
-impl HostRegion for Probe {
-    fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
 
 /// Best of three registered 64 MiB host-to-device copies, bytes per second.
 pub(crate) fn measure(platform: &Platform) -> Result<f64, DeviceError> {
     let r = &platform.residency;
     let granularity = r.granularity()?;
     let len = (PROBE_BYTES as u64).div_ceil(granularity) * granularity;
-    let host = HostSlice::whole(Arc::new(Probe(vec![1u8; PROBE_BYTES])) as Arc<dyn HostRegion>);
+    let host =
+        HostSlice::whole(Arc::new(HostBytes::from(vec![1u8; PROBE_BYTES])) as Arc<dyn HostRegion>);
     let registration = r.register_host(host.clone(), true)?;
     let reservation = r.reserve(len)?;
     let backing = r.create_backing(len)?;

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ddo_core::{Dtype, HostRegion, HostSlice, StreamId};
+use ddo_core::{Dtype, HostBytes, HostRegion, HostSlice, StreamId};
 use ddo_session::{ComponentSession, SessionError, SessionSpec, Weights, testing};
 use ddo_source::{HostTensor, MmapChoice};
 
@@ -288,14 +288,6 @@ fn weights_that_do_not_fit_the_module_are_refused_clearly() {
 
 // ---- the linear route: host tensors in place ----------------------------------------------
 
-#[derive(Debug)]
-struct Buffer(Vec<u8>);
-impl HostRegion for Buffer {
-    fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
-
 /// The checkpoint's tensors as host tensors, one storage each.
 fn host_weights(blocks: usize) -> Weights {
     let expect = checkpoint_bytes(blocks);
@@ -307,7 +299,7 @@ fn host_weights(blocks: usize) -> Weights {
     names.push(("norm_out.weight".into(), vec![W]));
     let storages = names
         .iter()
-        .map(|(n, _)| HostSlice::whole(Arc::new(Buffer(expect(n))) as Arc<dyn HostRegion>))
+        .map(|(n, _)| HostSlice::whole(Arc::new(HostBytes::from(expect(n))) as Arc<dyn HostRegion>))
         .collect();
     let tensors = names
         .into_iter()
@@ -416,7 +408,9 @@ impl std::fmt::Debug for PrivateMapping {
         f.write_str("PrivateMapping")
     }
 }
-impl HostRegion for PrivateMapping {
+// SAFETY: the mapping is owned by the value, never moves, and is only written before it is
+// shared (the test's framework write happens before the session sees it).
+unsafe impl HostRegion for PrivateMapping {
     fn bytes(&self) -> &[u8] {
         &self.0
     }
@@ -650,7 +644,9 @@ fn a_mapped_file_is_registered_only_where_its_served_tensors_lie() {
     };
     let expect = checkpoint_bytes(6);
     for t in tensors.iter_mut().filter(|t| t.name.ends_with("attn.weight")) {
-        storages.push(HostSlice::whole(Arc::new(Buffer(expect(&t.name))) as Arc<dyn HostRegion>));
+        storages.push(HostSlice::whole(
+            Arc::new(HostBytes::from(expect(&t.name))) as Arc<dyn HostRegion>
+        ));
         t.storage = storages.len() - 1;
         t.offset = 0;
     }

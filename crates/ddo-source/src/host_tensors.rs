@@ -244,19 +244,9 @@ impl WeightSource for HostTensorSource {
 mod tests {
     use std::sync::Arc;
 
-    use ddo_core::{
-        Admission, AdmissionProbe, GrowthRequest, HostMemoryObservation, HostRegion, HostSlice,
-    };
+    use ddo_core::{Admission, AdmissionProbe, GrowthRequest, HostMemoryObservation, HostSlice};
 
     use super::*;
-
-    #[derive(Debug)]
-    struct Buffer(Vec<u8>);
-    impl HostRegion for Buffer {
-        fn bytes(&self) -> &[u8] {
-            &self.0
-        }
-    }
 
     #[derive(Debug)]
     struct Generous;
@@ -274,7 +264,7 @@ mod tests {
     }
 
     fn storage(bytes: Vec<u8>) -> HostSlice {
-        HostSlice::whole(Arc::new(Buffer(bytes)))
+        HostSlice::whole(Arc::new(ddo_core::HostBytes::from(bytes)))
     }
 
     #[test]

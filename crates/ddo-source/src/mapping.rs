@@ -67,7 +67,9 @@ impl MappedFile {
     }
 }
 
-impl HostRegion for MappedFile {
+// SAFETY: the mapping lives as long as the value and never moves; its contents stay the file's,
+// which the caller of `MappedFile::map` promised not to modify while mapped.
+unsafe impl HostRegion for MappedFile {
     fn bytes(&self) -> &[u8] {
         &self.map
     }

@@ -38,7 +38,9 @@ pub struct RetainedBuffer {
     used: Arc<AtomicU64>,
 }
 
-impl HostRegion for RetainedBuffer {
+// SAFETY: the anonymous mapping is owned by the buffer and lent immutably once shared: its
+// address, length and contents stay the same until the buffer is dropped.
+unsafe impl HostRegion for RetainedBuffer {
     fn bytes(&self) -> &[u8] {
         &self.map[..self.len]
     }

@@ -108,16 +108,8 @@ fn a_failed_read_releases_the_reservation() {
     assert_eq!(store.used(), 0);
 }
 
-#[derive(Debug)]
-struct Bytes(Vec<u8>);
-impl ddo_core::HostRegion for Bytes {
-    fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
-
 fn slice(len: usize) -> HostSlice {
-    HostSlice::whole(Arc::new(Bytes(vec![5u8; len])))
+    HostSlice::whole(Arc::new(ddo_core::HostBytes::from(vec![5u8; len])))
 }
 
 fn registering(unregister_fails: bool) -> Arc<MockResidency> {
