@@ -37,6 +37,14 @@ def same_adapters(src, dst):
                 theirs[n].copy_(p)
 
 
+def one_adapter_on_both(loaded, reference, inputs):
+    """The same adapter on the resident and the offloaded model; the resident output with it."""
+    adapter(reference)
+    adapter(loaded.module)
+    same_adapters(reference, loaded.module)
+    return run(reference, inputs)
+
+
 @pytest.fixture(params=["vmm", "linear"])
 def offloaded(request, tmp_path, flux):
     model, inputs = flux
@@ -56,10 +64,7 @@ def offloaded(request, tmp_path, flux):
 def test_an_adapter_on_a_streamed_model_equals_the_same_adapter_resident(offloaded):
     loaded, reference, inputs = offloaded
     base = run(reference, inputs)
-    adapter(reference)
-    adapter(loaded.module)
-    same_adapters(reference, loaded.module)
-    want = run(reference, inputs)
+    want = one_adapter_on_both(loaded, reference, inputs)
     assert not torch.equal(want, base), "the adapter changes the output"
     for _ in range(2):
         assert torch.equal(run(loaded.module, inputs), want)
@@ -88,10 +93,7 @@ def test_an_adapter_on_a_streamed_model_equals_the_same_adapter_resident(offload
 
 def test_fusing_an_adapter_is_refused_before_it_writes(offloaded):
     loaded, reference, inputs = offloaded
-    adapter(reference)
-    adapter(loaded.module)
-    same_adapters(reference, loaded.module)
-    want = run(reference, inputs)
+    want = one_adapter_on_both(loaded, reference, inputs)
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="fuse"):
         loaded.module.fuse_lora()
     assert torch.equal(run(loaded.module, inputs), want), "nothing was written"
