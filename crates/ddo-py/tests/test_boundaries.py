@@ -317,3 +317,17 @@ def test_unload_says_when_kept_tensors_still_hold_the_memory(tmp_path, flux):
         w.simplefilter("error")
         loaded.offload.unload()  # nothing kept: freed at once, no warning
     assert loaded.module.state_dict()["x_embedder.weight"].is_meta
+
+
+def test_a_forward_after_unload_says_to_reload(tmp_path, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    model.save_pretrained(tmp_path / "m")
+    config = ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=0.006, prefetch_depth=1)
+    loaded = ddo.from_pretrained_with_dynamic_offload(tmp_path / "m", apply_dynamic=True, dynamic_offload_config=config)
+    loaded.offload.unload()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="is unloaded .*call reload"):
+        run(loaded.module, inputs)
+    loaded.offload.reload()
+    assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()

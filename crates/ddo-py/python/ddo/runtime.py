@@ -315,7 +315,12 @@ class SessionRuntime:
                 )
 
     def _pass(self, original: Any, args: tuple, kwargs: dict) -> Any:
-        if self.republish and not self.session.is_unloaded():
+        if self.session.is_unloaded():
+            raise _native.DynamicOffloadLifecycleError(
+                f"{type(self.module).__name__} is unloaded (its weights are placeholders): call reload() on its "
+                "offload result before the next forward"
+            )
+        if self.republish:
             self._publish_views()
             self.republish = False
         self._check_module(args, kwargs)
