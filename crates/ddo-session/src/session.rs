@@ -590,8 +590,13 @@ impl ComponentSession {
         if cache > 0 {
             let reader = CheckpointSource::new(checkpoint, reads(s.load_safetensors_backend))?;
             let store = RetainedStore::new(cache, p.admission.clone());
+            // Tensors converted at load are served converted: their stored bytes are not retained.
+            let converted: std::collections::HashSet<usize> =
+                targets.iter().map(|&(i, _)| i).collect();
             let (source, report) =
-                RetainedSource::retain(Arc::new(reader), &store, RETAINED_WINDOW)?;
+                RetainedSource::retain_only(Arc::new(reader), &store, RETAINED_WINDOW, |i| {
+                    !converted.contains(&i)
+                })?;
             let windows = source.windows().into_iter().map(|w| (w, false)).collect();
             let host = HostReport {
                 kind: "retained",

@@ -585,15 +585,25 @@ fn conversion_streams_converted_bytes(device: &str) {
     let byte = |t: usize, i: u64| ((t as u64 * 131 + i * 7 + i / 4) % 256) as u8;
     testing::write_dtype(&f32_path, Dtype::F32, &names, byte).unwrap();
     let bf16_path = checkpoint(dir.path(), 6);
-    for (path, from, to, read) in [
-        (&f32_path, Dtype::F32, Dtype::BF16, "pread"),
-        (&f32_path, Dtype::F32, Dtype::F16, "mmap"),
-        (&bf16_path, Dtype::BF16, Dtype::F32, "mmap"),
+    // The last column: retained windows (vmm_source_cache_gb), which hold no converted tensor.
+    for (path, from, to, read, cache) in [
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "0"),
+        (&f32_path, Dtype::F32, Dtype::F16, "mmap", "0"),
+        (&bf16_path, Dtype::BF16, Dtype::F32, "mmap", "0"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "1"),
     ] {
-        let extra = [("load_safetensors_backend", read), ("execution_device", device)];
+        let extra = [
+            ("load_safetensors_backend", read),
+            ("execution_device", device),
+            ("vmm_source_cache_gb", cache),
+        ];
         let session = converted(path, to, &extra).unwrap();
         let s = setup(&session);
         assert_eq!(s.conversion.as_deref(), Some("host"), "{from:?} -> {to:?}");
+        if cache != "0" {
+            assert_eq!(s.host_source.as_deref(), Some("retained"));
+            assert_eq!((s.retained_bytes, s.unretained_bytes), (Some(0), Some(0)), "{s:?}");
+        }
         let c = ddo_source::Checkpoint::open(path).unwrap();
         assert_eq!(s.converted_tensors, Some(c.slices().len() as u64), "every tensor");
         let ratio = to.size_bytes() as f64 / from.size_bytes() as f64;

@@ -59,8 +59,20 @@ impl RetainedSource {
         store: &RetainedStore,
         window: u64,
     ) -> Result<(RetainedSource, RetainedReport), SourceError> {
+        Self::retain_only(inner, store, window, |_| true)
+    }
+
+    /// [`retain`](Self::retain) for the tensors `keep` selects (by index); the others are
+    /// always read from `inner` and count in neither figure of the report (a tensor served in
+    /// another form, such as converted, needs no retained copy as stored).
+    pub fn retain_only(
+        inner: Arc<dyn WeightSource>,
+        store: &RetainedStore,
+        window: u64,
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<(RetainedSource, RetainedReport), SourceError> {
         let slices = inner.slices();
-        let mut order: Vec<usize> = (0..slices.len()).collect();
+        let mut order: Vec<usize> = (0..slices.len()).filter(|&i| keep(i)).collect();
         order.sort_by_key(|&i| (slices[i].file.0, slices[i].offset));
         let mut windows = Vec::new();
         let mut stopped = None;
@@ -94,7 +106,7 @@ impl RetainedSource {
             i = j;
         }
         let retained_bytes = windows.iter().map(|w| w.end - w.start).sum();
-        let total: u64 = slices.iter().map(|s| s.len).sum();
+        let total: u64 = order.iter().map(|&i| slices[i].len).sum();
         let report = RetainedReport {
             retained_bytes,
             windows: windows.len(),
