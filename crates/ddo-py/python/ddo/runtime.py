@@ -284,7 +284,8 @@ class SessionRuntime:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
                 )
-        _guard_adapter_merges()
+        if "peft" in sys.modules:  # adapter classes imported since attach (no file lookups here)
+            _guard_adapter_merges()
         # Parameters added after attach (adapters such as LoRA) are the module's own: they must be
         # on the execution device, and trainable ones only run without gradients.
         for name, p in self.module.named_parameters(remove_duplicate=False):
