@@ -47,7 +47,8 @@ pub(crate) const K_DL_CUDA: i32 = 2;
 pub(crate) const K_DL_CPU: i32 = 1;
 const CAPSULE_NAME: &std::ffi::CStr = c"dltensor";
 
-/// DLPack `(type code, bits)` of a dtype.
+/// DLPack `(type code, bits)` of a dtype. fp8 tensors travel as their bytes (`uint8`): DLPack
+/// consumers differ on fp8 codes, and the package views the bytes as the parameter's dtype.
 pub(crate) fn dtype_code(d: Dtype) -> Option<(u8, u8)> {
     // Codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
     Some(match d {
@@ -64,7 +65,7 @@ pub(crate) fn dtype_code(d: Dtype) -> Option<(u8, u8)> {
         Dtype::BF16 => (4, 16),
         Dtype::F32 => (2, 32),
         Dtype::F64 => (2, 64),
-        Dtype::F8E4M3 | Dtype::F8E5M2 => return None,
+        Dtype::F8E4M3 | Dtype::F8E5M2 => (1, 8),
     })
 }
 

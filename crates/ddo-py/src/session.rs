@@ -59,7 +59,7 @@ fn dtype(name: &str) -> PyResult<ddo_core::Dtype> {
     dtype_from_torch(name).filter(|d| crate::dlpack::dtype_code(*d).is_some()).ok_or_else(|| {
         crate::errors::DynamicOffloadError::new_err(format!(
             "dtype {name} cannot be offloaded (supported: float16, bfloat16, float32, float64, \
-             integer and bool dtypes)"
+             float8_e4m3fn, float8_e5m2, integer and bool dtypes)"
         ))
     })
 }

@@ -205,7 +205,14 @@ def _with_rounding_cases(model):
 
 @pytest.mark.parametrize(
     "stored,loaded",
-    [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16)],
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.bfloat16),
+        (torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e5m2, torch.float16),
+    ],
 )
 def test_a_checkpoint_in_another_dtype_loads_as_diffusers_loads_it(tmp_path, wan, stored, loaded):
     from diffusers import WanTransformer3DModel

@@ -771,11 +771,11 @@ impl ComponentSession {
             let t = &slices[i];
             let dtype_differs = p.dtype.is_some_and(|d| d != t.dtype);
             let shape_differs = p.shape.as_ref().is_some_and(|s| *s != t.shape);
-            if dtype_differs || shape_differs {
+            if (dtype_differs || shape_differs) && !views_bytes(p.dtype, p.shape.as_deref(), t) {
                 let hint = if shape_differs {
                     "the checkpoint is not this model's"
                 } else {
-                    "ddo converts between F32, F16 and BF16; load the model with torch_dtype matching the checkpoint"
+                    "ddo converts between F32, F16 and BF16 and widens fp8 to them; load the model with torch_dtype matching the checkpoint"
                 };
                 return Err(SessionError::Weights(format!(
                     "parameter {} is {} {:?} but {what} stores {} {:?}; {hint}",
@@ -790,6 +790,7 @@ impl ComponentSession {
                 out.insert(n.clone(), i);
             }
         }
+        refuse_unbound_scales(slices, &out)?;
         Ok(out)
     }
 
@@ -1117,4 +1118,42 @@ fn isolated_small(slices: &[TensorSlice], unit: &[usize], threshold: u64) -> Vec
         })
         .map(|k| order[k])
         .collect()
+}
+
+/// Whether a `U8` parameter of `shape` holds `t`'s bytes as rows of bytes (a quantized
+/// framework parameter, such as a GGUF block tensor, over a tensor its file types otherwise):
+/// same leading dimensions, last dimension in bytes.
+fn views_bytes(dtype: Option<Dtype>, shape: Option<&[u64]>, t: &TensorSlice) -> bool {
+    let (Some(Dtype::U8), Some(shape)) = (dtype, shape) else { return false };
+    let (Some((&last, lead)), Some((&t_last, t_lead))) = (shape.split_last(), t.shape.split_last())
+    else {
+        return false;
+    };
+    lead == t_lead && t_last.checked_mul(t.dtype.size_bytes()) == Some(last)
+}
+
+/// Refuses a "scaled fp8" checkpoint whose scale tensors no parameter takes: its fp8 weights
+/// mean `weight * scale`, and serving them without their scales would be silently wrong.
+fn refuse_unbound_scales(
+    slices: &[TensorSlice],
+    bound: &HashMap<String, usize>,
+) -> Result<(), SessionError> {
+    let fp8 = |t: &TensorSlice| matches!(t.dtype, Dtype::F8E4M3 | Dtype::F8E5M2);
+    if !slices.iter().any(fp8) {
+        return Ok(());
+    }
+    let used: std::collections::HashSet<usize> = bound.values().copied().collect();
+    let scale = slices.iter().enumerate().find(|(i, t)| {
+        let leaf = t.name.rsplit('.').next().unwrap_or(&t.name);
+        !used.contains(i) && (leaf.starts_with("scale_") || leaf == "scaled_fp8")
+    });
+    match scale {
+        Some((_, t)) => Err(SessionError::Weights(format!(
+            "the checkpoint holds fp8 weights with scale tensors ({}) that no parameter of the module takes: \
+             its weights are meant to be multiplied by them, so ddo refuses to serve them unscaled; \
+             use a checkpoint without scales (or dequantize it to bf16), or a module that declares the scales",
+            t.name
+        ))),
+        None => Ok(()),
+    }
 }

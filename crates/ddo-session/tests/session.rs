@@ -585,8 +585,11 @@ fn conversion_streams_converted_bytes(device: &str) {
     let byte = |t: usize, i: u64| ((t as u64 * 131 + i * 7 + i / 4) % 256) as u8;
     testing::write_dtype(&f32_path, Dtype::F32, &names, byte).unwrap();
     let bf16_path = checkpoint(dir.path(), 6);
+    let fp8_path = dir.path().join("fp8.safetensors");
+    testing::write_dtype(&fp8_path, Dtype::F8E4M3, &names, byte).unwrap();
     // The last column: retained windows (vmm_source_cache_gb), which hold no converted tensor.
     for (path, from, to, read, cache) in [
+        (&fp8_path, Dtype::F8E4M3, Dtype::BF16, "mmap", "0"),
         (&f32_path, Dtype::F32, Dtype::BF16, "pread", "0"),
         (&f32_path, Dtype::F32, Dtype::F16, "mmap", "0"),
         (&bf16_path, Dtype::BF16, Dtype::F32, "mmap", "0"),
@@ -641,6 +644,68 @@ fn a_dtype_ddo_does_not_convert_is_refused_with_what_to_do() {
     let text = e.to_string();
     assert!(text.contains("ddo converts between F32, F16 and BF16"), "{text}");
     assert!(text.contains("torch_dtype"), "{text}");
+}
+
+#[test]
+fn scaled_fp8_weights_are_refused_unless_the_module_takes_their_scales() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scaled.safetensors");
+    let names = vec![
+        ("blocks.0.attn.weight".to_owned(), vec![W, W / 2]),
+        ("blocks.0.attn.scale_weight".to_owned(), vec![1]),
+        ("blocks.1.attn.weight".to_owned(), vec![W, W / 2]),
+    ];
+    testing::write_dtype(&path, Dtype::F8E4M3, &names, |_, i| (i % 100) as u8).unwrap();
+    let mut tree = tree_of(&path, Dtype::BF16);
+    tree.parameters.retain(|p| !p.name.ends_with("scale_weight"));
+    let e = native_with(&path, &[], Some(tree.clone())).unwrap_err().to_string();
+    assert!(e.contains("scale tensors (blocks.0.attn.scale_weight)"), "{e}");
+    assert!(e.contains("refuses to serve them unscaled"), "{e}");
+    // A module that declares the scales (its math applies them) streams the fp8 bytes as they are.
+    let session = native_with(&path, &[], Some(tree_of(&path, Dtype::F8E4M3))).unwrap();
+    assert_eq!(setup(&session).conversion, None);
+    let c = ddo_source::Checkpoint::open(&path).unwrap();
+    let source =
+        ddo_source::CheckpointSource::new(c.into(), ddo_source::ReadOptions::default()).unwrap();
+    use ddo_core::WeightSource;
+    session.begin_pass(S).unwrap();
+    for unit in session.units().unwrap().iter().filter(|u| !u.pinned) {
+        let lease = session.acquire(unit.id, S).unwrap();
+        for (i, t) in source.slices().iter().enumerate() {
+            if t.name.starts_with(&format!("{}.", unit.name)) {
+                let mut raw = vec![0; t.len as usize];
+                source.read(i, &mut raw).unwrap();
+                assert_eq!(session.read_tensor(&t.name).unwrap(), raw, "{}", t.name);
+            }
+        }
+        session.release(lease, S).unwrap();
+    }
+    session.end_pass(S).unwrap();
+}
+
+#[test]
+fn a_byte_parameter_takes_a_tensor_as_rows_of_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 3);
+    let mut tree = tree_of(&path, Dtype::BF16);
+    let last = |p: &mut ddo_arena::ParameterRef, extra: u64| {
+        let shape = p.shape.as_mut().unwrap();
+        *shape.last_mut().unwrap() = *shape.last().unwrap() * 2 + extra;
+        p.dtype = Some(Dtype::U8);
+    };
+    last(&mut tree.parameters[1], 0);
+    let session = native_with(&path, &[], Some(tree.clone())).unwrap();
+    let view = session.tensor(&tree.parameters[1].name).unwrap();
+    assert_eq!(
+        view.dtype,
+        Dtype::BF16,
+        "the view is the stored tensor; the framework reinterprets it"
+    );
+    run_and_check(&session, 1, &checkpoint_bytes(3));
+    drop(session);
+    last(&mut tree.parameters[1], 1);
+    let e = native_with(&path, &[], Some(tree)).unwrap_err().to_string();
+    assert!(e.contains("but the checkpoint stores BF16"), "{e}");
 }
 
 #[test]

@@ -182,8 +182,65 @@ fn only_floating_pairs_convert() {
     assert!(convertible(Dtype::BF16, Dtype::F32));
     assert!(convertible(Dtype::F16, Dtype::BF16));
     assert!(!convertible(Dtype::BF16, Dtype::BF16));
-    assert!(!convertible(Dtype::F8E4M3, Dtype::BF16));
+    assert!(convertible(Dtype::F8E4M3, Dtype::BF16));
+    assert!(convertible(Dtype::F8E5M2, Dtype::F32));
+    assert!(!convertible(Dtype::BF16, Dtype::F8E4M3), "narrowing to fp8 is quantization");
+    assert!(!convertible(Dtype::F8E4M3, Dtype::F8E5M2));
     assert!(!convertible(Dtype::F32, Dtype::I32));
+}
+
+fn fp8_to_f32(from: Dtype, b: u8) -> f32 {
+    let mut out = [0u8; 4];
+    convert(from, Dtype::F32, &[b], &mut out);
+    f32::from_le_bytes(out)
+}
+
+#[test]
+fn fp8_widens_to_its_exact_value() {
+    let e4m3 = [
+        (0x00, 0.0),
+        (0x01, 2f32.powi(-9)),
+        (0x07, 7.0 * 2f32.powi(-9)),
+        (0x08, 2f32.powi(-6)),
+        (0x38, 1.0),
+        (0x3c, 1.5),
+        (0x7e, 448.0),
+        (0xb8, -1.0),
+        (0xfe, -448.0),
+    ];
+    for (b, want) in e4m3 {
+        assert_eq!(fp8_to_f32(Dtype::F8E4M3, b), want, "e4m3 {b:#04x}");
+    }
+    assert!(fp8_to_f32(Dtype::F8E4M3, 0x7f).is_nan() && fp8_to_f32(Dtype::F8E4M3, 0xff).is_nan());
+    assert!(fp8_to_f32(Dtype::F8E4M3, 0x80).is_sign_negative(), "negative zero keeps its sign");
+    let e5m2 = [(0x3c, 1.0), (0x01, 2f32.powi(-16)), (0x7b, 57344.0), (0x7c, f32::INFINITY)];
+    for (b, want) in e5m2 {
+        assert_eq!(fp8_to_f32(Dtype::F8E5M2, b), want, "e5m2 {b:#04x}");
+    }
+    assert!(fp8_to_f32(Dtype::F8E5M2, 0x7d).is_nan());
+}
+
+#[test]
+fn every_fp8_pattern_widens_to_the_same_value_in_every_float() {
+    for from in [Dtype::F8E4M3, Dtype::F8E5M2] {
+        for b in 0..=u8::MAX {
+            let wide = fp8_to_f32(from, b);
+            for to in [Dtype::F16, Dtype::BF16] {
+                let mut out = [0u8; 2];
+                convert(from, to, &[b], &mut out);
+                let back = f32::from_bits(to_f32(to, u16::from_le_bytes(out)));
+                if wide.is_nan() {
+                    assert!(back.is_nan(), "{from:?} {b:#04x} stays NaN in {to:?}");
+                } else {
+                    assert_eq!(
+                        back.to_bits(),
+                        wide.to_bits(),
+                        "{from:?} {b:#04x} is exact in {to:?}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 // ---- the source ------------------------------------------------------------------------------
