@@ -105,6 +105,21 @@ def _owner(module: torch.nn.Module, dotted: str) -> Tuple[torch.nn.Module, str]:
     return (module.get_submodule(parent) if parent else module), attr
 
 
+def _parameter_like(old: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter over ``data`` in ``old``'s place: ``data`` viewed as ``old``'s dtype and shape
+    when the session serves its bytes (fp8, or a quantized framework parameter over a tensor its
+    file types otherwise), and of ``old``'s class when that class carries a quantization type
+    (Diffusers' ``GGUFParameter``)."""
+    if data.dtype != old.dtype:
+        data = data.view(torch.uint8).view(old.dtype)
+    if data.shape != old.shape:
+        data = data.reshape(old.shape)
+    quant_type = getattr(old, "quant_type", None)
+    if quant_type is not None and type(old) is not torch.nn.Parameter:
+        return type(old)(data, requires_grad=False, quant_type=quant_type)
+    return torch.nn.Parameter(data, requires_grad=False)
+
+
 # Attached runtimes, for the adapter-merge guard.
 _RUNTIMES: "weakref.WeakSet[SessionRuntime]" = weakref.WeakSet()
 
@@ -223,16 +238,14 @@ class SessionRuntime:
             view = torch.utils.dlpack.from_dlpack(self.session.dlpack(names[0]))
             for n in names:
                 views[n] = view
-        self._publish(lambda name, _p: torch.nn.Parameter(views[name], requires_grad=False))
+        self._publish(lambda name, p: _parameter_like(p, views[name]))
         current = (owner._parameters[attr] for owner, attr, _ in self.places)
         self.published = {id(p): (p, p.data_ptr()) for p in current}
 
     def _publish_meta(self) -> None:
         # Holding the views would keep the arena's memory alive.
         self.published = {}
-        self._publish(
-            lambda _n, p: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
-        )
+        self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
 
     # ---- hooks ----------------------------------------------------------------------------
 
