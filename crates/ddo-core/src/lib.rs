@@ -20,6 +20,7 @@
 
 mod admission;
 mod bytes;
+mod convert;
 mod device;
 mod dtype;
 mod error;
@@ -36,6 +37,7 @@ pub use admission::{
     OvercommitMode, Refusal, RefusalReason,
 };
 pub use bytes::{ByteSize, GIB, KIB, MIB};
+pub use convert::{convert, convertible};
 pub use device::{BackingId, DeviceAddress, DeviceOrdinal, DeviceRange, Reservation, StreamId};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{DeviceError, PlatformError, SourceError};

@@ -1,8 +1,8 @@
 //! The residency port: device memory, copies into it, and host registration.
 
 use crate::{
-    BackingId, DeviceError, DeviceOrdinal, DeviceRange, HostSlice, Registration, Reservation,
-    StreamId,
+    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Dtype, HostSlice, Registration,
+    Reservation, StreamId,
 };
 
 /// Device memory management for one device, in the shape of CUDA's virtual memory management:
@@ -58,4 +58,29 @@ pub trait Residency: Send + Sync {
     -> Result<Registration, DeviceError>;
     /// Undoes a registration; the bytes stay as they are.
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError>;
+    /// Whether [`convert`](Residency::convert) turns `from` elements into `to` elements on this
+    /// device. None by default.
+    fn converts(&self, from: Dtype, to: Dtype) -> bool {
+        let _ = (from, to);
+        false
+    }
+    /// Enqueues on `stream` the conversion of the `from` elements at `src` into `to` elements at
+    /// `dst`, with values as [`crate::convert`] gives them (NaN payloads aside). Both ranges are
+    /// mapped, hold the same number of elements and do not overlap; work enqueued on `stream`
+    /// before (the copy that filled `src`) completes first.
+    fn convert(
+        &self,
+        src: DeviceRange,
+        from: Dtype,
+        dst: DeviceRange,
+        to: Dtype,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let _ = (src, dst, stream);
+        Err(DeviceError::Unsupported(format!(
+            "this device does not convert {} to {}",
+            from.as_str(),
+            to.as_str()
+        )))
+    }
 }
