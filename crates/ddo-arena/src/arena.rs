@@ -1,6 +1,7 @@
 //! The arena: stable device ranges for every unit, resident units under the budget, streamed
 //! units cycled through fenced slots, prefetch in the learned order.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -141,10 +142,26 @@ impl Arena {
         units: &[UnitSpec],
         budget: Budget,
     ) -> Result<Arena, ArenaError> {
+        Self::with_conversions(platform, source, units, budget, &HashMap::new())
+    }
+
+    /// As [`Arena::new`], with the tensors of `conversions` (slice -> dtype) uploaded in their
+    /// stored dtype and converted on the device ([`Residency::convert`]) before their upload's
+    /// fence: a unit holds their stored bytes and their converted elements.
+    ///
+    /// [`Residency::convert`]: ddo_core::Residency::convert
+    pub fn with_conversions(
+        platform: &Platform,
+        source: Arc<dyn WeightSource>,
+        units: &[UnitSpec],
+        budget: Budget,
+        conversions: &HashMap<usize, ddo_core::Dtype>,
+    ) -> Result<Arena, ArenaError> {
         let residency = &platform.residency;
         let granularity =
             residency.granularity().map_err(device("query the mapping granularity"))?;
-        let mut layout = Layout::build(source.slices(), units, granularity)?;
+        let mut layout =
+            Layout::build_converting(source.slices(), units, granularity, conversions)?;
         let plan = ResidencyPlan::new(&layout, budget)?;
         let streamed: Vec<bool> = plan.resident.iter().map(|r| !r).collect();
         layout.place(plan.slot_len, &streamed);
@@ -625,13 +642,23 @@ impl Arena {
                 copies += 1;
             }
         }
+        for c in &u.conversions {
+            let t = u.tensors.iter().find(|t| t.slice == c.slice).expect("a converted tensor");
+            let src = DeviceRange { start: base.offset(c.staging), len: c.staged_len };
+            let dst = DeviceRange { start: base.offset(t.offset), len: t.len };
+            self.platform
+                .residency
+                .convert(src, c.from, dst, c.to, self.copy_stream)
+                .map_err(device("enqueue a weight conversion"))?;
+        }
         let f = self
             .platform
             .fences
             .record(self.copy_stream)
             .map_err(device("record the upload fence"))?;
         state.stats.uploads += 1;
-        state.stats.upload_bytes += u.payload;
+        state.stats.upload_bytes += u.link_bytes();
+        state.stats.device_conversions += u.conversions.len() as u64;
         state.stats.upload_copies += copies;
         state.stats.upload_seconds += t.elapsed().as_secs_f64();
         Ok(f)
@@ -644,10 +671,9 @@ impl Arena {
         e: &crate::layout::Extent,
     ) -> Result<HostSlice, ArenaError> {
         let requests: Vec<ReadRequest> = u
-            .tensors
-            .iter()
-            .filter(|t| t.offset >= e.offset && t.offset + t.len <= e.offset + e.len)
-            .map(|t| ReadRequest { slice: t.slice, dst_offset: t.offset - e.offset })
+            .stored()
+            .filter(|&(_, at, len)| at >= e.offset && at + len <= e.offset + e.len)
+            .map(|(slice, at, _)| ReadRequest { slice, dst_offset: at - e.offset })
             .collect();
         let mut buf = vec![0u8; e.len as usize];
         self.source.read_batch(&requests, &mut buf)?;

@@ -3,7 +3,9 @@
 //! every tensor starts at least 16-byte aligned, and extents start congruent to their file
 //! offset modulo 256 so file-aligned tensors stay 256-byte aligned on the device.
 
-use ddo_core::{CheckpointFileId, TensorSlice, UnitId};
+use std::collections::HashMap;
+
+use ddo_core::{CheckpointFileId, Dtype, TensorSlice, UnitId};
 
 use crate::ArenaError;
 
@@ -58,6 +60,23 @@ pub struct Extent {
     pub offset: u64,
 }
 
+/// A tensor converted on the device after upload: its stored bytes land at `staging` of the
+/// unit (as any tensor's do, by its extents) and a kernel writes its `to` elements where its
+/// [`TensorPlacement`] says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceConversion {
+    /// Index in the source's slices.
+    pub slice: usize,
+    /// Offset of the stored bytes inside the unit's range.
+    pub staging: u64,
+    /// Stored bytes.
+    pub staged_len: u64,
+    /// The stored dtype.
+    pub from: Dtype,
+    /// The dtype the tensor is served in.
+    pub to: Dtype,
+}
+
 /// One unit's layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnitLayout {
@@ -75,8 +94,26 @@ pub struct UnitLayout {
     pub tensors: Vec<TensorPlacement>,
     /// Copies that upload it.
     pub extents: Vec<Extent>,
+    /// Tensors converted on the device after the copies.
+    pub conversions: Vec<DeviceConversion>,
     /// Always resident.
     pub pinned: bool,
+}
+
+impl UnitLayout {
+    /// Bytes its copies carry over the link (stored bytes, before any device conversion).
+    pub fn link_bytes(&self) -> u64 {
+        self.extents.iter().map(|e| e.len).sum()
+    }
+
+    /// Where each tensor's stored bytes land: `(slice, offset, len)`, at its staging for a
+    /// tensor converted on the device.
+    pub fn stored(&self) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
+        self.tensors.iter().map(|t| match self.conversions.iter().find(|c| c.slice == t.slice) {
+            Some(c) => (t.slice, c.staging, c.staged_len),
+            None => (t.slice, t.offset, t.len),
+        })
+    }
 }
 
 /// The arena's layout: every unit at a fixed offset of one reservation.
@@ -112,6 +149,18 @@ impl Layout {
         slices: &[TensorSlice],
         units: &[UnitSpec],
         granularity: u64,
+    ) -> Result<Layout, ArenaError> {
+        Self::build_converting(slices, units, granularity, &HashMap::new())
+    }
+
+    /// As [`Layout::build`], with the tensors of `conversions` (slice -> dtype) converted on the
+    /// device: each unit holds their stored bytes (staging) and, after its other tensors, their
+    /// converted elements.
+    pub fn build_converting(
+        slices: &[TensorSlice],
+        units: &[UnitSpec],
+        granularity: u64,
+        conversions: &HashMap<usize, Dtype>,
     ) -> Result<Layout, ArenaError> {
         let mut owner = vec![None::<usize>; slices.len()];
         let mut out = Vec::with_capacity(units.len());
@@ -177,6 +226,25 @@ impl Layout {
                 placements.push(TensorPlacement { slice: t, offset: at, len: s.len });
                 cursor = at + s.len;
             }
+            let mut converted = Vec::new();
+            for p in &mut placements {
+                let s = &slices[p.slice];
+                let Some(&to) = conversions.get(&p.slice) else { continue };
+                let elements = s.len / s.dtype.size_bytes().max(1);
+                let offset = align_up(cursor, EXTENT_ALIGN);
+                converted.push(DeviceConversion {
+                    slice: p.slice,
+                    staging: p.offset,
+                    staged_len: s.len,
+                    from: s.dtype,
+                    to,
+                });
+                *p = TensorPlacement { slice: p.slice, offset, len: elements * to.size_bytes() };
+                cursor = offset + p.len;
+                if cursor > MAX_LAYOUT {
+                    return Err(too_large(&spec.name));
+                }
+            }
             let len = align_up(cursor.max(1), granularity);
             out.push(UnitLayout {
                 id: UnitId(u as u32),
@@ -186,6 +254,7 @@ impl Layout {
                 payload: placements.iter().map(|p| p.len).sum(),
                 tensors: placements,
                 extents,
+                conversions: converted,
                 pinned: spec.pinned,
             });
             offset += len;
@@ -211,7 +280,7 @@ impl Layout {
         self.reserved = offset;
     }
 
-    /// Payload bytes of all units.
+    /// Payload bytes of all units (their tensors as served).
     pub fn payload(&self) -> u64 {
         self.units.iter().map(|u| u.payload).sum()
     }
@@ -220,7 +289,6 @@ impl Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ddo_core::Dtype;
 
     fn s(name: &str, offset: u64, len: u64) -> TensorSlice {
         TensorSlice {
@@ -254,6 +322,28 @@ mod tests {
         }
         assert_eq!(u.len, 65536);
         assert_eq!(u.payload, 4096 + 1000 + 33 + 64);
+    }
+
+    #[test]
+    fn a_tensor_converted_on_the_device_stages_its_stored_bytes_and_places_its_elements_after() {
+        let mut slices = [s("a", 96, 4096), s("b", 96 + 4096, 1000)];
+        slices[0].dtype = Dtype::BF16;
+        let units = [UnitSpec { name: "u".into(), tensors: vec![0, 1], pinned: false }];
+        let conversions = HashMap::from([(0, Dtype::F32)]);
+        let layout = Layout::build_converting(&slices, &units, 65536, &conversions).unwrap();
+        let u = &layout.units[0];
+        assert_eq!(u.extents.len(), 1, "stored bytes still upload in one copy: {:?}", u.extents);
+        assert_eq!(u.link_bytes(), 5096);
+        let [c] = u.conversions[..] else { panic!("{:?}", u.conversions) };
+        assert_eq!((c.slice, c.staged_len, c.from, c.to), (0, 4096, Dtype::BF16, Dtype::F32));
+        assert_eq!(c.staging, u.extents[0].offset);
+        let a = u.tensors.iter().find(|t| t.slice == 0).unwrap();
+        let b = u.tensors.iter().find(|t| t.slice == 1).unwrap();
+        assert_eq!(a.len, 8192, "served as F32");
+        assert!(a.offset >= b.offset + b.len && a.offset.is_multiple_of(EXTENT_ALIGN), "{a:?}");
+        assert_eq!(u.payload, 8192 + 1000);
+        let stored: Vec<_> = u.stored().collect();
+        assert!(stored.contains(&(0, c.staging, 4096)) && stored.contains(&(1, b.offset, 1000)));
     }
 
     #[test]

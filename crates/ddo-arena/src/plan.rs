@@ -31,8 +31,8 @@ pub struct ResidencyPlan {
     pub slot_of: Vec<Option<SlotId>>,
     /// Device bytes of resident units.
     pub resident_bytes: u64,
-    /// Payload bytes uploaded per pass in steady state: streamed units sharing a slot (a unit
-    /// alone in its slot is uploaded once and stays).
+    /// Bytes uploaded per pass in steady state, as stored (before any device conversion):
+    /// streamed units sharing a slot (a unit alone in its slot is uploaded once and stays).
     pub streamed_bytes: u64,
 }
 
@@ -150,7 +150,7 @@ impl ResidencyPlan {
             .iter()
             .zip(&slot_of)
             .filter(|(_, s)| s.is_some_and(|s| sharing[s.0 as usize] > 1))
-            .map(|(u, _)| u.payload)
+            .map(|(u, _)| u.link_bytes())
             .sum();
         ResidencyPlan { budget, resident, slots, slot_len, slot_of, resident_bytes, streamed_bytes }
     }
@@ -279,7 +279,13 @@ mod tests {
                     len,
                     payload: len,
                     tensors: vec![],
-                    extents: vec![],
+                    extents: vec![crate::layout::Extent {
+                        file: ddo_core::CheckpointFileId(0),
+                        file_offset: offset,
+                        len,
+                        offset: 0,
+                    }],
+                    conversions: vec![],
                     pinned: p,
                 };
                 offset += len;

@@ -19,6 +19,8 @@ pub struct ArenaStats {
     pub upload_bytes: u64,
     /// Host-to-device copies enqueued by uploads.
     pub upload_copies: u64,
+    /// Tensors converted on the device after their upload.
+    pub device_conversions: u64,
     /// Host time spent enqueuing uploads.
     pub upload_seconds: f64,
     /// Host time spent blocked on fences (reclaim, close).
@@ -59,6 +61,7 @@ impl ArenaStats {
             uploads: Some(self.uploads),
             upload_bytes: Some(self.upload_bytes),
             upload_copies: Some(self.upload_copies),
+            device_conversions: Some(self.device_conversions),
             upload_seconds: Some(self.upload_seconds),
             wait_seconds: Some(self.wait_seconds),
             prefetch_hits: Some(self.prefetch_hits),

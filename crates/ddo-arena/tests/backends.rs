@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use common::*;
 use ddo_arena::{Arena, ArenaError, Budget, UnitSpec};
-use ddo_core::{Platform, StreamId, UnitId, WeightSource};
+use ddo_core::{
+    DeviceRange, Dtype, HostBytes, HostSlice, Platform, StreamId, UnitId, WeightSource,
+};
 use ddo_source::{Registrar, RetainedSource, RetainedStore};
 
 struct Env {
@@ -51,6 +53,7 @@ backend_tests!(
     reclaim_keeps_addresses_and_uploads_again,
     close_refuses_live_leases,
     everything_resident_when_it_fits,
+    device_conversion_gives_the_host_conversions_values,
 );
 
 const WIDTH: usize = 128; // a block is 4 * 128*128*2 + ... ~ 200 KiB
@@ -331,4 +334,84 @@ fn the_cuda_adapter_reports_a_missing_driver() {
     let e = ddo_platform::cuda_platform(0).unwrap_err();
     assert!(matches!(e, ddo_core::DeviceError::DriverNotFound));
     assert!(e.to_string().starts_with("no CUDA driver found"));
+}
+
+/// Inputs of `from`: every bit pattern of 1- and 2-byte dtypes; for F32 the rounding edges, NaN
+/// and infinities, and a spread of other values.
+fn conversion_inputs(from: Dtype) -> Vec<u8> {
+    match from.size_bytes() {
+        1 => (0..=u8::MAX).collect(),
+        2 => (0..=u16::MAX).flat_map(u16::to_le_bytes).collect(),
+        _ => {
+            let edges = [0x3F80_8000u32, 0x3F81_8000, 0x7F7F_FFFF, 0x477F_F000, 0x3300_0000];
+            let specials = [0u32, 0x8000_0000, 0x7F80_0000, 0xFF80_0000, 0x7FC0_0001, 1];
+            let spread = (0..1u32 << 20).map(|i| i.wrapping_mul(2_654_435_761));
+            edges.into_iter().chain(specials).chain(spread).flat_map(u32::to_le_bytes).collect()
+        }
+    }
+}
+
+fn device_conversion_gives_the_host_conversions_values(env: &Env) {
+    let r = &env.platform.residency;
+    let stream = r.create_stream().unwrap();
+    let g = r.granularity().unwrap();
+    let floats = [Dtype::F32, Dtype::F16, Dtype::BF16, Dtype::F8E4M3, Dtype::F8E5M2];
+    let mut checked = 0;
+    for from in floats {
+        for to in [Dtype::F32, Dtype::F16, Dtype::BF16] {
+            if !ddo_core::convertible(from, to) {
+                continue;
+            }
+            assert!(
+                r.converts(from, to),
+                "{from:?} -> {to:?}: H200 and the host backend convert every pair"
+            );
+            let input = conversion_inputs(from);
+            let n = (input.len() as u64) / from.size_bytes();
+            let out_len = n * to.size_bytes();
+            let len = (input.len() as u64 + out_len).div_ceil(g) * g;
+            let reservation = r.reserve(len).unwrap();
+            let backing = r.create_backing(len).unwrap();
+            let whole = DeviceRange { start: reservation.range.start, len };
+            r.map(whole, backing).unwrap();
+            let src = DeviceRange { start: whole.start, len: input.len() as u64 };
+            let dst = DeviceRange { start: whole.start.offset(input.len() as u64), len: out_len };
+            let host = HostSlice::whole(Arc::new(HostBytes::from(input.clone())));
+            r.copy_to_device(host, src, stream).unwrap();
+            r.convert(src, from, dst, to, stream).unwrap();
+            env.platform.fences.wait(env.platform.fences.record(stream).unwrap()).unwrap();
+            let mut got = vec![0u8; out_len as usize];
+            r.read_back(dst, &mut got).unwrap();
+            let mut want = vec![0u8; out_len as usize];
+            ddo_core::convert(from, to, &input, &mut want);
+            let w = to.size_bytes() as usize;
+            for (i, (g, e)) in got.chunks(w).zip(want.chunks(w)).enumerate() {
+                if g != e {
+                    let widen = |b: &[u8]| {
+                        let mut f = [0u8; 4];
+                        ddo_core::convert(to, Dtype::F32, b, &mut f);
+                        f32::from_le_bytes(f)
+                    };
+                    let nan = if to == Dtype::F32 {
+                        f32::from_le_bytes(g.try_into().unwrap()).is_nan()
+                            && f32::from_le_bytes(e.try_into().unwrap()).is_nan()
+                    } else {
+                        widen(g).is_nan() && widen(e).is_nan()
+                    };
+                    assert!(nan, "{from:?} -> {to:?}: element {i} is {g:?}, the host gives {e:?}");
+                }
+            }
+            // Contract violations are refused, not run.
+            assert!(r.convert(src, from, src, to, stream).is_err(), "overlapping ranges");
+            assert!(
+                r.convert(src, from, dst, Dtype::I32, stream).is_err(),
+                "a pair without a kernel"
+            );
+            r.unmap(whole).unwrap();
+            r.release_backing(backing).unwrap();
+            r.release_reservation(reservation).unwrap();
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 12);
 }

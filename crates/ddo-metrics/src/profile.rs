@@ -113,6 +113,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
     Line::new("conversion")
         .text("at", s.conversion.as_ref())
         .count("tensors", s.converted_tensors)
+        .count("on_device", s.device_converted_tensors)
         .gib("from_gib", s.conversion_source_bytes)
         .gib("gib", s.converted_bytes)
         .seconds("seconds", s.conversion_seconds)
@@ -130,6 +131,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .count("uploads", rt.uploads)
         .gib("upload_gib", rt.upload_bytes)
         .count("copies", rt.upload_copies)
+        .count("conversions", rt.device_conversions.filter(|c| *c > 0))
         .seconds("upload_seconds", rt.upload_seconds)
         .seconds("wait_seconds", rt.wait_seconds)
         .render(&mut out, "");

@@ -118,11 +118,14 @@ optional_section! {
         read_workers: u64,
         /// Bytes of small tensors packed per unit so it uploads in few copies.
         packed_bytes: u64,
-        /// Where checkpoint tensors stored in another dtype than their parameters' were
-        /// converted (`host`: once at load, into retained memory).
+        /// Where checkpoint tensors stored in another dtype than their parameters' are
+        /// converted: `host` (once at load, into retained memory), `device` (streamed in the
+        /// checkpoint's dtype, converted on the GPU after each upload), or `host+device`.
         conversion: String,
-        /// Tensors converted to their parameters' dtypes.
+        /// Tensors converted to their parameters' dtypes (at load and on the device).
         converted_tensors: u64,
+        /// Of those, the tensors converted on the device after each upload.
+        device_converted_tensors: u64,
         /// Checkpoint bytes read for conversion, in the checkpoint's dtypes.
         conversion_source_bytes: u64,
         /// Bytes the converted tensors take in the parameters' dtypes.
@@ -155,6 +158,8 @@ optional_section! {
         upload_bytes: u64,
         /// Host-to-device copies the uploads took (adjacent tensors share one).
         upload_copies: u64,
+        /// Tensors converted on the device after their upload (checkpoint dtype -> parameter dtype).
+        device_conversions: u64,
         /// Host time spent enqueuing uploads, seconds.
         upload_seconds: f64,
         /// Time compute waited for uploads, seconds.
@@ -228,6 +233,7 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
         "uploads",
         "upload_bytes",
         "upload_copies",
+        "device_conversions",
         "upload_seconds",
         "wait_seconds",
         "prefetch_hits",

@@ -41,6 +41,40 @@ impl AddressBook {
         Ok(())
     }
 
+    /// Checks a conversion's ranges: a pair [`ddo_core::convertible`] names, the same number of
+    /// elements on both sides, no overlap, both inside mappings. Returns the element count.
+    pub(crate) fn check_conversion(
+        &self,
+        src: DeviceRange,
+        from: ddo_core::Dtype,
+        dst: DeviceRange,
+        to: ddo_core::Dtype,
+    ) -> Result<u64, DeviceError> {
+        if !ddo_core::convertible(from, to) {
+            return Err(invalid(format!(
+                "no conversion from {} to {}",
+                from.as_str(),
+                to.as_str()
+            )));
+        }
+        let n = src.len / from.size_bytes();
+        if src.len != n * from.size_bytes() || dst.len != n.saturating_mul(to.size_bytes()) {
+            return Err(invalid(format!(
+                "{} {} bytes do not convert into {} {} bytes",
+                src.len,
+                from.as_str(),
+                dst.len,
+                to.as_str()
+            )));
+        }
+        if src.start.0 < dst.end() && dst.start.0 < src.end() {
+            return Err(invalid("a conversion's source and destination overlap".into()));
+        }
+        self.check_mapped(src)?;
+        self.check_mapped(dst)?;
+        Ok(n)
+    }
+
     pub(crate) fn add_reservation(&mut self, start: u64, len: u64) {
         self.reservations.insert(start, len);
     }

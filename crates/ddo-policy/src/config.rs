@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::value::{AutoBudgetPolicy, OffloadType, ReadBackend, Selection, SettingValue};
+use crate::value::{
+    AutoBudgetPolicy, ConversionSite, OffloadType, ReadBackend, Selection, SettingValue,
+};
 
 /// Declares every setting once: its field, type, default, variable key and documentation; a
 /// setting ddo does not implement carries `unsupported = "what ddo does instead"`, which adds
@@ -311,6 +313,10 @@ settings! {
     /// How the native route reads the checkpoint: `auto` and `mmap` = the mapping; `pread` =
     /// positioned reads; `direct` = O_DIRECT reads.
     load_safetensors_backend: ReadBackend = ReadBackend::Auto, "LOAD_SAFETENSORS_BACKEND";
+    /// Where the native route converts tensors stored in another dtype than their parameters':
+    /// `auto` (widening on the device, the rest at load on the host unless the host is short),
+    /// `host` (at load), `device` (on the GPU after each upload).
+    dtype_conversion: ConversionSite = ConversionSite::Auto, "DTYPE_CONVERSION";
     /// Regex (Python `re.search` semantics on the module path) of the modules whose repeated
     /// blocks are streamed; other parameters stay resident. It must also compile as a Rust
     /// `regex` (no look-around, no back-references): resolution refuses one that does not.

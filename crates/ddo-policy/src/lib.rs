@@ -36,7 +36,9 @@ pub use resolve::{
     MAX_PREFETCH_DEPTH, MAX_SOURCE_CACHE_GB, Plan, REGISTRATION_SEGMENT_MIB, Request, resolve,
 };
 pub use route::{GroupOffload, Placement, Route, RouteChoice};
-pub use value::{AutoBudgetPolicy, OffloadType, ReadBackend, Selection, SettingValue};
+pub use value::{
+    AutoBudgetPolicy, ConversionSite, OffloadType, ReadBackend, Selection, SettingValue,
+};
 
 /// The JSON Schema of [`DynamicOffloadConfig`], as users write it.
 pub fn config_schema() -> serde_json::Value {

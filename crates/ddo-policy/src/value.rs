@@ -185,6 +185,21 @@ choice! {
 }
 
 choice! {
+    /// Where the native route converts checkpoint tensors stored in another dtype than their
+    /// parameters'.
+    ConversionSite {
+        /// Widening (bf16 -> fp32, fp8 -> bf16) on the device, where the link carries the
+        /// smaller stored bytes; the rest once at load on the host, or on the device when the
+        /// host cannot hold the converted copy.
+        Auto = "auto",
+        /// Once at load, into retained host memory.
+        Host = "host",
+        /// On the device after each upload, streaming the stored bytes.
+        Device = "device"
+    }
+}
+
+choice! {
     /// Diffusers' group-offload granularity.
     OffloadType {
         /// One group per leaf module.

@@ -89,12 +89,27 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.packed_bytes = a.host_kind.starts_with("host_tensors").then_some(a.packed.bytes);
         setup.host_source = Some(a.host_kind.to_owned());
         setup.read_workers = a.read_workers;
+        let on_device = a.device_conversions;
         if let Some(c) = a.conversion {
-            setup.conversion = Some("host".into());
             setup.converted_tensors = Some(c.tensors);
             setup.conversion_source_bytes = Some(c.source_bytes);
             setup.converted_bytes = Some(c.bytes);
             setup.conversion_seconds = Some(c.seconds);
+        }
+        setup.conversion = match (a.conversion.is_some(), on_device > 0) {
+            (true, true) => Some("host+device".into()),
+            (true, false) => Some("host".into()),
+            (false, true) => Some("device".into()),
+            (false, false) => None,
+        };
+        if on_device > 0 {
+            setup.device_converted_tensors = Some(on_device);
+            *setup.converted_tensors.get_or_insert(0) += on_device;
+        }
+        if a.host_short {
+            setup.warnings.get_or_insert_with(Vec::new).push(
+                "the host could not hold the checkpoint converted to the module's dtypes: its tensors stream as stored and are converted on the device after each upload".into(),
+            );
         }
         if let Some(reason) = a.not_packed {
             setup.warnings.get_or_insert_with(Vec::new).push(reason.to_owned());

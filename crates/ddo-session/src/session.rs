@@ -9,7 +9,7 @@ use ddo_arena::{Arena, ArenaError, Budget, Layout, Lease, ReclaimReport, UnitSpe
 use ddo_core::{
     Dtype, HostRegion, HostSlice, SourceError, StreamId, TensorSlice, UnitId, WeightSource,
 };
-use ddo_policy::{Origin, Plan, ReadBackend, Route};
+use ddo_policy::{ConversionSite, Origin, Plan, ReadBackend, Route};
 use ddo_source::{
     Checkpoint, CheckpointSource, ConversionReport, ConvertedSource, HostTensor, HostTensorSource,
     MmapChoice, PackReport, REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar,
@@ -151,6 +151,10 @@ struct HostReport {
     retained: Option<RetainedReport>,
     packed: PackReport,
     conversion: Option<ConversionReport>,
+    /// Tensors converted on the device after each upload: slice -> the parameter's dtype.
+    device_conversions: HashMap<usize, Dtype>,
+    /// Conversion moved to the device because the host could not hold the converted copy.
+    host_short: bool,
 }
 
 /// The device memory of one attach and the host registrations its copies use. Shared by the
@@ -364,7 +368,7 @@ impl ComponentSession {
                 self.host_source(storages, tensors, *mmap)?
             }
         };
-        let slices = self.bind(source.slices())?;
+        let slices = self.bind(source.slices(), &host.device_conversions)?;
         let specs = self.unit_specs(&*source);
         let granularity = p.residency.granularity()?;
         let headroom = gib("auto_vram_headroom_gb", s.auto_vram_headroom_gb)?;
@@ -421,7 +425,13 @@ impl ComponentSession {
             }
         }
         let budget = Budget { total, headroom, prefetch_depth: s.prefetch_depth };
-        let arena = match Arena::new(p, source.clone(), &specs, budget) {
+        let arena = match Arena::with_conversions(
+            p,
+            source.clone(),
+            &specs,
+            budget,
+            &host.device_conversions,
+        ) {
             Ok(a) => a,
             Err(e) => {
                 Self::unregister_all(&registrar, &mut registered);
@@ -499,9 +509,33 @@ impl ComponentSession {
         let p = &self.platform.platform;
         let checkpoint = Arc::new(Checkpoint::open(path)?);
         let workers = s.pin_cpu_workers.max(1) as usize;
-        let targets = self.conversions(checkpoint.slices())?;
+        let all = self.conversions(checkpoint.slices())?;
+        let slices = checkpoint.slices();
+        let device_can = |&(i, to): &(usize, Dtype)| p.residency.converts(slices[i].dtype, to);
+        let (on_device, targets): (Vec<_>, Vec<_>) = match s.dtype_conversion {
+            ConversionSite::Host => (Vec::new(), all.clone()),
+            ConversionSite::Device => {
+                if let Some(&(i, to)) = all.iter().find(|c| !device_can(c)) {
+                    return Err(SessionError::Capacity {
+                        setting: "dtype_conversion",
+                        message: format!(
+                            "the device cannot convert tensor {} from {} to {}; set dtype_conversion to host or auto",
+                            slices[i].name,
+                            slices[i].dtype.as_str(),
+                            to.as_str()
+                        ),
+                    });
+                }
+                (all.clone(), Vec::new())
+            }
+            // Widening streams fewer bytes in the stored dtype.
+            ConversionSite::Auto => all.iter().partition(|&&(i, to)| {
+                to.size_bytes() > slices[i].dtype.size_bytes() && device_can(&(i, to))
+            }),
+        };
         let (source, mapped, ranges, mut host) =
-            self.checkpoint_bytes(checkpoint, mmap, &targets)?;
+            self.checkpoint_bytes(checkpoint.clone(), mmap, &targets)?;
+        host.device_conversions = on_device.iter().copied().collect();
         if targets.is_empty() {
             return Ok((source, ranges, host));
         }
@@ -516,21 +550,36 @@ impl ComponentSession {
                 }
             }
         };
-        let converted =
-            ConvertedSource::convert(source, &targets, &store, workers, &drop_pages).map_err(
-                |e| match e {
-                    e @ (SourceError::Refused(_) | SourceError::CeilingExceeded { .. }) => {
-                        SessionError::Capacity {
-                            setting: "torch_dtype",
-                            message: format!(
-                                "converting {} tensors to the module's dtypes needs host memory: {e}; load the model with torch_dtype matching the checkpoint",
-                                targets.len()
-                            ),
-                        }
-                    }
-                    e => SessionError::Source(e),
-                },
-            )?;
+        let converted = match ConvertedSource::convert(
+            source.clone(),
+            &targets,
+            &store,
+            workers,
+            &drop_pages,
+        ) {
+            Ok(c) => c,
+            // The host cannot hold the converted copy: stream the stored bytes and convert them
+            // on the device instead, when it can.
+            Err(SourceError::Refused(_) | SourceError::CeilingExceeded { .. })
+                if s.dtype_conversion == ConversionSite::Auto && targets.iter().all(device_can) =>
+            {
+                drop(source);
+                let (source, _, ranges, mut host) = self.checkpoint_bytes(checkpoint, mmap, &[])?;
+                host.device_conversions = all.into_iter().collect();
+                host.host_short = true;
+                return Ok((source, ranges, host));
+            }
+            Err(e @ (SourceError::Refused(_) | SourceError::CeilingExceeded { .. })) => {
+                return Err(SessionError::Capacity {
+                    setting: "torch_dtype",
+                    message: format!(
+                        "converting {} tensors to the module's dtypes needs host memory: {e}; load the model with torch_dtype matching the checkpoint",
+                        targets.len()
+                    ),
+                });
+            }
+            Err(e) => return Err(SessionError::Source(e)),
+        };
         host.conversion = Some(converted.report());
         let ranges = ranges
             .into_iter()
@@ -752,7 +801,11 @@ impl ComponentSession {
     }
 
     /// Every parameter name -> the source's slice; checks declared dtypes and shapes.
-    fn bind(&self, slices: &[TensorSlice]) -> Result<HashMap<String, usize>, SessionError> {
+    fn bind(
+        &self,
+        slices: &[TensorSlice],
+        on_device: &HashMap<usize, Dtype>,
+    ) -> Result<HashMap<String, usize>, SessionError> {
         let index: HashMap<&str, usize> =
             slices.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
         let what = match self.weights {
@@ -769,7 +822,8 @@ impl ComponentSession {
                 )));
             };
             let t = &slices[i];
-            let dtype_differs = p.dtype.is_some_and(|d| d != t.dtype);
+            let served = on_device.get(&i).copied().unwrap_or(t.dtype);
+            let dtype_differs = p.dtype.is_some_and(|d| d != served);
             let shape_differs = p.shape.as_ref().is_some_and(|s| *s != t.shape);
             if (dtype_differs || shape_differs) && !views_bytes(p.dtype, p.shape.as_deref(), t) {
                 let hint = if shape_differs {
@@ -828,7 +882,7 @@ impl ComponentSession {
         Ok(TensorView {
             address: range.start.0,
             len: range.len,
-            dtype: slice.dtype,
+            dtype: a.host.device_conversions.get(&i).copied().unwrap_or(slice.dtype),
             shape: slice.shape.clone(),
             owner: a.memory.clone(),
         })
@@ -855,6 +909,13 @@ impl ComponentSession {
         })?;
         let mut out = vec![0u8; a.source.slices()[i].len as usize];
         a.source.read(i, &mut out)?;
+        if let Some(&to) = a.host.device_conversions.get(&i) {
+            let from = a.source.slices()[i].dtype;
+            let mut served =
+                vec![0u8; out.len() / from.size_bytes() as usize * to.size_bytes() as usize];
+            ddo_core::convert(from, to, &out, &mut served);
+            return Ok(served);
+        }
         Ok(out)
     }
 
@@ -995,6 +1056,8 @@ impl ComponentSession {
                     retained: a.host.retained.as_ref(),
                     packed: a.host.packed,
                     conversion: a.host.conversion,
+                    device_conversions: a.host.device_conversions.len() as u64,
+                    host_short: a.host.host_short,
                     not_packed: a.host.not_packed.as_deref(),
                     host_kind: a.host.kind,
                     read_workers: a.host.read_workers,
@@ -1035,6 +1098,8 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) retained: Option<&'a RetainedReport>,
     pub(crate) packed: PackReport,
     pub(crate) conversion: Option<ConversionReport>,
+    pub(crate) device_conversions: u64,
+    pub(crate) host_short: bool,
     pub(crate) not_packed: Option<&'a str>,
     pub(crate) host_kind: &'static str,
     pub(crate) read_workers: Option<u64>,

@@ -587,33 +587,49 @@ fn conversion_streams_converted_bytes(device: &str) {
     let bf16_path = checkpoint(dir.path(), 6);
     let fp8_path = dir.path().join("fp8.safetensors");
     testing::write_dtype(&fp8_path, Dtype::F8E4M3, &names, byte).unwrap();
-    // The last column: retained windows (vmm_source_cache_gb), which hold no converted tensor.
-    for (path, from, to, read, cache) in [
-        (&fp8_path, Dtype::F8E4M3, Dtype::BF16, "mmap", "0"),
-        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "0"),
-        (&f32_path, Dtype::F32, Dtype::F16, "mmap", "0"),
-        (&bf16_path, Dtype::BF16, Dtype::F32, "mmap", "0"),
-        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "1"),
+    // Columns: read backend, retained windows (vmm_source_cache_gb, which hold no converted
+    // tensor), dtype_conversion, where conversion happens.
+    for (path, from, to, read, cache, site, at) in [
+        (&fp8_path, Dtype::F8E4M3, Dtype::BF16, "mmap", "0", "auto", "device"),
+        (&fp8_path, Dtype::F8E4M3, Dtype::F32, "mmap", "0", "host", "host"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "0", "auto", "host"),
+        (&f32_path, Dtype::F32, Dtype::F16, "mmap", "0", "auto", "host"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "mmap", "0", "device", "device"),
+        (&bf16_path, Dtype::BF16, Dtype::F32, "mmap", "0", "host", "host"),
+        (&bf16_path, Dtype::BF16, Dtype::F32, "pread", "0", "auto", "device"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "1", "auto", "host"),
     ] {
         let extra = [
             ("load_safetensors_backend", read),
             ("execution_device", device),
             ("vmm_source_cache_gb", cache),
+            ("dtype_conversion", site),
         ];
         let session = converted(path, to, &extra).unwrap();
         let s = setup(&session);
-        assert_eq!(s.conversion.as_deref(), Some("host"), "{from:?} -> {to:?}");
+        let case = format!("{from:?} -> {to:?} ({site})");
+        assert_eq!(s.conversion.as_deref(), Some(at), "{case}");
         if cache != "0" {
             assert_eq!(s.host_source.as_deref(), Some("retained"));
             assert_eq!((s.retained_bytes, s.unretained_bytes), (Some(0), Some(0)), "{s:?}");
         }
         let c = ddo_source::Checkpoint::open(path).unwrap();
-        assert_eq!(s.converted_tensors, Some(c.slices().len() as u64), "every tensor");
+        let n = c.slices().len() as u64;
+        assert_eq!(s.converted_tensors, Some(n), "every tensor: {case}");
         let ratio = to.size_bytes() as f64 / from.size_bytes() as f64;
-        let (src, out) = (s.conversion_source_bytes.unwrap(), s.converted_bytes.unwrap());
-        assert_eq!(out as f64, src as f64 * ratio);
-        assert!(s.conversion_seconds.unwrap() > 0.0);
-        assert!(session.metrics(None).format_profile().contains("conversion=at=host"));
+        if at == "host" {
+            let (src, out) = (s.conversion_source_bytes.unwrap(), s.converted_bytes.unwrap());
+            assert_eq!(out as f64, src as f64 * ratio);
+            assert!(s.conversion_seconds.unwrap() > 0.0);
+            assert_eq!(s.device_converted_tensors, None);
+        } else {
+            assert_eq!(s.device_converted_tensors, Some(n), "{case}");
+            assert_eq!(s.conversion_source_bytes, None, "nothing converted at load: {case}");
+        }
+        assert!(
+            session.metrics(None).format_profile().contains(&format!("conversion=at={at}")),
+            "{case}"
+        );
         let source =
             ddo_source::CheckpointSource::new(c.into(), ddo_source::ReadOptions::default())
                 .unwrap();
@@ -627,6 +643,13 @@ fn conversion_streams_converted_bytes(device: &str) {
             want
         };
         run_and_check(&session, 2, &expect);
+        let rt = session.metrics(None).runtime;
+        if at == "device" {
+            // Every upload converts its unit's tensors (two per block).
+            assert!(rt.device_conversions.unwrap() >= 2 * rt.uploads.unwrap() - 2, "{rt:?}");
+        } else {
+            assert_eq!(rt.device_conversions, Some(0), "{case}");
+        }
         // Outside a pass, the source's view is converted too.
         assert_eq!(session.source_tensor("embed.weight").unwrap(), expect("embed.weight"));
         // Reload converts again, to the same bytes.
@@ -634,6 +657,41 @@ fn conversion_streams_converted_bytes(device: &str) {
         session.reload().unwrap();
         run_and_check(&session, 1, &expect);
     }
+}
+
+#[test]
+fn a_host_short_of_memory_converts_on_the_device_instead() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f32.safetensors");
+    let mut names = vec![("embed.weight".to_owned(), vec![W, 8])];
+    for b in 0..4 {
+        names.push((format!("blocks.{b}.attn.weight"), vec![W, W / 2]));
+        names.push((format!("blocks.{b}.norm.weight"), vec![W]));
+    }
+    names.push(("norm_out.weight".into(), vec![W]));
+    testing::write_dtype(&path, Dtype::F32, &names, |t, i| ((t as u64 * 31 + i) % 251) as u8)
+        .unwrap();
+    // A RAM margin no machine has: admission refuses the converted copy.
+    let short = [("system_ram_headroom_gb", "100000")];
+    let session = converted(&path, Dtype::BF16, &short).unwrap();
+    let s = setup(&session);
+    assert_eq!(s.conversion.as_deref(), Some("device"), "{s:?}");
+    assert!(s.warnings.unwrap().iter().any(|w| w.contains("the host could not hold")));
+    let c = ddo_source::Checkpoint::open(&path).unwrap();
+    let source =
+        ddo_source::CheckpointSource::new(c.into(), ddo_source::ReadOptions::default()).unwrap();
+    run_and_check(&session, 2, &|name| {
+        use ddo_core::WeightSource;
+        let i = source.slices().iter().position(|t| t.name == name).unwrap();
+        let mut raw = vec![0; source.slices()[i].len as usize];
+        source.read(i, &mut raw).unwrap();
+        let mut want = vec![0; raw.len() / 2];
+        ddo_source::convert(Dtype::F32, Dtype::BF16, &raw, &mut want);
+        want
+    });
+    // Asked to convert on the host only, the same host refuses clearly.
+    let e = converted(&path, Dtype::BF16, &[short[0], ("dtype_conversion", "host")]).unwrap_err();
+    assert!(e.to_string().contains("needs host memory"), "{e}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use ddo_core::{
-    BackingId, DeviceAddress, DeviceError, DeviceOrdinal, DeviceRange, Fence, FenceValue,
+    BackingId, DeviceAddress, DeviceError, DeviceOrdinal, DeviceRange, Dtype, Fence, FenceValue,
     HostSlice, Registration, Reservation, Residency, StreamId,
 };
 
@@ -33,6 +33,11 @@ struct State {
     events: BTreeMap<u64, (usize, Vec<HostSlice>)>,
     free_events: Vec<usize>,
     next_value: u64,
+    /// Conversion kernels by dtype pair: the function, or `None` where the driver could not
+    /// compile it for this device (an older GPU).
+    kernels: HashMap<(Dtype, Dtype), Option<usize>>,
+    /// Modules loaded for the kernels, unloaded at drop.
+    modules: Vec<usize>,
 }
 
 /// A CUDA device (its primary context) implementing [`Residency`] and [`Fence`].
@@ -130,6 +135,24 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         self.bind()?;
         Ok(driver::ctx::synchronize().named("cuCtxSynchronize")?)
+    }
+
+    /// The conversion kernel of `from` -> `to`, compiled on first use.
+    fn kernel(&self, state: &mut State, from: Dtype, to: Dtype) -> Option<sys::CUfunction> {
+        if let Some(&k) = state.kernels.get(&(from, to)) {
+            return k.map(|f| f as sys::CUfunction);
+        }
+        let loaded = (|| {
+            let ptx = std::ffi::CString::new(super::convert::ptx(from, to)?).ok()?;
+            self.bind().ok()?;
+            // SAFETY: a NUL-terminated PTX image; the driver copies what it needs.
+            let module = unsafe { driver::module::load_data(ptx.as_ptr().cast()) }.ok()?;
+            state.modules.push(module as usize);
+            // SAFETY: `module` was just loaded and stays loaded until drop.
+            unsafe { driver::module::get_function(module, super::convert::KERNEL.to_owned()) }.ok()
+        })();
+        state.kernels.insert((from, to), loaded.map(|f| f as usize));
+        loaded
     }
 
     fn known_stream(state: &State, stream: StreamId) -> Result<sys::CUstream, DeviceError> {
@@ -300,6 +323,44 @@ impl Residency for CudaDevice {
         unsafe { driver::memcpy_htod_async(dst.start.0, src.as_bytes(), raw) }
             .named("cuMemcpyHtoDAsync")?;
         state.pending.push((stream.0, src));
+        Ok(())
+    }
+
+    fn converts(&self, from: Dtype, to: Dtype) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.kernel(&mut state, from, to).is_some()
+    }
+
+    fn convert(
+        &self,
+        src: DeviceRange,
+        from: Dtype,
+        dst: DeviceRange,
+        to: Dtype,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut n = state.book.check_conversion(src, from, dst, to)?;
+        let raw = Self::known_stream(&state, stream)?;
+        let Some(f) = self.kernel(&mut state, from, to) else {
+            return Err(DeviceError::Unsupported(format!(
+                "this GPU's driver cannot compile the {} -> {} conversion kernel",
+                from.as_str(),
+                to.as_str()
+            )));
+        };
+        self.bind()?;
+        let (mut a, mut b) = (src.start.0, dst.start.0);
+        let mut params: [*mut c_void; 3] =
+            [(&raw mut a).cast(), (&raw mut b).cast(), (&raw mut n).cast()];
+        const THREADS: u64 = 256;
+        let blocks = n.div_ceil(THREADS).clamp(1, 4096) as u32;
+        // SAFETY: `f` takes (u64 src, u64 dst, u64 n), matching `params`; both ranges are inside
+        // live mappings (checked) and hold `n` elements of their dtypes; the stream is known.
+        unsafe {
+            driver::launch_kernel(f, (blocks, 1, 1), (THREADS as u32, 1, 1), 0, raw, &mut params)
+        }
+        .named("cuLaunchKernel")?;
         Ok(())
     }
 
@@ -494,6 +555,9 @@ impl Drop for CudaDevice {
                 if owned {
                     let _ = driver::stream::destroy(s as sys::CUstream);
                 }
+            }
+            for &module in &state.modules {
+                let _ = driver::module::unload(module as sys::CUmodule);
             }
             let _ = driver::primary_ctx::release(self.dev);
         }

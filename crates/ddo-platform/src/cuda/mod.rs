@@ -14,6 +14,8 @@
 //! `result`, `CudaError`) exist only with the feature.
 
 #[cfg(feature = "cuda")]
+mod convert;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod error;

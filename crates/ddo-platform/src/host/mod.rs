@@ -14,8 +14,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::{
-    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Fence, FenceValue, HostSlice, Registration,
-    Reservation, Residency, StreamId,
+    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Dtype, Fence, FenceValue, HostSlice,
+    Registration, Reservation, Residency, StreamId,
 };
 
 use vm::{Backing, ReservedSpan};
@@ -190,6 +190,32 @@ impl Residency for HostDevice {
                 src.len(),
             )
         };
+        Ok(())
+    }
+
+    fn converts(&self, from: Dtype, to: Dtype) -> bool {
+        ddo_core::convertible(from, to)
+    }
+
+    fn convert(
+        &self,
+        src: DeviceRange,
+        from: Dtype,
+        dst: DeviceRange,
+        to: Dtype,
+        _stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_conversion(src, from, dst, to)?;
+        // SAFETY: both ranges lie inside live mappings of this device (checked under the lock,
+        // which keeps them mapped) and do not overlap (checked).
+        let (s, d) = unsafe {
+            (
+                std::slice::from_raw_parts(src.start.0 as *const u8, src.len as usize),
+                std::slice::from_raw_parts_mut(dst.start.0 as *mut u8, dst.len as usize),
+            )
+        };
+        ddo_core::convert(from, to, s, d);
         Ok(())
     }
 
