@@ -16,6 +16,7 @@ const REQUIREMENTS: &[&str] = &[
     "safetensors",
     "accelerate",
     "peft",
+    "gguf",
     "maturin>=1.5,<2",
     "pytest",
 ];
@@ -34,7 +35,7 @@ pub(crate) fn ensure_env() -> Result<(), String> {
     let ready = Command::new(&py)
         .args([
             "-c",
-            "import torch, diffusers, transformers, safetensors, accelerate, peft, maturin, pytest",
+            "import torch, diffusers, transformers, safetensors, accelerate, peft, gguf, maturin, pytest",
         ])
         .output()
         .is_ok_and(|o| o.status.success());
