@@ -29,25 +29,39 @@ import sys
 import threading
 import time
 
+import torch
+
 from flux_workload import (
-    SD3_LARGE, WAN_14B, flux_inputs, link_speed, saved_flux, saved_sd3, saved_wan, sd3_inputs, timed, wan_inputs,
+    SD3_LARGE, WAN_14B, flux_inputs, link_speed, saved_flux, saved_flux_q8, saved_sd3, saved_wan, sd3_inputs, timed,
+    wan_inputs,
 )
 
-# Model sizes of --configs: Flux-style 5 B and 11.9 B, the SD3.5-Large-shaped "sd3" (8.1 B), and
-# "wan": the Wan-2.1-14B shape with 12 of its 40 blocks (4.4 B), saved in fp32, loaded as bf16.
-SIZES = {"5": (8, 16), "12": (19, 38), "sd3": None, "wan": 12}
+# Model sizes of --configs: Flux-style 5 B and 11.9 B, the SD3.5-Large-shaped "sd3" (8.1 B),
+# "wan": the Wan-2.1-14B shape with 12 of its 40 blocks (4.4 B) and "wan40": all 40 (14 B), both
+# saved in fp32 and loaded as bf16; "fp8": the 11.9 B Flux saved in fp8 (E4M3) and loaded as bf16;
+# "q8": the 11.9 B Flux as a Q8_0 GGUF file, run by Diffusers' GGUF modules.
+SIZES = {"5": (8, 16), "12": (19, 38), "sd3": None, "wan": 12, "wan40": 40, "fp8": (19, 38), "q8": (19, 38)}
+# Variants each size runs (others are skipped): a GGUF model runs resident or streamed natively.
+ONLY = {"q8": {"resident", "vmm"}}
 
 
 def family(size: str) -> str:
-    return size if size in ("sd3", "wan") else "flux"
+    return {"sd3": "sd3", "wan": "wan", "wan40": "wan", "q8": "q8"}.get(size, "flux")
 
 
 def label(size: str) -> str:
-    return {"sd3": "SD3-L 8.1 B", "wan": "Wan-14B-shaped, 12 blocks, fp32 file"}.get(size, f"Flux {size} B")
+    return {
+        "sd3": "SD3-L 8.1 B", "wan": "Wan-14B-shaped, 12 blocks, fp32 file", "wan40": "Wan-14B-shaped, 40 blocks, fp32 file",
+        "fp8": "Flux 12 B, fp8 file", "q8": "Flux 12 B, GGUF Q8_0",
+    }.get(size, f"Flux {size} B")
 
 
 def inputs_of(fam: str):
     return {"sd3": sd3_inputs, "wan": wan_inputs}.get(fam, flux_inputs)
+
+
+def gguf_file(path: str) -> str:
+    return next(f for f in os.listdir(path) if f.endswith(".gguf"))
 VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "vmm@6", "vmm@9"]
 # Also measurable with --variants: vmm_fast_runtime fed from retained host windows holding the
 # whole model (vmm_source_cache_gb) instead of the checkpoint's mapping.
@@ -141,10 +155,11 @@ def child(a: argparse.Namespace) -> int:
 
     fam = a.family
     cls = {"sd3": SD3Transformer2DModel, "wan": WanTransformer3DModel}.get(fam, FluxTransformer2DModel)
+    quantized = fam == "q8"
 
     dev = torch.device("cuda:0")
     resolutions = [int(r) for r in a.resolutions.split(",")]
-    warm_up(dev, resolutions, fam)
+    warm_up(dev, resolutions, "flux" if quantized else fam)
     # What the process holds before any weight: the interpreter, torch, the CUDA context and
     # the kernels every variant loads.
     rss_base, gpu_context = rss_now(), sampler.used() - sampler.base
@@ -152,7 +167,14 @@ def child(a: argparse.Namespace) -> int:
     sampler.peak = sampler.used()
     t = time.perf_counter()
     streamed, arena, native = None, None, None
-    if a.variant == "resident":
+    if a.variant == "resident" and quantized:
+        from diffusers import GGUFQuantizationConfig
+
+        model = cls.from_single_file(
+            os.path.join(a.path, gguf_file(a.path)), config=a.path, torch_dtype=torch.bfloat16,
+            quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16),
+        ).to(dev).eval()
+    elif a.variant == "resident":
         model = cls.from_pretrained(a.path, torch_dtype=torch.bfloat16).to(dev).eval()
     elif a.variant.startswith("diffusers"):
         from diffusers.hooks import apply_group_offloading
@@ -172,8 +194,10 @@ def child(a: argparse.Namespace) -> int:
         else:
             budget = float(a.variant.split("@")[1]) if "@" in a.variant else STREAMING_BUDGET_GB
             config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget)
+        extra = {"gguf_file": gguf_file(a.path)} if quantized else {}
         model = ddo.from_pretrained_with_dynamic_offload(
-            a.path, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config
+            a.path, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config,
+            **extra,
         )
         native = model.offload
         model = model.module
@@ -284,13 +308,19 @@ def main() -> int:
     for size, resolutions in by_size.items():
         if size == "sd3":
             path, nbytes = saved_sd3(a.dir)
-        elif size == "wan":
+        elif size in ("wan", "wan40"):
             path, nbytes = saved_wan(a.dir, SIZES[size])
+        elif size == "fp8":
+            path, nbytes = saved_flux(a.dir, *SIZES[size], save_dtype=torch.float8_e4m3fn)
+        elif size == "q8":
+            path, nbytes = saved_flux_q8(a.dir, *SIZES[size])
         else:
             path, nbytes = saved_flux(a.dir, *SIZES[size])
         for variant in a.variants.split(","):
             if size != "5" and "@" in variant:
                 continue  # the budget sweep runs on the 5 B model
+            if variant not in ONLY.get(size, {variant}):
+                continue
             t = time.perf_counter()
             cmd = [sys.executable, __file__, "--child", "--variant", variant, "--path", path, "--nbytes", str(nbytes),
                    "--family", family(size),

@@ -11,17 +11,19 @@ import time
 import torch
 
 
-def random_model(cls, **config):
-    """``cls(**config)`` in bf16 with N(0, 0.02) weights, on the CPU, in eval mode."""
-    torch.set_default_dtype(torch.bfloat16)
+def random_model(cls, dtype=torch.bfloat16, **config):
+    """``cls(**config)`` in ``dtype`` with N(0, 0.02) weights, on the CPU, in eval mode. The
+    values are drawn on the GPU when there is one (drawing billions on the CPU takes minutes)."""
+    torch.set_default_dtype(dtype)
     with torch.device("meta"):
         model = cls(**config)
     torch.set_default_dtype(torch.float32)
     model = model.to_empty(device="cpu").eval()
-    g = torch.Generator().manual_seed(0)
+    draw = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(draw).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32, device=draw).mul_(0.02).to(p.dtype))
     return model
 
 
@@ -35,8 +37,9 @@ def saved_model(work: str, name: str, cls, label: str, save_dtype=None, **config
         with open(marker) as f:
             return path, json.load(f)["bytes"]
     t = time.perf_counter()
-    model = random_model(cls, **config)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # An fp32 file is built in fp32 (no bf16 copy beside it); fp8 from bf16.
+    model = random_model(cls, dtype=torch.float32 if save_dtype == torch.float32 else torch.bfloat16, **config)
+    nbytes = sum(p.numel() * 2 for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
     if save_dtype is not None:
         model = model.to(save_dtype)
@@ -49,12 +52,63 @@ def saved_model(work: str, name: str, cls, label: str, save_dtype=None, **config
     return path, nbytes
 
 
-def saved_flux(work: str, double: int, single: int) -> tuple[str, int]:
-    """A Flux-style model with ``double`` + ``single`` blocks saved under ``work``."""
+def saved_flux(work: str, double: int, single: int, save_dtype=None) -> tuple[str, int]:
+    """A Flux-style model with ``double`` + ``single`` blocks saved under ``work`` (in
+    ``save_dtype`` when given: ``torch.float8_e4m3fn`` for an fp8 checkpoint)."""
     from diffusers import FluxTransformer2DModel
 
-    return saved_model(work, f"flux-{double}-{single}", FluxTransformer2DModel, "Flux-style",
-                       num_layers=double, num_single_layers=single)
+    suffix = "" if save_dtype is None else "-" + str(save_dtype).removeprefix("torch.")
+    return saved_model(work, f"flux-{double}-{single}{suffix}", FluxTransformer2DModel, f"Flux-style{suffix}",
+                       save_dtype=save_dtype, num_layers=double, num_single_layers=single)
+
+
+def q8_0(weight: torch.Tensor):
+    """GGML Q8_0 blocks of a 2-D weight, as numpy bytes [rows, row bytes]: per 32 values one f16
+    scale (max |x| / 127) and 32 int8 values rounded to nearest, as llama.cpp quantizes."""
+    rows = weight.shape[0]
+    x = weight.to("cuda" if torch.cuda.is_available() else "cpu", torch.float32).reshape(-1, 32)
+    d = x.abs().amax(dim=1, keepdim=True) / 127
+    q = torch.where(d > 0, x / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return blocks.reshape(rows, -1).cpu().numpy()
+
+
+def saved_flux_q8(work: str, double: int, single: int) -> tuple[str, int]:
+    """A Flux-style model saved as one GGUF file with Diffusers' parameter names: every Linear
+    weight in Q8_0, the rest (biases, norms) in F32; the folder also holds its config.json.
+    Returns the folder and the GGUF file's tensor bytes."""
+    import gguf
+    from diffusers import FluxTransformer2DModel
+
+    path = os.path.join(work, f"flux-{double}-{single}-q8_0")
+    marker = os.path.join(path, "ddo-built.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return path, json.load(f)["bytes"]
+    t = time.perf_counter()
+    model = random_model(FluxTransformer2DModel, num_layers=double, num_single_layers=single)
+    model.save_config(path)
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    writer = gguf.GGUFWriter(os.path.join(path, "model-Q8_0.gguf"), arch="flux")
+    nbytes = 0
+    for name, p in model.state_dict().items():
+        if name in linear and p.shape[-1] % 32 == 0:
+            data = q8_0(p)
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            data = p.float().numpy()
+            writer.add_tensor(name, data)
+        nbytes += data.nbytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    del model
+    with open(marker, "w") as f:
+        json.dump({"bytes": nbytes}, f)
+    print(f"built and saved a Flux-style Q8_0 GGUF model ({nbytes / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s",
+          flush=True)
+    return path, nbytes
 
 
 # SD3.5-Large-shaped SD3Transformer2DModel (8.1 B parameters, 15 GiB in bf16): the second model

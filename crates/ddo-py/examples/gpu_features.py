@@ -117,6 +117,93 @@ def check_lora(work: str) -> str:
         got.offload.remove()
 
 
+def check_fp8_on_device(work: str) -> str:
+    """A Wan transformer saved in fp8 loads as bf16: its tensors stream as fp8 and widen on the GPU
+    (keep-in-fp32 modules to fp32), as Diffusers' own loading converts them on the host."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(4)
+    model = PIPELINES["wan"]()[0].transformer.eval()
+    folder = os.path.join(work, "wan-fp8")
+    model.to(torch.float8_e4m3fn).save_pretrained(folder)
+    reference = WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(DEVICE).eval()
+    g = torch.Generator().manual_seed(6)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 3, 8, 8, generator=g), encoder_hidden_states=torch.randn(1, 12, 32, generator=g),
+        timestep=torch.tensor([500]), return_dict=False,
+    )
+    inputs = {k: v.to(DEVICE, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    inputs["timestep"] = inputs["timestep"].to(DEVICE)
+    with torch.no_grad():
+        want = reference(**inputs)[0]
+    config = ddo.DynamicOffloadConfig(backend="vmm", execution_device=DEVICE, vmm_resident_weight_budget_gb=BUDGET)
+    got = ddo.from_pretrained_with_dynamic_offload(
+        folder, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config
+    )
+    try:
+        with torch.no_grad():
+            outs = [got.module(**inputs)[0] for _ in range(2)]
+        assert all(torch.equal(o, want) for o in outs), "output differs from the model Diffusers loads"
+        setup = got.offload.metrics_snapshot().as_dict()["setup"]
+        assert setup["conversion"] == "device", setup
+        runtime = got.offload.metrics_snapshot().as_dict()["runtime"]
+        return f"{setup['device_converted_tensors']} tensors widened on the GPU, {runtime['device_conversions']} conversions run"
+    finally:
+        got.offload.remove()
+
+
+def check_gguf(work: str) -> str:
+    """A Q8_0 GGUF Flux transformer streams its quantized bytes into Diffusers' GGUF modules and
+    equals the same file loaded resident by Diffusers' from_single_file."""
+    import gguf
+    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+
+    from flux_workload import q8_0
+
+    torch.manual_seed(7)
+    model = PIPELINES["flux"]()[0].transformer.eval()
+    folder = os.path.join(work, "flux-gguf")
+    model.save_config(folder)
+    path = os.path.join(folder, "model-Q8_0.gguf")
+    writer = gguf.GGUFWriter(path, arch="flux")
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, p in model.state_dict().items():
+        if name in linear and p.shape[-1] % 32 == 0:
+            writer.add_tensor(name, q8_0(p), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, p.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    quant = GGUFQuantizationConfig(compute_dtype=torch.bfloat16)
+    reference = FluxTransformer2DModel.from_single_file(
+        path, config=folder, torch_dtype=torch.bfloat16, quantization_config=quant
+    ).to(DEVICE).eval()
+    g = torch.Generator().manual_seed(2)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3), return_dict=False,
+    )
+    inputs = {k: v.to(DEVICE, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        want = reference(**inputs)[0]
+    config = ddo.DynamicOffloadConfig(backend="vmm", execution_device=DEVICE, vmm_resident_weight_budget_gb=BUDGET)
+    got = ddo.from_pretrained_with_dynamic_offload(
+        folder, gguf_file="model-Q8_0.gguf", torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer",
+        dynamic_offload_config=config,
+    )
+    try:
+        with torch.no_grad():
+            outs = [got.module(**inputs)[0] for _ in range(2)]
+        assert all(torch.equal(o, want) for o in outs), "output differs from Diffusers' GGUF model run resident"
+        setup = got.offload.metrics_snapshot().as_dict()["setup"]
+        return f"{setup['streamed_units']} streamed units of Q8_0 bytes"
+    finally:
+        got.offload.remove()
+
+
 def main() -> int:
     checks = [(f"pipeline {f}", lambda w, f=f: check_pipeline(w, f)) for f in sorted(PIPELINES)]
     checks += [
@@ -124,6 +211,8 @@ def main() -> int:
         ("text encoder T5 fp32 -> fp16", lambda w: check_text_encoder(w, "t5", t5, torch.float32, torch.float16)),
         ("text encoder CLIP bf16", lambda w: check_text_encoder(w, "clip", clip, torch.bfloat16, torch.bfloat16)),
         ("LoRA on a streamed transformer", check_lora),
+        ("fp8 checkpoint widened on the GPU", check_fp8_on_device),
+        ("GGUF Q8_0 into Diffusers' GGUF modules", check_gguf),
     ]
     failed = 0
     with tempfile.TemporaryDirectory() as work:
