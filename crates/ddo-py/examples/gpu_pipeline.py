@@ -86,8 +86,9 @@ def child(a: argparse.Namespace) -> int:
         pipe = FluxPipeline.from_pretrained(a.folder, torch_dtype=torch.bfloat16).to("cuda")
         result = None
     else:
+        leaf = ddo.ComponentPolicy(route="diffusers_group_offload")
         config = ddo.DynamicOffloadConfig(
-            components={"text_encoder_2": ddo.ComponentPolicy(route="dynamic"), "transformer": ddo.ComponentPolicy(route="dynamic")}
+            backend="vmm", components={"text_encoder_2": ddo.ComponentPolicy(route="dynamic"), "text_encoder": leaf, "vae": leaf}
         )
         result = ddo.from_pretrained_pipeline_with_dynamic_offload(
             a.folder, torch_dtype=torch.bfloat16, gpu_budget_gb=a.budget_gb, dynamic_offload_config=config
