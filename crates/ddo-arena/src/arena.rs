@@ -92,6 +92,8 @@ struct Order {
 struct State {
     residents: Vec<Resident>,
     slots: Vec<Slot>,
+    /// The staging buffer of device conversions: its backing, and whether it is mapped.
+    staging: (Option<BackingId>, bool),
     order: Order,
     stats: ArenaStats,
     closed: bool,
@@ -170,6 +172,7 @@ impl Arena {
         let mut state = State {
             residents: layout.units.iter().map(|_| Resident::default()).collect(),
             slots: (0..plan.slots).map(|_| Slot::default()).collect(),
+            staging: (None, false),
             order: Order { lookahead: true, ..Order::default() },
             stats: ArenaStats::default(),
             closed: false,
@@ -229,6 +232,16 @@ impl Arena {
             residency.map(range_of(u), b).map_err(device("map resident unit memory"))?;
             state.residents[i].mapped = true;
             state.stats.resident_bytes += u.len;
+        }
+        if layout.staging_len > 0 {
+            let len = layout.staging_len;
+            let b = residency.create_backing(len).map_err(device("create the staging buffer"))?;
+            state.staging.0 = Some(b);
+            let range =
+                DeviceRange { start: reservation.range.start.offset(layout.staging_offset), len };
+            residency.map(range, b).map_err(device("map the staging buffer"))?;
+            state.staging.1 = true;
+            state.stats.resident_bytes += len;
         }
         for s in 0..plan.slots as usize {
             Self::create_slot_backing(platform, layout, plan, reservation, state, s)?;
@@ -291,6 +304,16 @@ impl Arena {
                 return Err(device("release slot memory")(e));
             }
             s.backing = None;
+        }
+        if let (Some(b), mapped) = state.staging {
+            let range =
+                DeviceRange { start: start.offset(layout.staging_offset), len: layout.staging_len };
+            if mapped {
+                residency.unmap(range).map_err(device("unmap the staging buffer"))?;
+                state.staging.1 = false;
+            }
+            residency.release_backing(b).map_err(device("release the staging buffer"))?;
+            state.staging.0 = None;
         }
         for (i, r) in state.residents.iter_mut().enumerate() {
             let unit = &layout.units[i];
@@ -627,14 +650,16 @@ impl Arena {
         self.source.check_unchanged()?;
         let u = &self.layout.units[unit.0 as usize];
         let base = self.reservation.range.start.offset(u.offset);
+        let staging = self.reservation.range.start.offset(self.layout.staging_offset);
         let mut copies = 0;
         for e in &u.extents {
             let pieces = match self.source.host_pieces(e.file, e.file_offset, e.len) {
                 Some(p) => p,
                 None => vec![(0, self.read_extent(u, e)?)],
             };
+            let to = if e.staged { staging } else { base };
             for (at, host) in pieces {
-                let dst = DeviceRange { start: base.offset(e.offset + at), len: host.len() as u64 };
+                let dst = DeviceRange { start: to.offset(e.offset + at), len: host.len() as u64 };
                 self.platform
                     .residency
                     .copy_to_device(host, dst, self.copy_stream)
@@ -644,7 +669,7 @@ impl Arena {
         }
         for c in &u.conversions {
             let t = u.tensors.iter().find(|t| t.slice == c.slice).expect("a converted tensor");
-            let src = DeviceRange { start: base.offset(c.staging), len: c.staged_len };
+            let src = DeviceRange { start: staging.offset(c.staging), len: c.staged_len };
             let dst = DeviceRange { start: base.offset(t.offset), len: t.len };
             self.platform
                 .residency
@@ -672,8 +697,10 @@ impl Arena {
     ) -> Result<HostSlice, ArenaError> {
         let requests: Vec<ReadRequest> = u
             .stored()
-            .filter(|&(_, at, len)| at >= e.offset && at + len <= e.offset + e.len)
-            .map(|(slice, at, _)| ReadRequest { slice, dst_offset: at - e.offset })
+            .filter(|&(_, staged, at, len)| {
+                staged == e.staged && at >= e.offset && at + len <= e.offset + e.len
+            })
+            .map(|(slice, _, at, _)| ReadRequest { slice, dst_offset: at - e.offset })
             .collect();
         let mut buf = vec![0u8; e.len as usize];
         self.source.read_batch(&requests, &mut buf)?;

@@ -56,18 +56,21 @@ pub struct Extent {
     pub file_offset: u64,
     /// Bytes.
     pub len: u64,
-    /// Offset inside the unit's range.
+    /// Offset inside the unit's range, or inside the arena's staging buffer when `staged`.
     pub offset: u64,
+    /// Lands in the staging buffer (stored bytes of tensors converted on the device).
+    pub staged: bool,
 }
 
 /// A tensor converted on the device after upload: its stored bytes land at `staging` of the
-/// unit (as any tensor's do, by its extents) and a kernel writes its `to` elements where its
-/// [`TensorPlacement`] says.
+/// arena's staging buffer (by staged extents) and a kernel writes its `to` elements where its
+/// [`TensorPlacement`] says. One buffer serves every unit: uploads and conversions run in order
+/// on one copy stream, so a unit's conversions have read it before the next unit's copies land.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceConversion {
     /// Index in the source's slices.
     pub slice: usize,
-    /// Offset of the stored bytes inside the unit's range.
+    /// Offset of the stored bytes inside the staging buffer.
     pub staging: u64,
     /// Stored bytes.
     pub staged_len: u64,
@@ -96,6 +99,8 @@ pub struct UnitLayout {
     pub extents: Vec<Extent>,
     /// Tensors converted on the device after the copies.
     pub conversions: Vec<DeviceConversion>,
+    /// Bytes of the staging buffer its converted tensors' stored bytes take.
+    pub staging_len: u64,
     /// Always resident.
     pub pinned: bool,
 }
@@ -106,12 +111,12 @@ impl UnitLayout {
         self.extents.iter().map(|e| e.len).sum()
     }
 
-    /// Where each tensor's stored bytes land: `(slice, offset, len)`, at its staging for a
-    /// tensor converted on the device.
-    pub fn stored(&self) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
+    /// Where each tensor's stored bytes land: `(slice, staged, offset, len)`, in the staging
+    /// buffer (`staged`) for a tensor converted on the device, else in the unit.
+    pub fn stored(&self) -> impl Iterator<Item = (usize, bool, u64, u64)> + '_ {
         self.tensors.iter().map(|t| match self.conversions.iter().find(|c| c.slice == t.slice) {
-            Some(c) => (t.slice, c.staging, c.staged_len),
-            None => (t.slice, t.offset, t.len),
+            Some(c) => (t.slice, true, c.staging, c.staged_len),
+            None => (t.slice, false, t.offset, t.len),
         })
     }
 }
@@ -125,6 +130,11 @@ pub struct Layout {
     pub reserved: u64,
     /// Mapping granularity used.
     pub granularity: u64,
+    /// Bytes of the staging buffer (a multiple of the granularity; 0 without device conversions),
+    /// mapped at `staging_offset` for the arena's life.
+    pub staging_len: u64,
+    /// Offset of the staging buffer inside the reservation (after every unit).
+    pub staging_offset: u64,
 }
 
 /// The largest layout the arena plans (4 EiB): every sum of sizes below it fits in `u64` with
@@ -165,6 +175,7 @@ impl Layout {
         let mut owner = vec![None::<usize>; slices.len()];
         let mut out = Vec::with_capacity(units.len());
         let mut offset = 0u64;
+        let mut staging = 0u64;
         for (u, spec) in units.iter().enumerate() {
             if spec.tensors.is_empty() {
                 return Err(ArenaError::InvalidUnits(format!(
@@ -191,15 +202,20 @@ impl Layout {
             tensors.sort_by_key(|&t| (slices[t].file, slices[t].offset));
             let mut placements = Vec::with_capacity(tensors.len());
             let mut extents: Vec<Extent> = Vec::new();
-            let mut cursor = 0u64;
+            // The unit's bytes, and the staging buffer's for tensors converted on the device.
+            let (mut cursor, mut staged_cursor) = (0u64, 0u64);
+            let mut converted = Vec::new();
             for &t in &tensors {
                 let s = &slices[t];
+                let staged = conversions.contains_key(&t);
+                let cur = if staged { &mut staged_cursor } else { &mut cursor };
                 // Sizes beyond the limit would wrap in the sums below.
-                if s.len > MAX_LAYOUT || s.offset > MAX_LAYOUT || cursor > MAX_LAYOUT {
+                if s.len > MAX_LAYOUT || s.offset > MAX_LAYOUT || *cur > MAX_LAYOUT {
                     return Err(too_large(&spec.name));
                 }
                 let extend = extents.last().is_some_and(|e| {
-                    e.file == s.file
+                    e.staged == staged
+                        && e.file == s.file
                         && e.file_offset + e.len == s.offset
                         && (e.offset + e.len).is_multiple_of(MIN_TENSOR_ALIGN)
                 });
@@ -210,41 +226,44 @@ impl Layout {
                     at
                 } else {
                     let start = if s.offset.is_multiple_of(MIN_TENSOR_ALIGN) {
-                        let base = align_up(cursor, EXTENT_ALIGN);
+                        let base = align_up(*cur, EXTENT_ALIGN);
                         base + s.offset % EXTENT_ALIGN
                     } else {
-                        align_up(cursor, EXTENT_ALIGN)
+                        align_up(*cur, EXTENT_ALIGN)
                     };
                     extents.push(Extent {
                         file: s.file,
                         file_offset: s.offset,
                         len: s.len,
                         offset: start,
+                        staged,
                     });
                     start
                 };
-                placements.push(TensorPlacement { slice: t, offset: at, len: s.len });
-                cursor = at + s.len;
+                *cur = at + s.len;
+                match conversions.get(&t) {
+                    Some(&to) => converted.push(DeviceConversion {
+                        slice: t,
+                        staging: at,
+                        staged_len: s.len,
+                        from: s.dtype,
+                        to,
+                    }),
+                    None => placements.push(TensorPlacement { slice: t, offset: at, len: s.len }),
+                }
             }
-            let mut converted = Vec::new();
-            for p in &mut placements {
-                let s = &slices[p.slice];
-                let Some(&to) = conversions.get(&p.slice) else { continue };
-                let elements = s.len / s.dtype.size_bytes().max(1);
+            // Converted elements after the unit's own bytes.
+            for c in &converted {
+                let elements = c.staged_len / c.from.size_bytes().max(1);
                 let offset = align_up(cursor, EXTENT_ALIGN);
-                converted.push(DeviceConversion {
-                    slice: p.slice,
-                    staging: p.offset,
-                    staged_len: s.len,
-                    from: s.dtype,
-                    to,
-                });
-                *p = TensorPlacement { slice: p.slice, offset, len: elements * to.size_bytes() };
-                cursor = offset + p.len;
+                let len = elements * c.to.size_bytes();
+                placements.push(TensorPlacement { slice: c.slice, offset, len });
+                cursor = offset + len;
                 if cursor > MAX_LAYOUT {
                     return Err(too_large(&spec.name));
                 }
             }
+            staging = staging.max(staged_cursor);
             let len = align_up(cursor.max(1), granularity);
             out.push(UnitLayout {
                 id: UnitId(u as u32),
@@ -255,6 +274,7 @@ impl Layout {
                 tensors: placements,
                 extents,
                 conversions: converted,
+                staging_len: staged_cursor,
                 pinned: spec.pinned,
             });
             offset += len;
@@ -265,7 +285,14 @@ impl Layout {
         if out.is_empty() {
             return Err(ArenaError::InvalidUnits("no units".into()));
         }
-        Ok(Layout { units: out, reserved: offset, granularity })
+        let staging_len = if staging > 0 { align_up(staging, granularity) } else { 0 };
+        Ok(Layout {
+            units: out,
+            reserved: offset + staging_len,
+            granularity,
+            staging_len,
+            staging_offset: offset,
+        })
     }
 
     /// Places the units in the reservation: a streamed unit's range spans a whole slot (so the
@@ -277,7 +304,8 @@ impl Layout {
             // Bounded by the plan (placed sizes stay below MAX_LAYOUT); saturating regardless.
             offset = offset.saturating_add(if s { slot_len.max(u.len) } else { u.len });
         }
-        self.reserved = offset;
+        self.staging_offset = offset;
+        self.reserved = offset.saturating_add(self.staging_len);
     }
 
     /// Payload bytes of all units (their tensors as served).
@@ -332,18 +360,25 @@ mod tests {
         let conversions = HashMap::from([(0, Dtype::F32)]);
         let layout = Layout::build_converting(&slices, &units, 65536, &conversions).unwrap();
         let u = &layout.units[0];
-        assert_eq!(u.extents.len(), 1, "stored bytes still upload in one copy: {:?}", u.extents);
         assert_eq!(u.link_bytes(), 5096);
+        let [staged, own] = u.extents[..] else { panic!("{:?}", u.extents) };
+        assert!(staged.staged && !own.staged, "{:?}", u.extents);
+        assert_eq!((staged.len, own.len), (4096, 1000));
         let [c] = u.conversions[..] else { panic!("{:?}", u.conversions) };
         assert_eq!((c.slice, c.staged_len, c.from, c.to), (0, 4096, Dtype::BF16, Dtype::F32));
-        assert_eq!(c.staging, u.extents[0].offset);
+        assert_eq!(c.staging, staged.offset);
         let a = u.tensors.iter().find(|t| t.slice == 0).unwrap();
         let b = u.tensors.iter().find(|t| t.slice == 1).unwrap();
         assert_eq!(a.len, 8192, "served as F32");
         assert!(a.offset >= b.offset + b.len && a.offset.is_multiple_of(EXTENT_ALIGN), "{a:?}");
         assert_eq!(u.payload, 8192 + 1000);
+        assert_eq!(u.len, 65536, "the stored bytes are not in the unit");
+        assert_eq!((u.staging_len, layout.staging_len), (staged.offset + 4096, 65536));
+        assert_eq!(layout.staging_offset, 65536);
+        assert_eq!(layout.reserved, 2 * 65536);
         let stored: Vec<_> = u.stored().collect();
-        assert!(stored.contains(&(0, c.staging, 4096)) && stored.contains(&(1, b.offset, 1000)));
+        assert!(stored.contains(&(0, true, c.staging, 4096)));
+        assert!(stored.contains(&(1, false, b.offset, 1000)));
     }
 
     #[test]

@@ -51,7 +51,9 @@ impl ResidencyPlan {
     /// fewer extra ones when the budget is tight), sized to the largest streamed unit, and keeps
     /// as many whole units resident as fit in what is left. Pinned units are always resident.
     pub fn new(layout: &Layout, budget: Budget) -> Result<ResidencyPlan, ArenaError> {
-        let usable = budget.total.saturating_sub(budget.headroom);
+        // The staging buffer of device conversions is mapped for the arena's life.
+        let usable =
+            budget.total.saturating_sub(budget.headroom).saturating_sub(layout.staging_len);
         let units = &layout.units;
         let pinned: u64 = units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
         let candidates: Vec<usize> = (0..units.len()).filter(|&i| !units[i].pinned).collect();
@@ -111,7 +113,7 @@ impl ResidencyPlan {
             return Err(ArenaError::BudgetTooSmall {
                 budget: budget.total,
                 headroom: budget.headroom,
-                needed,
+                needed: needed.saturating_add(layout.staging_len),
                 largest_unit: largest,
             });
         };
@@ -284,15 +286,17 @@ mod tests {
                         file_offset: offset,
                         len,
                         offset: 0,
+                        staged: false,
                     }],
                     conversions: vec![],
+                    staging_len: 0,
                     pinned: p,
                 };
                 offset += len;
                 u
             })
             .collect();
-        Layout { units, reserved: offset, granularity: 1 }
+        Layout { units, reserved: offset, granularity: 1, staging_len: 0, staging_offset: offset }
     }
 
     fn budget(total: u64, depth: u32) -> Budget {

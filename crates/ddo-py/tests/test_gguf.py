@@ -174,9 +174,12 @@ def reference(cls, folder, gguf_file="model.gguf"):
     ).eval()
 
 
-def config(**kw):
-    # Three 2 MiB granules: the resident rest and two slots, so the blocks stream.
-    return ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=6 / 1024, **kw)
+def config(granules=3, **kw):
+    # Three 2 MiB granules: the resident rest and two slots, so the blocks stream; a model that
+    # widens tensors on the device (keep-in-fp32 modules) needs a fourth, its staging buffer.
+    return ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=granules * 2 / 1024, **kw
+    )
 
 
 def load(folder, **kw):
@@ -205,7 +208,7 @@ def test_native_route_streams_gguf_and_equals_from_single_file(tmp_path, monkeyp
             raise AssertionError("the file was loaded")
 
         monkeypatch.setattr(cls, "from_single_file", read)
-    loaded = load(folder)  # the folder's one .gguf
+    loaded = load(folder, dynamic_offload_config=config(4 if family == "krea2" else 3))  # the folder's one .gguf
     module, result = loaded.module, loaded.offload
     assert result.route == "vmm_fast_runtime"
     assert loaded.source["path"] == os.fspath(folder / "model.gguf")

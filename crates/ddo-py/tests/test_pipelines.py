@@ -21,9 +21,8 @@ def every_model_streamed(**overrides):
     """Every model component on the arena (text encoders and VAE included), on the CPU, with a
     budget of three 2 MiB granules so the blocks of each stream."""
     components = {n: ddo.ComponentPolicy(route="dynamic") for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")}
-    return ddo.DynamicOffloadConfig(
-        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=6 / 1024, components=components, **overrides
-    )
+    settings = {"vmm_resident_weight_budget_gb": 6 / 1024, **overrides}
+    return ddo.DynamicOffloadConfig(backend="vmm", execution_device="cpu", components=components, **settings)
 
 
 @pytest.mark.parametrize("family", sorted(PIPELINES))
@@ -122,7 +121,11 @@ def test_a_variant_loads_its_own_files(tmp_path):
     plain = generate(own_memory(DiffusionPipeline.from_pretrained(tmp_path / "flux")), extra)
     assert not np.array_equal(want, plain)
     result = ddo.from_pretrained_pipeline_with_dynamic_offload(
-        tmp_path / "flux", variant="fp16", torch_dtype=torch.float32, dynamic_offload_config=every_model_streamed()
+        tmp_path / "flux",
+        variant="fp16",
+        torch_dtype=torch.float32,
+        # fp16 widens to fp32 on the device: a granule more for the staging buffer.
+        dynamic_offload_config=every_model_streamed(vmm_resident_weight_budget_gb=8 / 1024),
     )
     np.testing.assert_array_equal(generate(result.pipeline, extra), want)
     result.remove()
