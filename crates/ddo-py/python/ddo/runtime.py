@@ -285,10 +285,17 @@ class SessionRuntime:
                 "an input requires grad; ddo offloads inference only (gradients would read block memory that later "
                 "blocks reuse): run the forward under torch.no_grad() or torch.inference_mode()"
             )
+        # Runs every forward: plain tensor methods, not a parameter subclass's __torch_function__
+        # (Diffusers' GGUFParameter wraps each call).
+        with torch._C.DisableTorchFunctionSubclass():
+            self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        published = self.published
         for owner, attr, name in self.places:
             p = owner._parameters.get(attr)
-            published = self.published.get(id(p))
-            if published is None or p is not published[0] or p.data_ptr() != published[1]:
+            seen = published.get(id(p))
+            if seen is None or p is not seen[0] or p.data_ptr() != seen[1]:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} was changed after ddo attached (a dtype or device move, or an assignment): "
                     "call remove_dynamic_offload(module) first, change the module, then offload it again"
@@ -299,27 +306,9 @@ class SessionRuntime:
                 )
         if "peft" in sys.modules:  # adapter classes imported since attach (no file lookups here)
             _guard_adapter_merges()
-        # Parameters added after attach (adapters such as LoRA) are the module's own: they must be
-        # on the execution device, and trainable ones only run without gradients.
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if id(p) in self.published:
-                continue
-            if p.is_meta:
-                raise _native.DynamicOffloadLifecycleError(
-                    f"parameter {name} was added after ddo attached while the weights were placeholders (after "
-                    "reclaim() or unload()), so it has no values: delete it (delete_adapters) and add it again after "
-                    "a forward or reload()"
-                )
-            if p.device != self.device:
-                raise _native.DynamicOffloadLifecycleError(
-                    f"parameter {name} was added after ddo attached and is on {p.device}, not on the execution device "
-                    f"{self.device}: move it there (adapters are resident beside the streamed weights)"
-                )
-            if p.requires_grad and torch.is_grad_enabled():
-                raise _native.DynamicOffloadLifecycleError(
-                    f"parameter {name} requires grad; ddo offloads inference only: run the forward under "
-                    "torch.no_grad() or torch.inference_mode()"
-                )
+        # One walk over the modules: parameters added after attach (adapters such as LoRA) are the
+        # module's own (on the execution device; trainable ones only without gradients), and no
+        # adapter may be merged into a streamed weight.
         for path, m in self.module.named_modules():
             if getattr(m, "merged_adapters", None):
                 raise _native.DynamicOffloadLifecycleError(
@@ -327,6 +316,27 @@ class SessionRuntime:
                     "their source: the fused values would be lost at the next upload. Restore the weights with "
                     "result.unload() and result.reload() and use the adapters unfused"
                 )
+            for attr, p in m._parameters.items():
+                if p is not None and id(p) not in published:
+                    self._check_added(f"{path}.{attr}" if path else attr, p)
+
+    def _check_added(self, name: str, p: torch.nn.Parameter) -> None:
+        if p.is_meta:
+            raise _native.DynamicOffloadLifecycleError(
+                f"parameter {name} was added after ddo attached while the weights were placeholders (after "
+                "reclaim() or unload()), so it has no values: delete it (delete_adapters) and add it again after "
+                "a forward or reload()"
+            )
+        if p.device != self.device:
+            raise _native.DynamicOffloadLifecycleError(
+                f"parameter {name} was added after ddo attached and is on {p.device}, not on the execution device "
+                f"{self.device}: move it there (adapters are resident beside the streamed weights)"
+            )
+        if p.requires_grad and torch.is_grad_enabled():
+            raise _native.DynamicOffloadLifecycleError(
+                f"parameter {name} requires grad; ddo offloads inference only: run the forward under "
+                "torch.no_grad() or torch.inference_mode()"
+            )
 
     def _pass(self, original: Any, args: tuple, kwargs: dict) -> Any:
         if self.session.is_unloaded():
