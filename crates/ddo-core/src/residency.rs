@@ -42,7 +42,8 @@ pub trait Residency: Send + Sync {
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError>;
     /// Frees physical memory; it must not be mapped anywhere.
     fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError>;
-    /// Creates a non-blocking stream for copies.
+    /// Creates a non-blocking stream for copies (and the conversions that follow them), at the
+    /// device's highest priority where streams have priorities.
     fn create_stream(&self) -> Result<StreamId, DeviceError>;
     /// Enqueues a host-to-device copy of `src` into `dst` (same length) on `stream`.
     fn copy_to_device(

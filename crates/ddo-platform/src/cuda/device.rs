@@ -295,8 +295,13 @@ impl Residency for CudaDevice {
 
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         self.bind()?;
-        let s = driver::stream::create(driver::stream::StreamKind::NonBlocking)
-            .named("cuStreamCreate")? as u64;
+        // The highest priority: conversion kernels enqueued after uploads are scheduled ahead of
+        // the blocks of the compute that waits for them.
+        let (_, greatest) =
+            driver::stream::get_priority_range().named("cuCtxGetStreamPriorityRange")?;
+        let s =
+            driver::stream::create_with_priority(driver::stream::StreamKind::NonBlocking, greatest)
+                .named("cuStreamCreateWithPriority")? as u64;
         self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -120,6 +120,24 @@ def _parameter_like(old: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Par
     return torch.nn.Parameter(data, requires_grad=False)
 
 
+# Bumped whenever any module registers a parameter or a submodule (an adapter being added), so
+# a forward walks its module tree only when the tree may have changed.
+_STRUCTURE = [0]
+_WATCHING: List[Any] = []
+
+
+def _structure_changed(*_args: Any) -> None:
+    _STRUCTURE[0] += 1
+
+
+def _watch_structure() -> None:
+    if not _WATCHING:
+        from torch.nn.modules import module as nn_module
+
+        _WATCHING.append(nn_module.register_module_parameter_registration_hook(_structure_changed))
+        _WATCHING.append(nn_module.register_module_module_registration_hook(_structure_changed))
+
+
 # Attached runtimes, for the adapter-merge guard.
 _RUNTIMES: "weakref.WeakSet[SessionRuntime]" = weakref.WeakSet()
 
@@ -185,6 +203,10 @@ class SessionRuntime:
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
         # After reclaim() parameters are meta; the next pass publishes the views again.
         self.republish = False
+        # The structure count at the last full walk of the module tree (-1: none yet), and the
+        # adapter layers it found.
+        self.walked = -1
+        self.adapter_layers: List[Tuple[str, torch.nn.Module]] = []
         # Forwards of one module run one at a time: a pass owns the module's leases.
         self.forward_lock = threading.Lock()
         self.in_forward: Dict[int, bool] = {}
@@ -210,6 +232,7 @@ class SessionRuntime:
         if "fuse_lora" not in self.module.__dict__ and hasattr(self.module, "fuse_lora"):
             self.module.fuse_lora = self._refuse_fuse
         _guard_adapter_merges()
+        _watch_structure()
         _RUNTIMES.add(self)
         for unit, name, pinned in self.session.units():
             if not pinned:
@@ -306,19 +329,33 @@ class SessionRuntime:
                 )
         if "peft" in sys.modules:  # adapter classes imported since attach (no file lookups here)
             _guard_adapter_merges()
-        # One walk over the modules: parameters added after attach (adapters such as LoRA) are the
-        # module's own (on the execution device; trainable ones only without gradients), and no
-        # adapter may be merged into a streamed weight.
+        # One walk over the modules, when a parameter or module was registered anywhere since the
+        # last one, or gradients are on: parameters added after attach (adapters such as LoRA) are
+        # the module's own (on the execution device; trainable ones only without gradients), and
+        # no adapter may be merged into a streamed weight.
+        structure = _STRUCTURE[0]
+        if structure == self.walked and not torch.is_grad_enabled():
+            for path, m in self.adapter_layers:
+                self._check_unmerged(path, m)
+            return
+        layers = []
         for path, m in self.module.named_modules():
-            if getattr(m, "merged_adapters", None):
-                raise _native.DynamicOffloadLifecycleError(
-                    f"adapters {m.merged_adapters} were fused into {path or 'the module'}, whose weights stream from "
-                    "their source: the fused values would be lost at the next upload. Restore the weights with "
-                    "result.unload() and result.reload() and use the adapters unfused"
-                )
+            if hasattr(m, "merged_adapters"):
+                layers.append((path, m))
+                self._check_unmerged(path, m)
             for attr, p in m._parameters.items():
                 if p is not None and id(p) not in published:
                     self._check_added(f"{path}.{attr}" if path else attr, p)
+        self.adapter_layers, self.walked = layers, structure
+
+    @staticmethod
+    def _check_unmerged(path: str, m: torch.nn.Module) -> None:
+        if m.merged_adapters:
+            raise _native.DynamicOffloadLifecycleError(
+                f"adapters {m.merged_adapters} were fused into {path or 'the module'}, whose weights stream from "
+                "their source: the fused values would be lost at the next upload. Restore the weights with "
+                "result.unload() and result.reload() and use the adapters unfused"
+            )
 
     def _check_added(self, name: str, p: torch.nn.Parameter) -> None:
         if p.is_meta:
