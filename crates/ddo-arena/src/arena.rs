@@ -92,8 +92,12 @@ struct Order {
 struct State {
     residents: Vec<Resident>,
     slots: Vec<Slot>,
-    /// The staging buffer of device conversions: its backing, and whether it is mapped.
+    /// The staging buffers of device conversions: their backing, and whether it is mapped.
     staging: (Option<BackingId>, bool),
+    /// The staging buffer the next upload fills, and per buffer the fence after which its last
+    /// conversions have read it.
+    staging_next: usize,
+    staging_read: [Option<FenceValue>; 2],
     order: Order,
     stats: ArenaStats,
     closed: bool,
@@ -116,6 +120,9 @@ pub struct Arena {
     plan: ResidencyPlan,
     reservation: Reservation,
     copy_stream: StreamId,
+    /// Where device conversions run (with a staging buffer): on their own stream, so the next
+    /// unit's copies start while the last unit's conversions run.
+    convert_stream: Option<StreamId>,
     /// Units in attach order: the expected order until one is learned.
     attach_order: Arc<[UnitId]>,
     state: Mutex<State>,
@@ -173,6 +180,8 @@ impl Arena {
             residents: layout.units.iter().map(|_| Resident::default()).collect(),
             slots: (0..plan.slots).map(|_| Slot::default()).collect(),
             staging: (None, false),
+            staging_next: 0,
+            staging_read: [None, None],
             order: Order { lookahead: true, ..Order::default() },
             stats: ArenaStats::default(),
             closed: false,
@@ -180,8 +189,8 @@ impl Arena {
         let arena_parts = (platform.clone(), source, layout, plan, reservation);
         let setup = Self::setup(&arena_parts, &mut state);
         let (platform, source, layout, plan, reservation) = arena_parts;
-        let copy_stream = match setup {
-            Ok(stream) => stream,
+        let (copy_stream, convert_stream) = match setup {
+            Ok(streams) => streams,
             Err(error) => {
                 let cleanup =
                     Self::teardown(&platform, &layout, plan.slot_len, reservation, &mut state);
@@ -202,6 +211,7 @@ impl Arena {
             plan,
             reservation,
             copy_stream,
+            convert_stream,
             attach_order,
             state: Mutex::new(state),
         })
@@ -216,7 +226,7 @@ impl Arena {
             Reservation,
         ),
         state: &mut State,
-    ) -> Result<StreamId, ArenaError> {
+    ) -> Result<(StreamId, Option<StreamId>), ArenaError> {
         let residency = &platform.residency;
         let range_of = |u: &crate::UnitLayout| DeviceRange {
             start: reservation.range.start.offset(u.offset),
@@ -247,7 +257,12 @@ impl Arena {
             Self::create_slot_backing(platform, layout, plan, reservation, state, s)?;
         }
         state.stats.peak_bytes = state.stats.resident_bytes + state.stats.slot_bytes;
-        residency.create_stream().map_err(device("create the copy stream"))
+        let copy = residency.create_stream().map_err(device("create the copy stream"))?;
+        let convert = match layout.staging_len {
+            0 => None,
+            _ => Some(residency.create_stream().map_err(device("create the conversion stream"))?),
+        };
+        Ok((copy, convert))
     }
 
     fn create_slot_backing(
@@ -621,8 +636,14 @@ impl Arena {
                     state.stats.evictions += 1;
                 }
                 let st = &mut state.slots[s];
-                // Reuse only after every consumer since the last upload: the copy stream waits
-                // on the device for their fences.
+                // Reuse only after the last upload (its conversions run on their own stream, and
+                // a prefetched unit may never have been consumed) and every consumer since: the
+                // copy stream waits on the device for their fences.
+                if let Some(f) = st.holder.upload
+                    && let Err(e) = self.platform.fences.stream_wait(self.copy_stream, f)
+                {
+                    return Err(device("make the copy stream wait for the slot's last upload")(e));
+                }
                 for f in std::mem::take(&mut st.holder.releases) {
                     if let Err(e) = self.platform.fences.stream_wait(self.copy_stream, f) {
                         st.holder.releases.push(f);
@@ -650,7 +671,22 @@ impl Arena {
         self.source.check_unchanged()?;
         let u = &self.layout.units[unit.0 as usize];
         let base = self.reservation.range.start.offset(u.offset);
-        let staging = self.reservation.range.start.offset(self.layout.staging_offset);
+        // Staged bytes go to the staging buffer after its last conversions have read it.
+        let b = state.staging_next;
+        let staging = self
+            .reservation
+            .range
+            .start
+            .offset(self.layout.staging_offset + b as u64 * self.layout.staging_buffer);
+        if !u.conversions.is_empty() {
+            if let Some(f) = state.staging_read[b].take()
+                && let Err(e) = self.platform.fences.stream_wait(self.copy_stream, f)
+            {
+                state.staging_read[b] = Some(f);
+                return Err(device("make the copy stream wait for the staging buffer")(e));
+            }
+            state.staging_next = 1 - b;
+        }
         let mut copies = 0;
         for e in &u.extents {
             let pieces = match self.source.host_pieces(e.file, e.file_offset, e.len) {
@@ -667,20 +703,24 @@ impl Arena {
                 copies += 1;
             }
         }
-        for c in &u.conversions {
-            let t = u.tensors.iter().find(|t| t.slice == c.slice).expect("a converted tensor");
-            let src = DeviceRange { start: staging.offset(c.staging), len: c.staged_len };
-            let dst = DeviceRange { start: base.offset(t.offset), len: t.len };
-            self.platform
-                .residency
-                .convert(src, c.from, dst, c.to, self.copy_stream)
-                .map_err(device("enqueue a weight conversion"))?;
+        let fences = &self.platform.fences;
+        let mut f = fences.record(self.copy_stream).map_err(device("record the upload fence"))?;
+        if let (false, Some(convert)) = (u.conversions.is_empty(), self.convert_stream) {
+            fences
+                .stream_wait(convert, f)
+                .map_err(device("make the conversion stream wait for the copies"))?;
+            for c in &u.conversions {
+                let t = u.tensors.iter().find(|t| t.slice == c.slice).expect("a converted tensor");
+                let src = DeviceRange { start: staging.offset(c.staging), len: c.staged_len };
+                let dst = DeviceRange { start: base.offset(t.offset), len: t.len };
+                self.platform
+                    .residency
+                    .convert(src, c.from, dst, c.to, convert)
+                    .map_err(device("enqueue a weight conversion"))?;
+            }
+            f = fences.record(convert).map_err(device("record the conversion fence"))?;
+            state.staging_read[b] = Some(f);
         }
-        let f = self
-            .platform
-            .fences
-            .record(self.copy_stream)
-            .map_err(device("record the upload fence"))?;
         state.stats.uploads += 1;
         state.stats.upload_bytes += u.link_bytes();
         state.stats.device_conversions += u.conversions.len() as u64;

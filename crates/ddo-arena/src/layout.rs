@@ -62,10 +62,10 @@ pub struct Extent {
     pub staged: bool,
 }
 
-/// A tensor converted on the device after upload: its stored bytes land at `staging` of the
-/// arena's staging buffer (by staged extents) and a kernel writes its `to` elements where its
-/// [`TensorPlacement`] says. One buffer serves every unit: uploads and conversions run in order
-/// on one copy stream, so a unit's conversions have read it before the next unit's copies land.
+/// A tensor converted on the device after upload: its stored bytes land at `staging` of one of
+/// the arena's two staging buffers (by staged extents) and a kernel writes its `to` elements
+/// where its [`TensorPlacement`] says. Two buffers serve every unit: copies fill one while the
+/// conversions of the unit before read the other, on their own stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceConversion {
     /// Index in the source's slices.
@@ -130,9 +130,11 @@ pub struct Layout {
     pub reserved: u64,
     /// Mapping granularity used.
     pub granularity: u64,
-    /// Bytes of the staging buffer (a multiple of the granularity; 0 without device conversions),
-    /// mapped at `staging_offset` for the arena's life.
+    /// Bytes mapped for the two staging buffers (a multiple of the granularity; 0 without device
+    /// conversions), at `staging_offset` for the arena's life.
     pub staging_len: u64,
+    /// Bytes of one staging buffer (the second starts this far after the first).
+    pub staging_buffer: u64,
     /// Offset of the staging buffer inside the reservation (after every unit).
     pub staging_offset: u64,
 }
@@ -285,12 +287,15 @@ impl Layout {
         if out.is_empty() {
             return Err(ArenaError::InvalidUnits("no units".into()));
         }
-        let staging_len = if staging > 0 { align_up(staging, granularity) } else { 0 };
+        // Two buffers: one fills while the other's conversions run.
+        let staging_buffer = align_up(staging, EXTENT_ALIGN);
+        let staging_len = if staging > 0 { align_up(2 * staging_buffer, granularity) } else { 0 };
         Ok(Layout {
             units: out,
             reserved: offset + staging_len,
             granularity,
             staging_len,
+            staging_buffer,
             staging_offset: offset,
         })
     }
@@ -373,8 +378,12 @@ mod tests {
         assert!(a.offset >= b.offset + b.len && a.offset.is_multiple_of(EXTENT_ALIGN), "{a:?}");
         assert_eq!(u.payload, 8192 + 1000);
         assert_eq!(u.len, 65536, "the stored bytes are not in the unit");
-        assert_eq!((u.staging_len, layout.staging_len), (staged.offset + 4096, 65536));
-        assert_eq!(layout.staging_offset, 65536);
+        assert_eq!((u.staging_len, layout.staging_buffer), (staged.offset + 4096, 4352));
+        assert_eq!(
+            (layout.staging_offset, layout.staging_len),
+            (65536, 65536),
+            "both in a granule"
+        );
         assert_eq!(layout.reserved, 2 * 65536);
         let stored: Vec<_> = u.stored().collect();
         assert!(stored.contains(&(0, true, c.staging, 4096)));

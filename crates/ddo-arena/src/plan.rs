@@ -296,7 +296,14 @@ mod tests {
                 u
             })
             .collect();
-        Layout { units, reserved: offset, granularity: 1, staging_len: 0, staging_offset: offset }
+        Layout {
+            units,
+            reserved: offset,
+            granularity: 1,
+            staging_len: 0,
+            staging_buffer: 0,
+            staging_offset: offset,
+        }
     }
 
     fn budget(total: u64, depth: u32) -> Budget {

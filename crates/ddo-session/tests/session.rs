@@ -639,6 +639,8 @@ fn conversion_streams_converted_bytes(device: &str) {
             ("execution_device", device),
             ("vmm_source_cache_gb", cache),
             ("dtype_conversion", site),
+            // Room for the two staging buffers of stored bytes converted on the device.
+            ("vmm_resident_weight_budget_gb", "0.03"),
         ];
         let session = converted(path, to, &extra).unwrap();
         let s = setup(&session);
