@@ -703,6 +703,9 @@ impl Arena {
                 copies += 1;
             }
         }
+        // Host-side copies (the host backend, pageable memory) have read the source by now: a
+        // file that changed under them is noticed before the unit is used.
+        self.source.check_unchanged()?;
         let fences = &self.platform.fences;
         let mut f = fences.record(self.copy_stream).map_err(device("record the upload fence"))?;
         if let (false, Some(convert)) = (u.conversions.is_empty(), self.convert_stream) {

@@ -128,6 +128,9 @@ impl ConvertedSource {
             s.dtype = to;
         }
         report.seconds = t.elapsed().as_secs_f64();
+        // The stored bytes were read from the source: a file that changed under the reads (a
+        // mapping read past a truncated end) is noticed before the converted values are used.
+        inner.check_unchanged()?;
         Ok(ConvertedSource { inner, slices, first_file, buffers, converted, report })
     }
 

@@ -23,6 +23,7 @@
 
 mod checkpoint;
 mod convert;
+mod fault;
 mod gguf;
 mod header;
 mod host_tensors;

@@ -6,10 +6,13 @@ use std::path::{Path, PathBuf};
 use ddo_core::{HostRegion, SourceError};
 
 /// A read-only mapping of a whole checkpoint file; a [`HostRegion`] so device copies and
-/// registrations can hold it alive.
+/// registrations can hold it alive. A read past the end of a file truncated while mapped does
+/// not kill the process: it reads zeros and [`MappedFile::faulted`] says so.
 #[derive(Debug)]
 pub struct MappedFile {
     path: PathBuf,
+    // Declared before the mapping: the guard ends before the addresses are unmapped.
+    guard: crate::fault::FaultGuard,
     map: memmap2::Mmap,
 }
 
@@ -18,16 +21,24 @@ impl MappedFile {
     ///
     /// # Safety
     ///
-    /// The file must not be modified or truncated while the mapping (or any `Arc` of it) lives:
-    /// changed bytes would be read silently, and truncation makes reads of the lost range fault
-    /// (SIGBUS). ddo checks the file's identity before each read batch, which catches a changed
-    /// file between batches but cannot make concurrent modification safe.
+    /// The file must not be modified while the mapping (or any `Arc` of it) lives: changed bytes
+    /// would be read as they are. ddo checks the file's identity before and after each read
+    /// batch and upload, which catches a changed file but cannot make concurrent modification
+    /// safe. Truncation is survivable: the lost range reads as zeros and is reported as a change.
     pub unsafe fn map(path: &Path) -> Result<MappedFile, SourceError> {
         let io = |source| SourceError::Io { file: path.to_owned(), source };
         let file = File::open(path).map_err(io)?;
-        // SAFETY: the caller promises the file is not modified or truncated while mapped.
+        // SAFETY: the caller promises the file is not modified while mapped.
         let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
-        Ok(MappedFile { path: path.to_owned(), map })
+        let guard = crate::fault::FaultGuard::new(map.as_ptr(), map.len());
+        Ok(MappedFile { path: path.to_owned(), guard, map })
+    }
+
+    /// Whether a read of the mapping went past the end of its file (truncated while mapped):
+    /// those reads gave zeros, and nothing read from the mapping since it was made can be
+    /// trusted.
+    pub fn faulted(&self) -> bool {
+        self.guard.faulted()
     }
 
     /// Maps the file at `path` when `choice` allows mapping; `None` otherwise.

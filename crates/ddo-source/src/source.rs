@@ -123,7 +123,16 @@ impl WeightSource for CheckpointSource {
     }
 
     fn check_unchanged(&self) -> Result<(), SourceError> {
-        self.checkpoint.check_unchanged()
+        self.checkpoint.check_unchanged()?;
+        for (i, m) in self.maps.iter().flatten().enumerate() {
+            if m.faulted() {
+                return Err(SourceError::CheckpointChanged {
+                    file: self.checkpoint.files()[i].path.clone(),
+                    what: "it shrank while mapped (a read went past its end)".into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
@@ -153,10 +162,13 @@ impl WeightSource for CheckpointSource {
     }
 
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
-        self.checkpoint.check_unchanged()?;
+        self.check_unchanged()?;
         let runs = plan(self.slices(), requests, dst.len(), self.options.chunk_bytes)?;
         let dsts = carve(&runs, dst);
         let paths: Vec<&Path> = self.checkpoint.files().iter().map(|f| f.path.as_path()).collect();
-        execute(&paths, self.maps.as_deref(), self.options, runs, dsts)
+        execute(&paths, self.maps.as_deref(), self.options, runs, dsts)?;
+        // A file that changed during the reads (a mapping read past a truncated end) is noticed
+        // before the bytes are used.
+        self.check_unchanged()
     }
 }

@@ -178,3 +178,29 @@ fn tensors_with_zero_elements_read_as_nothing_on_every_path() {
         assert_eq!(&dst[6..], pattern("c", 4).as_slice(), "{name}");
     }
 }
+
+#[test]
+fn a_mapped_file_truncated_under_its_readers_reads_zeros_and_is_reported_instead_of_killing_the_process()
+ {
+    let dir = scratch();
+    let path =
+        write(&dir.path().join("m.safetensors"), &[("w", vec![64 * 1024]), ("x", vec![64 * 1024])]);
+    let checkpoint = Arc::new(Checkpoint::open(&path).unwrap());
+    // SAFETY: the file is truncated on purpose: what this test checks.
+    let source = unsafe { CheckpointSource::with_mmap(checkpoint.clone(), 1) }.unwrap();
+    let mapping = source.mapping(0).unwrap().clone();
+    let len = mapping.as_bytes().len();
+    assert!(!mapping.faulted());
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(4096).unwrap();
+    // A read past the new end (what an upload's copy or a conversion does) completes with zeros.
+    // SAFETY: inside the mapping; volatile, so the read is not optimized away.
+    let last = unsafe { std::ptr::read_volatile(mapping.as_bytes().as_ptr().add(len - 1)) };
+    assert_eq!(last, 0);
+    assert!(mapping.faulted(), "the fault is noted");
+    let err = source.check_unchanged().unwrap_err().to_string();
+    assert!(err.contains("changed"), "{err}");
+    let mut dst = vec![0u8; checkpoint.slices()[1].len as usize];
+    assert!(matches!(source.read(1, &mut dst), Err(SourceError::CheckpointChanged { .. })));
+    // Bytes before the new end still read as the file's.
+    assert_eq!(mapping.as_bytes()[0], std::fs::read(&path).unwrap()[0]);
+}
