@@ -12,6 +12,11 @@ def seeded(seed: int = 0) -> None:
 
 @pytest.fixture
 def flux():
+    return tiny_flux()
+
+
+def tiny_flux():
+    """A two-double, two-single-block Flux transformer (eval mode) and inputs for it."""
     from diffusers import FluxTransformer2DModel
 
     seeded(1)

@@ -12,6 +12,8 @@ import torch
 
 import ddo
 
+from conftest import tiny_flux  # noqa: E402
+
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
@@ -23,30 +25,7 @@ def run(model, inputs):
 
 
 def flux():
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(1)
-    model = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 6, 6],
-    )
-    torch.manual_seed(2)
-    inputs = dict(
-        hidden_states=torch.randn(1, 16, 4),
-        encoder_hidden_states=torch.randn(1, 8, 32),
-        pooled_projections=torch.randn(1, 32),
-        timestep=torch.tensor([0.5]),
-        img_ids=torch.zeros(16, 3),
-        txt_ids=torch.zeros(8, 3),
-        return_dict=False,
-    )
+    model, inputs = tiny_flux()
     # One weight of each other stored type; biases of one block in F16.
     types = {
         "single_transformer_blocks.0.proj_mlp.weight": Q.Q4_0,
