@@ -669,6 +669,35 @@ impl Arena {
     fn upload(&self, state: &mut State, unit: UnitId) -> Result<FenceValue, ArenaError> {
         let t = Instant::now();
         self.source.check_unchanged()?;
+        let result = self.enqueue_upload(state, unit);
+        if result.is_err() {
+            // Copies or conversions enqueued before the failure may still write into the slot
+            // and read the staging buffer, and no fence covers them: wait for them here, so the
+            // slot and the buffer are idle when the error reaches the caller.
+            let fences = &self.platform.fences;
+            for stream in std::iter::once(self.copy_stream).chain(self.convert_stream) {
+                if let Ok(f) = fences.record(stream) {
+                    let _ = fences.wait(f);
+                }
+            }
+        }
+        let (f, copies) = result?;
+        let u = &self.layout.units[unit.0 as usize];
+        state.stats.uploads += 1;
+        state.stats.upload_bytes += u.link_bytes();
+        state.stats.device_conversions += u.conversions.len() as u64;
+        state.stats.upload_copies += copies;
+        state.stats.upload_seconds += t.elapsed().as_secs_f64();
+        Ok(f)
+    }
+
+    /// Enqueues `unit`'s copies (and conversions) and records the fence that covers them, with
+    /// the copies it took.
+    fn enqueue_upload(
+        &self,
+        state: &mut State,
+        unit: UnitId,
+    ) -> Result<(FenceValue, u64), ArenaError> {
         let u = &self.layout.units[unit.0 as usize];
         let base = self.reservation.range.start.offset(u.offset);
         // Staged bytes go to the staging buffer after its last conversions have read it.
@@ -724,12 +753,7 @@ impl Arena {
             f = fences.record(convert).map_err(device("record the conversion fence"))?;
             state.staging_read[b] = Some(f);
         }
-        state.stats.uploads += 1;
-        state.stats.upload_bytes += u.link_bytes();
-        state.stats.device_conversions += u.conversions.len() as u64;
-        state.stats.upload_copies += copies;
-        state.stats.upload_seconds += t.elapsed().as_secs_f64();
-        Ok(f)
+        Ok((f, copies))
     }
 
     /// Reads an extent into a new host buffer (sources without host-resident bytes).

@@ -54,6 +54,7 @@ backend_tests!(
     close_refuses_live_leases,
     everything_resident_when_it_fits,
     device_conversion_gives_the_host_conversions_values,
+    a_source_that_changes_under_an_upload_leaves_the_arena_usable,
 );
 
 const WIDTH: usize = 128; // a block is 4 * 128*128*2 + ... ~ 200 KiB
@@ -414,4 +415,70 @@ fn device_conversion_gives_the_host_conversions_values(env: &Env) {
         }
     }
     assert_eq!(checked, 12);
+}
+
+/// A source whose `check_unchanged` fails once, at call number `fail_at`.
+struct Flaky {
+    inner: Arc<dyn WeightSource>,
+    calls: std::sync::atomic::AtomicU32,
+    fail_at: u32,
+}
+
+impl WeightSource for Flaky {
+    fn slices(&self) -> &[ddo_core::TensorSlice] {
+        self.inner.slices()
+    }
+    fn check_unchanged(&self) -> Result<(), ddo_core::SourceError> {
+        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n == self.fail_at {
+            return Err(ddo_core::SourceError::CheckpointChanged {
+                file: "m.safetensors".into(),
+                what: "it changed during the upload".into(),
+            });
+        }
+        self.inner.check_unchanged()
+    }
+    fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), ddo_core::SourceError> {
+        self.inner.read(slice, dst)
+    }
+    fn host_bytes(&self, slice: usize) -> Option<HostSlice> {
+        self.inner.host_bytes(slice)
+    }
+}
+
+fn a_source_that_changes_under_an_upload_leaves_the_arena_usable(env: &Env) {
+    let dir = scratch();
+    let inner = checkpoint(dir.path(), 6, WIDTH);
+    // Uploads check the source before and after their copies: the 9th check is the one after
+    // some unit's copies were enqueued.
+    let flaky = Arc::new(Flaky { inner: inner.clone(), calls: 0.into(), fail_at: 9 });
+    let source: Arc<dyn WeightSource> = flaky.clone();
+    let units = UnitSpec::by_block(source.slices());
+    let budget = Budget { total: slot_budget(env, 2), headroom: 0, prefetch_depth: 1 };
+    let arena = Arena::new(&env.platform, source.clone(), &units, budget).unwrap();
+    let stream = env.platform.residency.create_stream().unwrap();
+    arena.begin_pass();
+    let mut failed = false;
+    for u in in_order(&arena) {
+        match arena.acquire(UnitId(u), stream) {
+            Ok(lease) => arena.release(lease, stream).unwrap(),
+            Err(e) => {
+                assert!(e.to_string().contains("changed during the upload"), "{e}");
+                failed = true;
+                break;
+            }
+        }
+    }
+    assert!(
+        failed,
+        "the failing check was reached ({} checks)",
+        flaky.calls.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    // Nothing is left in flight: idle memory can be released, and the next passes see every
+    // unit's bytes.
+    arena.reclaim_idle().unwrap();
+    for _ in 0..2 {
+        pass(env, &arena, &source, stream, &in_order(&arena));
+    }
+    arena.close().unwrap();
 }

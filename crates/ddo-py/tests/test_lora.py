@@ -136,10 +136,15 @@ def test_an_adapter_without_values_is_refused_with_what_to_do(offloaded):
     run(loaded.module, inputs)
     loaded.offload.reclaim()
     adapter(loaded.module)  # placed where the base weights are: meta placeholders after reclaim()
-    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="has no values: delete it"):
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="has no values: it is meta"):
         run(loaded.module, inputs)
     loaded.module.delete_adapters("style")
     run(loaded.module, inputs)
     adapter(loaded.module)
     run(loaded.module, inputs)
+    # An adapter moved in place after a forward (no parameter registered) is still checked.
+    layer = next(m for m in loaded.module.modules() if hasattr(m, "lora_A"))
+    layer.lora_A.to("meta")
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="has no values"):
+        run(loaded.module, inputs)
     loaded.offload.remove()

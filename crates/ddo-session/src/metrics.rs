@@ -106,6 +106,11 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
             setup.device_converted_tensors = Some(on_device);
             *setup.converted_tensors.get_or_insert(0) += on_device;
         }
+        if a.staging_short {
+            setup.warnings.get_or_insert_with(Vec::new).push(
+                "the GPU budget has no room for the staging buffers of conversion on the device: tensors were widened at load on the host (raise the budget, or set dtype_conversion)".into(),
+            );
+        }
         if a.host_short {
             setup.warnings.get_or_insert_with(Vec::new).push(
                 "the host could not hold the checkpoint converted to the module's dtypes: its tensors stream as stored and are converted on the device after each upload".into(),

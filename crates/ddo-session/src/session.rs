@@ -155,6 +155,8 @@ struct HostReport {
     device_conversions: HashMap<usize, Dtype>,
     /// Conversion moved to the device because the host could not hold the converted copy.
     host_short: bool,
+    /// Widening moved to the host because the GPU budget had no room for staging buffers.
+    staging_short: bool,
 }
 
 /// The device memory of one attach and the host registrations its copies use. Shared by the
@@ -354,7 +356,25 @@ impl ComponentSession {
         &self.warnings
     }
 
+    /// Attaches. Under `dtype_conversion=auto`, a budget without room for the staging buffers of
+    /// conversion on the device converts at load on the host instead.
     fn attach(&self) -> Result<Attached, SessionError> {
+        let mut on_device = false;
+        match self.attach_with(false, &mut on_device) {
+            Err(SessionError::Capacity { .. })
+                if on_device && self.plan.settings.dtype_conversion == ConversionSite::Auto =>
+            {
+                let mut attached = self.attach_with(true, &mut on_device)?;
+                attached.host.staging_short = true;
+                Ok(attached)
+            }
+            result => result,
+        }
+    }
+
+    /// Attaches, converting at load on the host only when `host_only`; sets `on_device` when
+    /// tensors were planned for conversion on the device.
+    fn attach_with(&self, host_only: bool, on_device: &mut bool) -> Result<Attached, SessionError> {
         let t = Instant::now();
         let p = &self.platform.platform;
         let s = &self.plan.settings;
@@ -363,11 +383,12 @@ impl ComponentSession {
             Vec<(HostSlice, bool)>,
             HostReport,
         ) = match &self.weights {
-            Weights::Checkpoint { path, mmap } => self.checkpoint_source(path, *mmap)?,
+            Weights::Checkpoint { path, mmap } => self.checkpoint_source(path, *mmap, host_only)?,
             Weights::Host { storages, tensors, mmap } => {
                 self.host_source(storages, tensors, *mmap)?
             }
         };
+        *on_device = !host.device_conversions.is_empty();
         let slices = self.bind(source.slices(), &host.device_conversions)?;
         let specs = self.unit_specs(&*source);
         let granularity = p.residency.granularity()?;
@@ -504,6 +525,7 @@ impl ComponentSession {
         &self,
         path: &PathBuf,
         mmap: MmapChoice,
+        host_only: bool,
     ) -> Result<(Arc<dyn WeightSource>, Vec<(HostSlice, bool)>, HostReport), SessionError> {
         let s = &self.plan.settings;
         let p = &self.platform.platform;
@@ -514,6 +536,7 @@ impl ComponentSession {
         let device_can = |&(i, to): &(usize, Dtype)| p.residency.converts(slices[i].dtype, to);
         let (on_device, targets): (Vec<_>, Vec<_>) = match s.dtype_conversion {
             ConversionSite::Host => (Vec::new(), all.clone()),
+            ConversionSite::Auto if host_only => (Vec::new(), all.clone()),
             ConversionSite::Device => {
                 if let Some(&(i, to)) = all.iter().find(|c| !device_can(c)) {
                     return Err(SessionError::Capacity {
@@ -561,9 +584,12 @@ impl ComponentSession {
             // The host cannot hold the converted copy: stream the stored bytes and convert them
             // on the device instead, when it can.
             Err(SourceError::Refused(_) | SourceError::CeilingExceeded { .. })
-                if s.dtype_conversion == ConversionSite::Auto && targets.iter().all(device_can) =>
+                if s.dtype_conversion == ConversionSite::Auto
+                    && !host_only
+                    && targets.iter().all(device_can) =>
             {
-                drop(source);
+                // What the first attempt holds (retained windows count against admission).
+                drop((source, ranges, mapped));
                 let (source, _, ranges, mut host) = self.checkpoint_bytes(checkpoint, mmap, &[])?;
                 host.device_conversions = all.into_iter().collect();
                 host.host_short = true;
@@ -1058,6 +1084,7 @@ impl ComponentSession {
                     conversion: a.host.conversion,
                     device_conversions: a.host.device_conversions.len() as u64,
                     host_short: a.host.host_short,
+                    staging_short: a.host.staging_short,
                     not_packed: a.host.not_packed.as_deref(),
                     host_kind: a.host.kind,
                     read_workers: a.host.read_workers,
@@ -1100,6 +1127,7 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) conversion: Option<ConversionReport>,
     pub(crate) device_conversions: u64,
     pub(crate) host_short: bool,
+    pub(crate) staging_short: bool,
     pub(crate) not_packed: Option<&'a str>,
     pub(crate) host_kind: &'static str,
     pub(crate) read_workers: Option<u64>,
@@ -1197,8 +1225,8 @@ fn views_bytes(dtype: Option<Dtype>, shape: Option<&[u64]>, t: &TensorSlice) -> 
     lead == t_lead && t_last.checked_mul(t.dtype.size_bytes()) == Some(last)
 }
 
-/// Refuses a "scaled fp8" checkpoint whose scale tensors no parameter takes: its fp8 weights
-/// mean `weight * scale`, and serving them without their scales would be silently wrong.
+/// Refuses an fp8 checkpoint with scale tensors no parameter takes ("scaled fp8"): its fp8
+/// weights mean `weight * scale`, and serving them without their scales would be silently wrong.
 fn refuse_unbound_scales(
     slices: &[TensorSlice],
     bound: &HashMap<String, usize>,
@@ -1208,9 +1236,11 @@ fn refuse_unbound_scales(
         return Ok(());
     }
     let used: std::collections::HashSet<usize> = bound.values().copied().collect();
+    // `scale_weight` / `scaled_fp8` (ComfyUI), `weight_scale` / `input_scale` (compressed
+    // tensors, ModelOpt), `weight_scale_inv` (block-scaled fp8): any scale no parameter takes.
     let scale = slices.iter().enumerate().find(|(i, t)| {
-        let leaf = t.name.rsplit('.').next().unwrap_or(&t.name);
-        !used.contains(i) && (leaf.starts_with("scale_") || leaf == "scaled_fp8")
+        let leaf = t.name.rsplit('.').next().unwrap_or(&t.name).to_ascii_lowercase();
+        !used.contains(i) && leaf.contains("scale")
     });
     match scale {
         Some((_, t)) => Err(SessionError::Weights(format!(

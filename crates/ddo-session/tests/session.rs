@@ -699,6 +699,29 @@ fn conversion_streams_converted_bytes(device: &str) {
 }
 
 #[test]
+fn a_budget_without_room_for_staging_widens_on_the_host_instead() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let host = [("dtype_conversion", "host"), ("vmm_resident_weight_budget_gb", "0.0001")];
+    let e = converted(&path, Dtype::F32, &host).unwrap_err().to_string();
+    // The least budget that converting on the host needs, from what the error says.
+    let mib: f64 =
+        e.split("need at least ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    let budget = format!("{}", mib / 1024.0);
+    let session =
+        converted(&path, Dtype::F32, &[("vmm_resident_weight_budget_gb", budget.as_str())])
+            .unwrap();
+    let s = setup(&session);
+    assert_eq!(s.conversion.as_deref(), Some("host"), "{s:?}");
+    assert!(s.warnings.unwrap().iter().any(|w| w.contains("no room for the staging buffers")));
+    // With room for them, widening runs on the device.
+    let more = format!("{}", (mib + 8.0) / 1024.0);
+    let session =
+        converted(&path, Dtype::F32, &[("vmm_resident_weight_budget_gb", more.as_str())]).unwrap();
+    assert_eq!(setup(&session).conversion.as_deref(), Some("device"));
+}
+
+#[test]
 fn a_host_short_of_memory_converts_on_the_device_instead() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f32.safetensors");
@@ -758,6 +781,17 @@ fn scaled_fp8_weights_are_refused_unless_the_module_takes_their_scales() {
     let e = native_with(&path, &[], Some(tree.clone())).unwrap_err().to_string();
     assert!(e.contains("scale tensors (blocks.0.attn.scale_weight)"), "{e}");
     assert!(e.contains("refuses to serve them unscaled"), "{e}");
+    // The other layouts' names: weight_scale / input_scale, weight_scale_inv.
+    for name in ["weight_scale", "input_scale", "weight_scale_inv"] {
+        let other = dir.path().join(format!("{name}.safetensors"));
+        let mut names = names.clone();
+        names[1].0 = format!("blocks.0.attn.{name}");
+        testing::write_dtype(&other, Dtype::F8E4M3, &names, |_, i| (i % 100) as u8).unwrap();
+        let mut tree = tree_of(&other, Dtype::BF16);
+        tree.parameters.retain(|p| !p.name.ends_with(name));
+        let e = native_with(&other, &[], Some(tree)).unwrap_err().to_string();
+        assert!(e.contains(&format!("scale tensors (blocks.0.attn.{name})")), "{e}");
+    }
     // A module that declares the scales (its math applies them) streams the fp8 bytes as they are.
     let session = native_with(&path, &[], Some(tree_of(&path, Dtype::F8E4M3))).unwrap();
     assert_eq!(setup(&session).conversion, None);

@@ -207,6 +207,7 @@ class SessionRuntime:
         # adapter layers it found.
         self.walked = -1
         self.adapter_layers: List[Tuple[str, torch.nn.Module]] = []
+        self.added: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, int]] = []
         # Forwards of one module run one at a time: a pass owns the module's leases.
         self.forward_lock = threading.Lock()
         self.in_forward: Dict[int, bool] = {}
@@ -337,8 +338,10 @@ class SessionRuntime:
         if structure == self.walked and not torch.is_grad_enabled():
             for path, m in self.adapter_layers:
                 self._check_unmerged(path, m)
-            return
-        layers = []
+            # The module's own parameters found by the last walk: replaced or moved since (.to())?
+            if all(m._parameters.get(attr) is p and p.data_ptr() == ptr for m, attr, p, ptr in self.added):
+                return
+        layers, added = [], []
         for path, m in self.module.named_modules():
             if hasattr(m, "merged_adapters"):
                 layers.append((path, m))
@@ -346,7 +349,8 @@ class SessionRuntime:
             for attr, p in m._parameters.items():
                 if p is not None and id(p) not in published:
                     self._check_added(f"{path}.{attr}" if path else attr, p)
-        self.adapter_layers, self.walked = layers, structure
+                    added.append((m, attr, p, p.data_ptr()))
+        self.adapter_layers, self.added, self.walked = layers, added, structure
 
     @staticmethod
     def _check_unmerged(path: str, m: torch.nn.Module) -> None:
@@ -360,9 +364,9 @@ class SessionRuntime:
     def _check_added(self, name: str, p: torch.nn.Parameter) -> None:
         if p.is_meta:
             raise _native.DynamicOffloadLifecycleError(
-                f"parameter {name} was added after ddo attached while the weights were placeholders (after "
-                "reclaim() or unload()), so it has no values: delete it (delete_adapters) and add it again after "
-                "a forward or reload()"
+                f"parameter {name} (added after ddo attached) has no values: it is meta (added while the weights "
+                "were placeholders after reclaim() or unload(), or moved there): delete it (delete_adapters) and add "
+                "it again after a forward or reload()"
             )
         if p.device != self.device:
             raise _native.DynamicOffloadLifecycleError(
