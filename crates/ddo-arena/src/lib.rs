@@ -8,11 +8,13 @@
 //! ```text
 //! units    module tree (data) -> blocks of the outermost repeated lists; shared parameters and
 //!          always-resident modules stay resident (one rule for every host)
-//! layout   units -> contiguous, aligned ranges; adjacent tensors upload in one copy
+//! layout   units -> contiguous, aligned ranges; adjacent tensors upload in one copy; tensors
+//!          converted on the device upload their stored bytes into two staging buffers
 //! plan     budget -> resident units + N slots (N >= 2, prefetch depth + 1 when it fits),
 //!          each streamed unit's slot chosen so its upload overlaps the most work
 //! arena    prime()                          (enqueue resident + first streamed uploads)
-//!          acquire(unit, stream) -> Lease   (upload if needed; stream waits on the upload)
+//!          acquire(unit, stream) -> Lease   (upload if needed, then convert on the conversion
+//!                                            stream; stream waits on the upload)
 //!          release(lease, stream)           (records the fence that gates reuse)
 //!          reclaim_idle(), close()          (free only what a fence proves idle)
 //! ```

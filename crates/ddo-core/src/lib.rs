@@ -6,8 +6,8 @@
 //! contracts. Four small `Send + Sync` ports describe the outside world:
 //!
 //! - [`WeightSource`]: immutable tensor slices of a checkpoint and their bytes;
-//! - [`Residency`]: device memory (address reservations, physical backing, mappings, copies, host
-//!   registration);
+//! - [`Residency`]: device memory (address reservations, physical backing, mappings, copies, dtype
+//!   conversions on the device, host registration);
 //! - [`Fence`]: monotonic completion values recorded on streams;
 //! - [`AdmissionProbe`]: whether the host can take more retained, staged or registered bytes.
 //!
