@@ -31,8 +31,30 @@ struct State {
     reservations: BTreeMap<u64, ReservedSpan>,
     backings: HashMap<BackingId, Backing>,
     next_backing: u64,
-    registered: HashMap<u64, u64>,
+    /// Live registrations by handle: (first address, bytes).
+    registered: HashMap<u64, (u64, u64)>,
     next_registration: u64,
+}
+
+impl State {
+    /// Refuses a copy from host memory that starts in a registered range and runs past its end,
+    /// as CUDA does (`CUDA_ERROR_INVALID_VALUE`): page-locked sources must lie in one
+    /// registration.
+    fn check_source(&self, src: &HostSlice) -> Result<(), DeviceError> {
+        let start = src.as_bytes().as_ptr() as u64;
+        let end = start + src.len() as u64;
+        for &(at, len) in self.registered.values() {
+            if (at..at + len).contains(&start) && end > at + len {
+                return Err(DeviceError::InvalidUse(format!(
+                    "a copy of {} bytes from {start:#x} starts in registered host memory \
+                     [{at:#x}, {:#x}) and runs past its end",
+                    src.len(),
+                    at + len
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Counters of what the host backend holds, for tests and metrics.
@@ -180,6 +202,7 @@ impl Residency for HostDevice {
         AddressBook::check_lengths("copy", src.len(), dst.len)?;
         let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_mapped(dst)?;
+        state.check_source(&src)?;
         // SAFETY: `dst` lies inside a live read/write mapping of this device (checked under the
         // lock, which also keeps it mapped during the copy); `src` is a live host slice of the
         // same length; the two cannot overlap (device mappings are memfd pages owned here).
@@ -239,7 +262,7 @@ impl Residency for HostDevice {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let handle = state.next_registration;
         state.next_registration += 1;
-        state.registered.insert(handle, slice.len() as u64);
+        state.registered.insert(handle, (slice.as_bytes().as_ptr() as u64, slice.len() as u64));
         self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes +=
             slice.len() as u64;
         Ok(Registration { slice, handle })
@@ -247,7 +270,7 @@ impl Residency for HostDevice {
 
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let len = state.registered.remove(&registration.handle).ok_or_else(|| {
+        let (_, len) = state.registered.remove(&registration.handle).ok_or_else(|| {
             Self::invalid(format!("registration {} is not live", registration.handle))
         })?;
         self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes -=
@@ -283,5 +306,34 @@ impl Drop for HostDevice {
         // Mappings live inside reservations: dropping the reservations (munmap) removes them.
         state.reservations.clear();
         state.backings.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ddo_core::{HostBytes, HostRegion, HostSlice, Residency, StreamId};
+
+    use super::*;
+
+    #[test]
+    fn a_copy_that_starts_in_a_registration_must_end_in_it() {
+        let device = HostDevice::new();
+        let g = device.granularity().unwrap();
+        let r = device.reserve(g).unwrap().range;
+        let b = device.create_backing(g).unwrap();
+        device.map(r, b).unwrap();
+        let host =
+            HostSlice::whole(Arc::new(HostBytes::from(vec![7u8; 8192])) as Arc<dyn HostRegion>);
+        let registration = device.register_host(host.slice(0, 4096).unwrap(), true).unwrap();
+        let to = |len: u64| DeviceRange { start: r.start, len };
+        let s = StreamId(0);
+        device.copy_to_device(host.slice(0, 4096).unwrap(), to(4096), s).unwrap();
+        device.copy_to_device(host.slice(4096, 4096).unwrap(), to(4096), s).unwrap();
+        let err = device.copy_to_device(host.slice(2048, 4096).unwrap(), to(4096), s).unwrap_err();
+        assert!(err.to_string().contains("runs past its end"), "{err}");
+        device.unregister_host(&registration).unwrap();
+        device.copy_to_device(host.slice(2048, 4096).unwrap(), to(4096), s).unwrap();
     }
 }
