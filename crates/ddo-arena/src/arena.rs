@@ -720,7 +720,10 @@ impl Arena {
         for e in &u.extents {
             let pieces = match self.source.host_pieces(e.file, e.file_offset, e.len) {
                 Some(p) => p,
-                None => vec![(0, self.read_extent(u, e)?)],
+                None => match self.tensor_run_pieces(u, e) {
+                    Some(p) => p,
+                    None => vec![(0, self.read_extent(u, e)?)],
+                },
             };
             let to = if e.staged { staging } else { base };
             for (at, host) in pieces {
@@ -754,6 +757,37 @@ impl Arena {
             state.staging_read[b] = Some(f);
         }
         Ok((f, copies))
+    }
+
+    /// An extent's host bytes run by run of adjacent tensors, for a source that holds the
+    /// tensors but not the gaps between them (retained windows); `None` when a run is not in
+    /// host memory.
+    fn tensor_run_pieces(
+        &self,
+        u: &crate::UnitLayout,
+        e: &crate::layout::Extent,
+    ) -> Option<Vec<(u64, HostSlice)>> {
+        let mut tensors: Vec<(u64, u64)> = u
+            .stored()
+            .filter(|&(_, staged, at, len)| {
+                staged == e.staged && at >= e.offset && at + len <= e.offset + e.len
+            })
+            .map(|(_, _, at, len)| (at - e.offset, len))
+            .collect();
+        tensors.sort_unstable();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (at, len) in tensors {
+            match runs.last_mut() {
+                Some(run) if run.0 + run.1 == at => run.1 += len,
+                _ => runs.push((at, len)),
+            }
+        }
+        let mut pieces = Vec::new();
+        for (at, len) in runs {
+            let run = self.source.host_pieces(e.file, e.file_offset + at, len)?;
+            pieces.extend(run.into_iter().map(|(within, h)| (at + within, h)));
+        }
+        Some(pieces)
     }
 
     /// Reads an extent into a new host buffer (sources without host-resident bytes).

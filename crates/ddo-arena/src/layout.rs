@@ -1,6 +1,6 @@
 //! Layout: each unit's tensors packed into one contiguous device range, so a unit uploads in a
-//! few large copies. Tensors adjacent in the checkpoint stay adjacent (one copy covers them);
-//! every tensor starts at least 16-byte aligned, and extents start congruent to their file
+//! few large copies. Tensors adjacent in the checkpoint stay adjacent (one copy covers them, and
+//! the bytes of a small gap between them, up to [`MAX_BRIDGED_GAP`]); every tensor starts at least 16-byte aligned, and extents start congruent to their file
 //! offset modulo 256 so file-aligned tensors stay 256-byte aligned on the device.
 
 use std::collections::HashMap;
@@ -13,6 +13,12 @@ use crate::ArenaError;
 pub const MIN_TENSOR_ALIGN: u64 = 16;
 /// Alignment extents are placed at (modulo their file offset).
 pub const EXTENT_ALIGN: u64 = 256;
+/// The largest run of bytes between two of a unit's tensors in one file that a copy carries
+/// along rather than splitting in two (tensors stored between them: a quantized checkpoint's
+/// biases converted elsewhere, another unit's tensor). A copy's fixed cost on the link is worth
+/// a few hundred KiB, so bridging such a gap is never slower, and it halves the copies of a
+/// unit whose weights alternate with tensors served from elsewhere.
+pub const MAX_BRIDGED_GAP: u64 = 128 << 10;
 
 /// What the caller asks for: the tensors of one unit, in any order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,16 +221,21 @@ impl Layout {
                 if s.len > MAX_LAYOUT || s.offset > MAX_LAYOUT || *cur > MAX_LAYOUT {
                     return Err(too_large(&spec.name));
                 }
-                let extend = extents.last().is_some_and(|e| {
-                    e.staged == staged
+                // Bytes between the last extent's end and this tensor, when one copy can span
+                // them: same file and destination, a gap of at most MAX_BRIDGED_GAP, and the
+                // tensor still aligned where it lands.
+                let bridge = extents.last().and_then(|e| {
+                    let gap = s.offset.checked_sub(e.file_offset + e.len)?;
+                    (e.staged == staged
                         && e.file == s.file
-                        && e.file_offset + e.len == s.offset
-                        && (e.offset + e.len).is_multiple_of(MIN_TENSOR_ALIGN)
+                        && gap <= MAX_BRIDGED_GAP
+                        && (e.offset + e.len + gap).is_multiple_of(MIN_TENSOR_ALIGN))
+                    .then_some(gap)
                 });
-                let at = if extend {
+                let at = if let Some(gap) = bridge {
                     let e = extents.last_mut().expect("extent");
-                    let at = e.offset + e.len;
-                    e.len += s.len;
+                    let at = e.offset + e.len + gap;
+                    e.len += gap + s.len;
                     at
                 } else {
                     let start = if s.offset.is_multiple_of(MIN_TENSOR_ALIGN) {
@@ -338,8 +349,9 @@ mod tests {
     #[test]
     fn adjacent_tensors_share_one_extent_and_stay_aligned() {
         // data starts at 96: offsets 96, 96+4096, then a gap, then an odd-sized tensor.
+        let far = 96 + 4096 + 1000 + MAX_BRIDGED_GAP + 16;
         let slices =
-            [s("a", 96, 4096), s("b", 96 + 4096, 1000), s("c", 10_000, 33), s("d", 10_033, 64)];
+            [s("a", 96, 4096), s("b", 96 + 4096, 1000), s("c", far, 33), s("d", far + 33, 64)];
         let layout = Layout::build(
             &slices,
             &[UnitSpec { name: "u".into(), tensors: vec![3, 2, 1, 0], pinned: false }],
@@ -355,6 +367,42 @@ mod tests {
         }
         assert_eq!(u.len, 65536);
         assert_eq!(u.payload, 4096 + 1000 + 33 + 64);
+    }
+
+    #[test]
+    fn a_small_gap_between_tensors_travels_in_their_copy() {
+        // A quantized file: weights alternate with biases served from elsewhere (here: another
+        // unit's), 48 KiB between weights; then a gap too wide to carry, and a misaligned one.
+        let w = 1 << 20;
+        let bias = 48 << 10;
+        let slices = [
+            s("w0", 64, w),
+            s("b0", 64 + w, bias),
+            s("w1", 64 + w + bias, w),
+            s("w2", 64 + 2 * w + bias + MAX_BRIDGED_GAP + 64, w),
+            s("w3", 64 + 3 * w + bias + MAX_BRIDGED_GAP + 64 + 8, w),
+        ];
+        let units = [
+            UnitSpec { name: "u".into(), tensors: vec![0, 2, 3, 4], pinned: false },
+            UnitSpec { name: "v".into(), tensors: vec![1], pinned: false },
+        ];
+        let layout = Layout::build(&slices, &units, 65536).unwrap();
+        let u = &layout.units[0];
+        let [one, two, three] = u.extents[..] else { panic!("{:?}", u.extents) };
+        assert_eq!(
+            (one.file_offset, one.len),
+            (64, 2 * w + bias),
+            "w0, the gap and w1 in one copy"
+        );
+        assert_eq!((two.file_offset, two.len), (slices[3].offset, w));
+        assert_eq!(three.file_offset, slices[4].offset, "8 bytes away would misalign w3");
+        let at = |i: usize| u.tensors.iter().find(|t| t.slice == i).unwrap().offset;
+        assert_eq!(at(2) - at(0), w + bias, "w1 lands where the copy puts it");
+        for t in &u.tensors {
+            assert!(t.offset.is_multiple_of(MIN_TENSOR_ALIGN), "{t:?}");
+        }
+        assert_eq!(u.payload, 4 * w, "the gap is carried, not served");
+        assert_eq!(u.link_bytes(), 4 * w + bias, "and counted as link bytes");
     }
 
     #[test]

@@ -1160,7 +1160,9 @@ fn stored_runs(
 }
 
 /// The parts of `region` (one file or storage, offsets as the slices give them) that the
-/// tensors `uses` selects lie in: whole pages, adjacent ones merged.
+/// tensors `uses` selects lie in: whole pages, merged across gaps of up to
+/// [`ddo_arena::MAX_BRIDGED_GAP`] (a copy spanning such a gap must start and end in one
+/// registration).
 fn used_runs(
     slices: &[TensorSlice],
     uses: impl Fn(&TensorSlice) -> bool,
@@ -1177,7 +1179,7 @@ fn used_runs(
     let mut merged: Vec<(u64, u64)> = Vec::new();
     for (start, end) in runs {
         match merged.last_mut() {
-            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            Some(last) if start <= last.1 + ddo_arena::MAX_BRIDGED_GAP => last.1 = last.1.max(end),
             _ => merged.push((start, end)),
         }
     }

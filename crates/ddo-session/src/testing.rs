@@ -38,11 +38,20 @@ pub fn write_dtype(
     tensors: &[(String, Vec<u64>)],
     byte: impl Fn(usize, u64) -> u8,
 ) -> std::io::Result<()> {
-    let size = dtype.size_bytes();
+    let typed: Vec<_> = tensors.iter().map(|(n, s)| (n.clone(), dtype, s.clone())).collect();
+    write_typed(path, &typed, byte)
+}
+
+/// Writes tensors `(name, dtype, shape)` in order; byte `i` of tensor `t` is `byte(t, i)`.
+pub fn write_typed(
+    path: &Path,
+    tensors: &[(String, ddo_core::Dtype, Vec<u64>)],
+    byte: impl Fn(usize, u64) -> u8,
+) -> std::io::Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0u64;
-    for (name, shape) in tensors {
-        let len = shape.iter().product::<u64>() * size;
+    for (name, dtype, shape) in tensors {
+        let len = shape.iter().product::<u64>() * dtype.size_bytes();
         header.insert(
             name.clone(),
             serde_json::json!({"dtype": dtype.as_str(), "shape": shape, "data_offsets": [offset, offset + len]}),
@@ -56,8 +65,8 @@ pub fn write_dtype(
     let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
     f.write_all(&(text.len() as u64).to_le_bytes())?;
     f.write_all(text.as_bytes())?;
-    for (t, (_, shape)) in tensors.iter().enumerate() {
-        let len = shape.iter().product::<u64>() * size;
+    for (t, (_, dtype, shape)) in tensors.iter().enumerate() {
+        let len = shape.iter().product::<u64>() * dtype.size_bytes();
         let bytes: Vec<u8> = (0..len).map(|i| byte(t, i)).collect();
         f.write_all(&bytes)?;
     }

@@ -874,3 +874,86 @@ fn a_mapped_file_is_registered_only_where_its_served_tensors_lie() {
     );
     run_and_check(&session, 2, &expect);
 }
+
+#[test]
+fn weights_around_a_tensor_converted_at_load_upload_in_one_copy() {
+    weights_around_a_converted_tensor("cpu");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn on_cuda_weights_around_a_tensor_converted_at_load_upload_in_one_copy() {
+    weights_around_a_converted_tensor("cuda:0");
+}
+
+fn weights_around_a_converted_tensor(device: &str) {
+    // A quantized checkpoint's pattern: in each block, two weights served as stored with an
+    // fp32 norm between them that converts to bf16 at load (served from converted memory).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mixed.safetensors");
+    let mut names = vec![("embed.weight".to_owned(), Dtype::BF16, vec![W, 8])];
+    for b in 0..6 {
+        names.push((format!("blocks.{b}.attn.weight"), Dtype::BF16, vec![W, W / 2]));
+        names.push((format!("blocks.{b}.norm.weight"), Dtype::F32, vec![8 * W]));
+        names.push((format!("blocks.{b}.proj.weight"), Dtype::BF16, vec![W, W / 2]));
+    }
+    names.push(("norm_out.weight".into(), Dtype::F32, vec![W]));
+    let byte = |t: usize, i: u64| ((t as u64 * 29 + i * 3 + i / 7) % 256) as u8;
+    testing::write_typed(&path, &names, byte).unwrap();
+    let c = ddo_source::Checkpoint::open(&path).unwrap();
+    let source =
+        ddo_source::CheckpointSource::new(c.into(), ddo_source::ReadOptions::default()).unwrap();
+    let expect = |name: &str| {
+        use ddo_core::WeightSource;
+        let i = source.slices().iter().position(|t| t.name == name).unwrap();
+        let s = &source.slices()[i];
+        let mut raw = vec![0; s.len as usize];
+        source.read(i, &mut raw).unwrap();
+        if s.dtype == Dtype::BF16 {
+            return raw;
+        }
+        let mut want = vec![0; raw.len() / 2];
+        ddo_source::convert(s.dtype, Dtype::BF16, &raw, &mut want);
+        want
+    };
+    // Mapped (the registered runs span the norms), retained windows (which hold no norm), reads.
+    for (read, cache) in [("mmap", "0"), ("mmap", "1"), ("pread", "0")] {
+        let extra = [
+            ("load_safetensors_backend", read),
+            ("vmm_source_cache_gb", cache),
+            ("execution_device", device),
+        ];
+        let session = converted(&path, Dtype::BF16, &extra).unwrap();
+        assert_eq!(setup(&session).conversion.as_deref(), Some("host"), "{read} {cache}");
+        for _ in 0..2 {
+            session.begin_pass(S).unwrap();
+            for unit in session.units().unwrap().iter().filter(|u| !u.pinned) {
+                let lease = session.acquire(unit.id, S).unwrap();
+                for suffix in ["attn.weight", "norm.weight", "proj.weight"] {
+                    let name = format!("{}.{suffix}", unit.name);
+                    assert_eq!(
+                        session.read_tensor(&name).unwrap(),
+                        expect(&name),
+                        "{name} {read} {cache}"
+                    );
+                }
+                session.release(lease, S).unwrap();
+            }
+            for name in ["embed.weight", "norm_out.weight"] {
+                assert_eq!(session.read_tensor(name).unwrap(), expect(name), "{name}");
+            }
+            session.end_pass(S).unwrap();
+        }
+        let rt = session.metrics(None).runtime;
+        if cache == "0" && read == "mmap" {
+            // The weights and the 32 KiB between them, then the converted norm: two copies per
+            // block; the resident unit's embedding and norm are two as well.
+            assert_eq!(rt.upload_copies, Some(2 * rt.uploads.unwrap()), "{rt:?}");
+        }
+        if cache == "1" {
+            // Windows hold the weights, not the stored norms between them: a copy per weight
+            // from its window (not a read of the whole span), one for the converted norm.
+            assert_eq!(rt.upload_copies, Some(3 * rt.uploads.unwrap() - 1), "{rt:?}");
+        }
+    }
+}
