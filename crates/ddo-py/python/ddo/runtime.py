@@ -100,6 +100,18 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+def _stream_reader(device: torch.device) -> Any:
+    """A function giving PyTorch's current stream on ``device`` as a handle: the hooks ask for it
+    twice per block, so it skips building a ``torch.cuda.Stream`` where PyTorch offers the raw
+    handle."""
+    if device.type != "cuda":
+        return lambda: 0
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return lambda: _stream(device)
+    return functools.partial(raw, device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _owner(module: torch.nn.Module, dotted: str) -> Tuple[torch.nn.Module, str]:
     parent, _, attr = dotted.rpartition(".")
     return (module.get_submodule(parent) if parent else module), attr
@@ -164,6 +176,10 @@ def _guarded(merge: Any) -> Any:
     return guarded
 
 
+# How many modules were imported when adapter merges were last guarded.
+_GUARDED_AT = [0]
+
+
 def _guard_adapter_merges() -> None:
     """Wraps the ``merge`` of peft's adapter layers (what ``fuse_lora`` and ``merge_and_unload``
     call) so that merging into a weight ddo streams is refused before anything is written."""
@@ -191,6 +207,7 @@ class SessionRuntime:
         self.checkpoint = checkpoint
         self.session: Any = None
         self.device = torch.device("cpu")
+        self.stream = _stream_reader(self.device)
         self.handles: List[Any] = []
         self.leases: Dict[int, List[int]] = {}
         self.originals: Dict[str, Any] = {}
@@ -201,6 +218,7 @@ class SessionRuntime:
         self.buffer_places: List[Tuple[torch.nn.Module, str, str]] = []
         # Every parameter as published (by identity), with the address it views.
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
+        self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, int]] = []
         # After reclaim() parameters are meta; the next pass publishes the views again.
         self.republish = False
         # The structure count at the last full walk of the module tree (-1: none yet), and the
@@ -222,6 +240,7 @@ class SessionRuntime:
             self.session = _native.Session(self.plan, modules, params, storages=storages, tensors=rows)
         kind, index = self.session.device()
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+        self.stream = _stream_reader(self.device)
         self.originals = dict(self.module.named_parameters(remove_duplicate=False))
         self.places = [(*_owner(self.module, name), name) for name in self.originals]
         self._publish_views()
@@ -263,12 +282,15 @@ class SessionRuntime:
             for n in names:
                 views[n] = view
         self._publish(lambda name, p: _parameter_like(p, views[name]))
-        current = (owner._parameters[attr] for owner, attr, _ in self.places)
-        self.published = {id(p): (p, p.data_ptr()) for p in current}
+        current = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self.places]
+        self.published = {id(p): (p, p.data_ptr()) for _, _, p in current}
+        # What each forward checks, flat: (owner, attribute, parameter, address).
+        self.watched = [(owner, attr, p, p.data_ptr()) for owner, attr, p in current]
 
     def _publish_meta(self) -> None:
         # Holding the views would keep the arena's memory alive.
         self.published = {}
+        self.watched = []
         self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
 
     # ---- hooks ----------------------------------------------------------------------------
@@ -315,6 +337,17 @@ class SessionRuntime:
             self._check_parameters()
 
     def _check_parameters(self) -> None:
+        # Every forward: each parameter still the one published, at its address, without grad.
+        watched = self.watched
+        if len(watched) != len(self.places) or any(
+            owner._parameters.get(attr) is not p or p.data_ptr() != ptr or p.requires_grad
+            for owner, attr, p, ptr in watched
+        ):
+            self._refuse_changed_parameter()
+        self._check_added_parameters()
+
+    def _refuse_changed_parameter(self) -> None:
+        """Raises for the first managed parameter changed since it was published."""
         published = self.published
         for owner, attr, name in self.places:
             p = owner._parameters.get(attr)
@@ -328,7 +361,12 @@ class SessionRuntime:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
                 )
-        if "peft" in sys.modules:  # adapter classes imported since attach (no file lookups here)
+
+    def _check_added_parameters(self) -> None:
+        published = self.published
+        # Adapter classes imported since the last guard (no file lookups here).
+        if "peft" in sys.modules and len(sys.modules) != _GUARDED_AT[0]:
+            _GUARDED_AT[0] = len(sys.modules)
             _guard_adapter_merges()
         # One walk over the modules, when a parameter or module was registered anywhere since the
         # last one, or gradients are on: parameters added after attach (adapters such as LoRA) are
@@ -389,7 +427,7 @@ class SessionRuntime:
             self._publish_views()
             self.republish = False
         self._check_module(args, kwargs)
-        stream = _stream(self.device)
+        stream = self.stream()
         self.leases.clear()
         self.session.begin_pass(stream)
         try:
@@ -452,7 +490,7 @@ class SessionRuntime:
 
     def _pre(self, unit: int):
         def hook(_m: torch.nn.Module, _args: tuple) -> None:
-            self.leases.setdefault(unit, []).append(self.session.acquire(unit, _stream(self.device)))
+            self.leases.setdefault(unit, []).append(self.session.acquire(unit, self.stream()))
 
         return hook
 
@@ -460,7 +498,7 @@ class SessionRuntime:
         def hook(_m: torch.nn.Module, _args: tuple, _out: Any) -> None:
             held = self.leases.get(unit)
             if held:
-                self.session.release(held.pop(), _stream(self.device))
+                self.session.release(held.pop(), self.stream())
 
         return hook
 
@@ -534,7 +572,7 @@ class SessionRuntime:
         self.module.__dict__.pop("forward", None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
-        self.published = {}
+        self.published, self.watched = {}, []
         if self.session is None:
             return
         self.synchronize()
