@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,8 @@ VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "v
 # Also measurable with --variants: vmm_fast_runtime fed from retained host windows holding the
 # whole model (vmm_source_cache_gb) instead of the checkpoint's mapping.
 OPTIONAL = ["vmm_retained"]
+# `vmm@GIB` (a weight budget of GIB), `vmm+dN` (prefetch depth N), or both: `vmm@6+d5`.
+VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+))?(?:\+d([0-9]+))?$")
 # The budget of `vmm`: every unit streamed for the 5 B model.
 STREAMING_BUDGET_GB = 3.0
 
@@ -146,6 +149,35 @@ def warm_up(dev, resolutions: list[int], fam: str) -> None:
     torch.cuda.empty_cache()
 
 
+class BackgroundCopies:
+    """Host-to-device copies of 256 MiB from pinned memory, back to back on their own stream while
+    active: what streaming puts on the link, without the model needing it (``+copy`` variants
+    measure what the copies alone cost the compute)."""
+
+    def __init__(self, dev) -> None:
+        self.src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+        self.dst = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        self.stream = torch.cuda.Stream(dev)
+        self.stop = threading.Event()
+        self.copied = 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with torch.cuda.stream(self.stream):
+                self.dst.copy_(self.src, non_blocking=True)
+            self.stream.synchronize()
+            self.copied += self.src.numel()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def child(a: argparse.Namespace) -> int:
     sampler = GpuSampler()
     import torch
@@ -154,6 +186,8 @@ def child(a: argparse.Namespace) -> int:
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
     fam = a.family
+    copying = a.variant.endswith("+copy")
+    a.variant = a.variant.removesuffix("+copy")
     cls = {"sd3": SD3Transformer2DModel, "wan": WanTransformer3DModel}.get(fam, FluxTransformer2DModel)
     quantized = fam == "q8"
 
@@ -192,8 +226,10 @@ def child(a: argparse.Namespace) -> int:
                 backend="vmm", vmm_resident_weight_budget_gb=STREAMING_BUDGET_GB, vmm_source_cache_gb=storage
             )
         else:
-            budget = float(a.variant.split("@")[1]) if "@" in a.variant else STREAMING_BUDGET_GB
-            config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget)
+            m = VMM_VARIANT.match(a.variant)
+            budget = float(m.group(1)) if m.group(1) else STREAMING_BUDGET_GB
+            depth = {"prefetch_depth": int(m.group(2))} if m.group(2) else {}
+            config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget, **depth)
         extra = {"gguf_file": gguf_file(a.path)} if quantized else {}
         model = ddo.from_pretrained_with_dynamic_offload(
             a.path, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config,
@@ -208,7 +244,14 @@ def child(a: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(1)
     for res in resolutions:
         x = inputs_of(fam)(res, dev, g)
-        times, out = timed(lambda: model(**x)[0], a.steps)
+        if copying:
+            timed(lambda: model(**x)[0], 1)
+            with BackgroundCopies(dev) as copies:
+                t = time.perf_counter()
+                times, out = timed(lambda: model(**x)[0], a.steps)
+                copy_gbps = copies.copied / (time.perf_counter() - t) / 1e9
+        else:
+            times, out = timed(lambda: model(**x)[0], a.steps)
         digest = hashlib.sha256(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
             arena = native.metrics_snapshot().as_dict()["runtime"]["peak_bytes"]
@@ -218,13 +261,90 @@ def child(a: argparse.Namespace) -> int:
             rss=peak_rss(), rss_base=rss_base, digest=digest,
             rss_parts_above_base={k: v - parts_base.get(k, 0) for k, v in rss_parts().items()},
         )
+        if copying:
+            row["variant"] = a.variant + "+copy"
+            row["background_copy_gbps"] = copy_gbps
         if native is not None:
             snapshot = native.metrics_snapshot()
             row["runtime"] = snapshot.as_dict()["runtime"]
             row["profile"] = snapshot.format_profile()
+            row["host_ms_per_step"] = host_ms_per_step(native.runtime, lambda: model(**x), 3)
+        row["enqueue_ms"] = enqueue_ms(lambda: model(**x), 3)
         print("ROW " + json.dumps(row), flush=True)
     sampler.stop = True
     return 0
+
+
+class _TimedSession:
+    """A session whose calls add their host seconds to ``spent`` (wraps the native session)."""
+
+    def __init__(self, session, spent: list) -> None:
+        self._session, self._spent = session, spent
+        # Events on the compute stream around each acquire: the time between them is the time
+        # the GPU waited for the unit's upload.
+        self.waits: list = []
+
+    def __getattr__(self, name):
+        f = getattr(self._session, name)
+        if name not in ("acquire", "release", "begin_pass", "end_pass"):
+            return f
+
+        def timed_call(*args):
+            if name == "acquire":
+                before = torch.cuda.Event(enable_timing=True)
+                before.record()
+            t = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                self._spent[0] += time.perf_counter() - t
+                if name == "acquire":
+                    after = torch.cuda.Event(enable_timing=True)
+                    after.record()
+                    self.waits.append((before, after))
+
+        return timed_call
+
+
+def host_ms_per_step(runtime, step, steps: int) -> dict:
+    """Host milliseconds per step in ddo's calls (acquire/release/pass marks) and in its checks at
+    the start of a forward, measured in extra steps after the timed ones."""
+    spent, checks = [0.0], [0.0]
+    check = runtime._check_module
+
+    def timed_check(*args):
+        t = time.perf_counter()
+        try:
+            return check(*args)
+        finally:
+            checks[0] += time.perf_counter() - t
+
+    session = runtime.session
+    runtime.session, runtime._check_module = _TimedSession(session, spent), timed_check
+    try:
+        timed(step, steps)
+    finally:
+        waits = runtime.session.waits
+        runtime.session = session
+        del runtime._check_module
+    torch.cuda.synchronize()
+    gpu_wait = sum(a.elapsed_time(b) for a, b in waits) / steps
+    return {"session_calls": spent[0] * 1e3 / steps, "checks": checks[0] * 1e3 / steps, "gpu_waits_for_uploads": gpu_wait}
+
+
+def enqueue_ms(step, steps: int) -> dict:
+    """Milliseconds until a step's forward returns on the host (its work enqueued) and until the
+    GPU finishes it: a host-bound step finishes soon after it is enqueued."""
+    host, total = 0.0, 0.0
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            step()
+        host += time.perf_counter() - t
+        torch.cuda.synchronize()
+        total += time.perf_counter() - t
+    return {"enqueued": host * 1e3 / steps, "finished": total * 1e3 / steps}
 
 
 def load_rows(path: str) -> list[dict]:
@@ -299,9 +419,13 @@ def main() -> int:
         if size not in SIZES:
             raise SystemExit(f"unknown model size {size!r} in --configs; sizes: {', '.join(SIZES)}")
         by_size.setdefault(size, []).append(int(res))
-    unknown = [v for v in a.variants.split(",") if v not in VARIANTS + OPTIONAL and not v.startswith("vmm@")]
+    unknown = [
+        v for v in a.variants.split(",")
+        if v.removesuffix("+copy") not in VARIANTS + OPTIONAL and not VMM_VARIANT.match(v.removesuffix("+copy"))
+    ]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS + OPTIONAL)}, vmm@GIB")
+        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS + OPTIONAL)}, vmm@GIB, vmm+dDEPTH")
+    explicit = a.variants != ap.get_default("variants")
     link = link_speed()
     print(f"pinned host->device copy: {link / 1e9:.1f} GB/s", flush=True)
     failed = False
@@ -317,9 +441,10 @@ def main() -> int:
         else:
             path, nbytes = saved_flux(a.dir, *SIZES[size])
         for variant in a.variants.split(","):
-            if size != "5" and "@" in variant:
-                continue  # the budget sweep runs on the 5 B model
-            if variant not in ONLY.get(size, {variant}):
+            if size != "5" and "@" in variant and not explicit:
+                continue  # the default budget sweep runs on the 5 B model
+            base = variant.removesuffix("+copy")
+            if base not in ONLY.get(size, {base}) and not (size in ONLY and VMM_VARIANT.match(base)):
                 continue
             t = time.perf_counter()
             cmd = [sys.executable, __file__, "--child", "--variant", variant, "--path", path, "--nbytes", str(nbytes),
@@ -342,6 +467,13 @@ def main() -> int:
                 for r in got:
                     if r.get("profile"):
                         print(f"  at {r['resolution']}:\n" + r["profile"].rstrip(), flush=True)
+                    if r.get("host_ms_per_step"):
+                        print(f"  host ms per step in ddo: {r['host_ms_per_step']}", flush=True)
+                for r in got:
+                    if r.get("enqueue_ms"):
+                        print(f"  ms per step, enqueued / finished: {r['enqueue_ms']}", flush=True)
+                    if r.get("background_copy_gbps"):
+                        print(f"  background copies beside the steps: {r['background_copy_gbps']:.1f} GB/s", flush=True)
             kept = [r for r in load_rows(rows_path) if key(r) not in {key(n) for n in new}]
             with open(rows_path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept + new)

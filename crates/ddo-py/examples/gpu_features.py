@@ -205,6 +205,45 @@ def check_gguf(work: str) -> str:
         got.offload.remove()
 
 
+def check_side_stream(work: str) -> str:
+    """The hooks read PyTorch's current stream as it changes: a streamed model run inside
+    ``torch.cuda.stream(side)`` orders its uploads against that stream and equals the resident
+    model run there."""
+    from diffusers import FluxTransformer2DModel
+
+    from ddo.runtime import _stream_reader
+
+    side = torch.cuda.Stream(DEVICE)
+    current = _stream_reader(torch.device(DEVICE))
+    assert current() == torch.cuda.current_stream(DEVICE).cuda_stream
+    with torch.cuda.stream(side):
+        assert current() == side.cuda_stream, "the stream handle does not follow torch.cuda.stream()"
+    torch.manual_seed(5)
+    folder = os.path.join(work, "flux-side-stream")
+    PIPELINES["flux"]()[0].transformer.save_pretrained(folder)
+    reference = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(DEVICE).eval()
+    g = torch.Generator().manual_seed(3)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3), return_dict=False,
+    )
+    inputs = {k: v.to(DEVICE, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    config = ddo.DynamicOffloadConfig(backend="vmm", execution_device=DEVICE, vmm_resident_weight_budget_gb=BUDGET)
+    got = ddo.from_pretrained_with_dynamic_offload(
+        folder, torch_dtype=torch.bfloat16, apply_dynamic=True, dynamic_offload_config=config
+    )
+    try:
+        with torch.no_grad(), torch.cuda.stream(side):
+            want = reference(**inputs)[0]
+            outs = [got.module(**inputs)[0] for _ in range(3)]
+        side.synchronize()
+        assert all(torch.equal(o, want) for o in outs), "output on a side stream differs from the resident model's"
+        return f"{got.offload.metrics_snapshot().as_dict()['setup']['streamed_units']} streamed units on a side stream"
+    finally:
+        got.offload.remove()
+
+
 def main() -> int:
     checks = [(f"pipeline {f}", lambda w, f=f: check_pipeline(w, f)) for f in sorted(PIPELINES)]
     checks += [
@@ -214,6 +253,7 @@ def main() -> int:
         ("LoRA on a streamed transformer", check_lora),
         ("fp8 checkpoint widened on the GPU", check_fp8_on_device),
         ("GGUF Q8_0 into Diffusers' GGUF modules", check_gguf),
+        ("a forward on a side stream", check_side_stream),
     ]
     failed = 0
     with tempfile.TemporaryDirectory() as work:
