@@ -239,7 +239,26 @@ def check_side_stream(work: str) -> str:
             outs = [got.module(**inputs)[0] for _ in range(3)]
         side.synchronize()
         assert all(torch.equal(o, want) for o in outs), "output on a side stream differs from the resident model's"
-        return f"{got.offload.metrics_snapshot().as_dict()['setup']['streamed_units']} streamed units on a side stream"
+        # Between passes every parameter reads the checkpoint's values on the GPU (a streamed
+        # block's memory holds other blocks then), and writes are refused.
+        own = dict(reference.named_parameters())
+        placeholders = 0
+        for name, p in got.module.named_parameters():
+            placeholders += isinstance(p, ddo.StreamedWeight)
+            assert p.device == own[name].device and torch.equal(p.detach().clone(), own[name].detach()), name
+        assert placeholders > 0, "no streamed parameter between passes"
+        try:
+            with torch.no_grad():
+                got.module.transformer_blocks[0].attn.to_q.weight.add_(1)
+            raise AssertionError("a write into a streamed weight was accepted")
+        except ddo.DynamicOffloadLifecycleError:
+            pass
+        with torch.no_grad():
+            assert torch.equal(got.module(**inputs)[0], want)
+        return (
+            f"{got.offload.metrics_snapshot().as_dict()['setup']['streamed_units']} streamed units on a side stream; "
+            f"{placeholders} parameters read from the checkpoint between passes"
+        )
     finally:
         got.offload.remove()
 
@@ -253,7 +272,7 @@ def main() -> int:
         ("LoRA on a streamed transformer", check_lora),
         ("fp8 checkpoint widened on the GPU", check_fp8_on_device),
         ("GGUF Q8_0 into Diffusers' GGUF modules", check_gguf),
-        ("a forward on a side stream", check_side_stream),
+        ("a forward on a side stream; parameters read between passes", check_side_stream),
     ]
     failed = 0
     with tempfile.TemporaryDirectory() as work:

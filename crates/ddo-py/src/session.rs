@@ -167,6 +167,27 @@ impl Session {
         Ok(units.into_iter().map(|u| (u.id.0, u.name, u.pinned)).collect())
     }
 
+    /// The units streamed through slots (not resident), each as `(id, every name of every
+    /// parameter it holds)`: their views are valid only while a lease is live.
+    fn streamed_units(&self) -> PyResult<Vec<(u32, Vec<String>)>> {
+        let units = self.inner.units().map_err(session_error)?;
+        let assignment = self.inner.assignment();
+        Ok(units
+            .into_iter()
+            .filter(|u| !u.pinned && !u.resident)
+            .map(|u| {
+                let names = assignment
+                    .units
+                    .iter()
+                    .filter(|f| f.path == u.name)
+                    .flat_map(|f| &f.parameters)
+                    .flat_map(|&p| assignment.parameters[p].names.iter().cloned())
+                    .collect();
+                (u.id.0, names)
+            })
+            .collect())
+    }
+
     /// The canonical name of every distinct parameter with its aliases.
     fn parameter_names(&self) -> Vec<Vec<String>> {
         self.inner.assignment().parameters.iter().map(|p| p.names.clone()).collect()

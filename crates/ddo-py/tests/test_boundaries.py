@@ -218,11 +218,13 @@ def test_a_weight_kept_after_the_offload_ends_stays_readable(tmp_path, flux, end
         import gc
 
         gc.collect()
-    # The views own their memory: reading them never faults (a streamed view shows whatever
-    # block its slot held last; a resident one its own values).
+    # The views own their memory: reading them never faults. A streamed block's parameter
+    # between passes is a placeholder that reads the checkpoint while the offload lives and
+    # raises a clear error after.
     assert torch.equal(resident, expected)
     assert streamed.shape == model.get_parameter("transformer_blocks.0.attn.to_q.weight").shape
-    streamed.float().sum()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="remove|unloaded"):
+        streamed.float().sum()
 
 
 @pytest.mark.parametrize(
@@ -230,7 +232,7 @@ def test_a_weight_kept_after_the_offload_ends_stays_readable(tmp_path, flux, end
     [
         (lambda m: m.train(), "training mode"),
         (lambda m: m.requires_grad_(True), "requires grad"),
-        (lambda m: m.half(), "was changed after ddo attached"),
+        (lambda m: m.transformer_blocks[0].half(), "was changed after ddo attached"),
         (lambda m: setattr(m.transformer_blocks[0].attn.to_q.weight, "data", torch.zeros(32, 32)), "was changed"),
     ],
 )
@@ -331,3 +333,55 @@ def test_a_forward_after_unload_says_to_reload(tmp_path, flux):
     loaded.offload.reload()
     assert torch.equal(run(loaded.module, inputs), reference)
     loaded.offload.remove()
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_parameters_read_between_passes_are_the_checkpoints_values(tmp_path, flux, route):
+    """A streamed block's memory holds other blocks' weights between passes: its parameters are
+    placeholders then, which read the source (norms, EMA copies, printing) and refuse writes."""
+    model, inputs = flux
+    reference = copy.deepcopy(model)
+    want = run(reference, inputs)
+    result, module = offload(tmp_path, model, route)
+    assert torch.equal(run(module, inputs), want)
+    name = "transformer_blocks.0.attn.to_q.weight"
+    weight = module.get_parameter(name)
+    assert isinstance(weight, ddo.StreamedWeight) and isinstance(weight, torch.nn.Parameter)
+    assert (weight.shape, weight.dtype, weight.device) == (reference.get_parameter(name).shape, torch.float32, torch.device("cpu"))
+    own = dict(reference.named_parameters())
+    # Norms and an EMA copy of every parameter, after a pass and again after the next one.
+    for _ in range(2):
+        for n, p in module.named_parameters():
+            assert torch.equal(p.detach().clone(), own[n].detach()), n
+            assert torch.equal(torch.linalg.vector_norm(p), torch.linalg.vector_norm(own[n].detach())), n
+        assert torch.equal(run(module, inputs), want)
+    assert name in repr(weight)
+    # Writes are refused at the moment they are tried, and nothing changes.
+    with torch.no_grad():
+        for write in (lambda w: w.add_(1), lambda w: w.data.copy_(torch.zeros_like(w)), lambda w: w.zero_()):
+            with pytest.raises(ddo.DynamicOffloadLifecycleError, match="writing into transformer_blocks.0"):
+                write(weight)
+    assert torch.equal(weight.detach().clone(), own[name].detach())
+    assert torch.equal(run(module, inputs), want)
+    result.remove()
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_a_move_to_where_the_weights_are_changes_nothing_and_any_other_is_refused(tmp_path, flux, route):
+    model, inputs = flux
+    want = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, route)
+    run(module, inputs)
+    assert module.to("cpu") is module
+    module.to(device="cpu", dtype=torch.float32).float().cpu()
+    assert torch.equal(run(module, inputs), want)
+    for move in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double(), lambda m: m.to("meta")):
+        with pytest.raises(ddo.DynamicOffloadLifecycleError, match="moving or casting"):
+            move(module)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="load its state_dict"):
+        copy.deepcopy(module)
+    assert torch.equal(run(module, inputs), want)
+    result.remove()
+    # Removed: the module is a plain module again.
+    if route == "linear":
+        assert module.half() is module and module.transformer_blocks[0].attn.to_q.weight.dtype == torch.float16

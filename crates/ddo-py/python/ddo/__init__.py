@@ -51,7 +51,7 @@ from .settings import (
     load_dynamic_offload_settings_from_env,
 )
 from .pipeline import DynamicOffloadPipelineResult, from_pretrained_pipeline_with_dynamic_offload
-from .runtime import find_execution_units
+from .runtime import StreamedWeight, find_execution_units
 
 __version__ = _native.version()
 
@@ -85,4 +85,5 @@ __all__ = [
     "load_dynamic_offload_settings_from_env",
     "remove_dynamic_offload",
     "resolve_dynamic_offload_backend",
+    "StreamedWeight",
 ]

@@ -112,6 +112,12 @@ def _stream_reader(device: torch.device) -> Any:
     return functools.partial(raw, device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _address(p: torch.Tensor) -> Optional[int]:
+    """The address a parameter views, or ``None`` for a placeholder (no storage; one given data
+    by ``.data =`` has an address, so the change is seen)."""
+    return p.data_ptr() if torch._C._has_storage(p) else None
+
+
 def _owner(module: torch.nn.Module, dotted: str) -> Tuple[torch.nn.Module, str]:
     parent, _, attr = dotted.rpartition(".")
     return (module.get_submodule(parent) if parent else module), attr
@@ -198,6 +204,75 @@ def _guard_adapter_merges() -> None:
             setattr(cls, "merge", _guarded(merge))
 
 
+def _refuse_write(name: str) -> Exception:
+    return _native.DynamicOffloadLifecycleError(
+        f"writing into {name}: ddo streams its values from the checkpoint (or the module's host tensors) at "
+        "every pass, so a write would be lost or mixed with them. Call remove_dynamic_offload(module) first, "
+        "change the weights, then offload the module again"
+    )
+
+
+class StreamedWeight(torch.Tensor):
+    """A streamed parameter between passes. Its block's device memory holds other blocks' weights
+    then, so instead of a view of it the parameter is this placeholder: same shape, dtype and
+    device, no storage of its own. Reading it (norms, copies, ``print``) gives the source's
+    values, read again on every use; writing into it is refused. A forward swaps the view in
+    while its block runs."""
+
+    @staticmethod
+    def __new__(cls, runtime: "SessionRuntime", name: str, like: torch.Tensor, device: torch.device) -> "StreamedWeight":
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device, requires_grad=False)
+        t._ddo_runtime = weakref.ref(runtime)
+        t._ddo_name = name
+        quant_type = getattr(like, "quant_type", None)
+        if quant_type is not None:
+            t.quant_type = quant_type
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
+        return f"StreamedWeight({self._ddo_name}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def _values(self) -> torch.Tensor:
+        runtime = self._ddo_runtime()
+        if runtime is None or runtime.session is None or runtime.detached:
+            raise _native.DynamicOffloadLifecycleError(
+                f"{self._ddo_name} was kept from a module whose offload was removed: it has no values; read the "
+                "module's parameters again (after offloading it again, or loading it)"
+            )
+        if runtime.session.is_unloaded():
+            raise _native.DynamicOffloadLifecycleError(
+                f"{self._ddo_name} belongs to a module that is unloaded: call reload() on its offload result first"
+            )
+        like = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        return runtime._source_value(self._ddo_name, like).to(self.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+                if isinstance(value, StreamedWeight):
+                    raise _refuse_write(value._ddo_name)
+
+        if func is torch.ops.aten.detach.default and isinstance(args[0], StreamedWeight):
+            # A detached placeholder is a placeholder (what nn.Parameter and .data build on).
+            w = args[0]
+            return StreamedWeight(w._ddo_runtime(), w._ddo_name, w, w.device)
+
+        def real(v: Any) -> Any:
+            return v._values() if isinstance(v, StreamedWeight) else v
+
+        args = torch.utils._pytree.tree_map(real, args)
+        kwargs = torch.utils._pytree.tree_map(real, kwargs)
+        return func(*args, **kwargs)
+
+
 class SessionRuntime:
     """One module attached to a session (routes ``linear_runtime`` and ``vmm_fast_runtime``)."""
 
@@ -218,7 +293,12 @@ class SessionRuntime:
         self.buffer_places: List[Tuple[torch.nn.Module, str, str]] = []
         # Every parameter as published (by identity), with the address it views.
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
-        self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, int]] = []
+        self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int]]] = []
+        # Streamed units' places: (owner, attribute, view, placeholder) per unit; the view is in
+        # place only while the unit's forward runs.
+        self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
+        self.streamed: Dict[int, List[str]] = {}
+        self.detached = False
         # After reclaim() parameters are meta; the next pass publishes the views again.
         self.republish = False
         # The structure count at the last full walk of the module tree (-1: none yet), and the
@@ -243,6 +323,7 @@ class SessionRuntime:
         self.stream = _stream_reader(self.device)
         self.originals = dict(self.module.named_parameters(remove_duplicate=False))
         self.places = [(*_owner(self.module, name), name) for name in self.originals]
+        self.streamed = dict(self.session.streamed_units())
         self._publish_views()
         for name, b in list(self.module.named_buffers()):
             self.original_buffers[name] = b
@@ -260,6 +341,7 @@ class SessionRuntime:
                 self.handles.append(m.register_forward_pre_hook(self._pre(unit)))
                 self.handles.append(m.register_forward_hook(self._post(unit), always_call=True))
         self._wrap_forward()
+        self._guard_moves()
         for path, m in self.module.named_modules(remove_duplicate=False):
             owned = {attr: f"{path}.{attr}" if path else attr for attr, p in m._parameters.items() if p is not None}
             if owned:
@@ -282,15 +364,34 @@ class SessionRuntime:
             for n in names:
                 views[n] = view
         self._publish(lambda name, p: _parameter_like(p, views[name]))
+        # Streamed units rest on placeholders; their views come back for their forwards.
+        unit_of = {name: unit for unit, names in self.streamed.items() for name in names}
+        placeholders: Dict[int, torch.nn.Parameter] = {}
+        self.swaps = {unit: [] for unit in self.streamed}
+        for owner, attr, name in self.places:
+            unit = unit_of.get(name)
+            if unit is None:
+                continue
+            view = owner._parameters[attr]
+            if id(view) not in placeholders:
+                weight = StreamedWeight(self, name, view, self.device)
+                placeholders[id(view)] = torch.nn.Parameter(weight, requires_grad=False)
+            self.swaps[unit].append((owner, attr, view, placeholders[id(view)]))
+            owner._parameters[attr] = placeholders[id(view)]
         current = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self.places]
-        self.published = {id(p): (p, p.data_ptr()) for _, _, p in current}
+        self.published = {id(p): (p, _address(p)) for _, _, p in current}
         # What each forward checks, flat: (owner, attribute, parameter, address).
-        self.watched = [(owner, attr, p, p.data_ptr()) for owner, attr, p in current]
+        self.watched = [(owner, attr, p, _address(p)) for owner, attr, p in current]
 
     def _publish_meta(self) -> None:
-        # Holding the views would keep the arena's memory alive.
+        # Holding the views would keep the arena's memory alive. The views go back first, so
+        # the placeholders take their class (a quantized parameter's).
+        for places in self.swaps.values():
+            for owner, attr, view, _ in places:
+                owner._parameters[attr] = view
         self.published = {}
         self.watched = []
+        self.swaps = {}
         self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
 
     # ---- hooks ----------------------------------------------------------------------------
@@ -318,6 +419,39 @@ class SessionRuntime:
 
         self.module.forward = forward
 
+    def _guard_moves(self) -> None:
+        """``.to()``, ``.cuda()``, ``.half()`` and the like on the module: a move to where its
+        weights already are (the execution device, their dtypes) changes nothing, as for a
+        resident module (``pipe.to("cuda")``); any other is refused before anything changes."""
+        original = self.module._apply
+        runtime = self
+
+        @functools.wraps(original)
+        def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            dtypes = {p.dtype for p in runtime.originals.values()}
+            for dtype in sorted(dtypes, key=str):
+                probe = torch.empty(1, dtype=dtype, device=runtime.device if dtype.is_floating_point else "cpu")
+                if dtype.is_floating_point or probe.device == runtime.device:
+                    moved = fn(probe)
+                    if moved.device != probe.device or moved.dtype != probe.dtype:
+                        raise _native.DynamicOffloadLifecycleError(
+                            f"{type(runtime.module).__name__} is offloaded by ddo to {runtime.device}: moving or casting "
+                            f"it ({probe.dtype} on {probe.device} -> {moved.dtype} on {moved.device}) would detach its "
+                            "weights from the arena. Call remove_dynamic_offload(module) first, or load it with the "
+                            "dtype and execution device you want"
+                        )
+            return runtime.module
+
+        self.module._apply = _apply
+        self.module.__deepcopy__ = self._refuse_deepcopy
+
+    def _refuse_deepcopy(self, _memo: Any) -> Any:
+        raise _native.DynamicOffloadLifecycleError(
+            f"{type(self.module).__name__} is offloaded by ddo (its weights live in the arena and stream from their "
+            "source): to copy it, build a new module and load its state_dict() (the checkpoint's values), or call "
+            "remove_dynamic_offload(module) first"
+        )
+
     def _check_module(self, args: tuple, kwargs: dict) -> None:
         """Refuses a forward the arena cannot serve correctly: training or gradients (autograd
         would keep views of slot memory that later blocks reuse), and parameters changed after
@@ -340,7 +474,7 @@ class SessionRuntime:
         # Every forward: each parameter still the one published, at its address, without grad.
         watched = self.watched
         if len(watched) != len(self.places) or any(
-            owner._parameters.get(attr) is not p or p.data_ptr() != ptr or p.requires_grad
+            owner._parameters.get(attr) is not p or _address(p) != ptr or p.requires_grad
             for owner, attr, p, ptr in watched
         ):
             self._refuse_changed_parameter()
@@ -352,7 +486,7 @@ class SessionRuntime:
         for owner, attr, name in self.places:
             p = owner._parameters.get(attr)
             seen = published.get(id(p))
-            if seen is None or p is not seen[0] or p.data_ptr() != seen[1]:
+            if seen is None or p is not seen[0] or _address(p) != seen[1]:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} was changed after ddo attached (a dtype or device move, or an assignment): "
                     "call remove_dynamic_offload(module) first, change the module, then offload it again"
@@ -434,6 +568,7 @@ class SessionRuntime:
             out = original(*move_inputs(args, self.device), **move_inputs(kwargs, self.device))
         except BaseException as error:
             self.leases.clear()
+            self._rest_all()
             try:
                 self.session.abort_pass(_stream(self.device))
             except BaseException as cleanup:  # noqa: BLE001 - attached to the original error
@@ -466,6 +601,12 @@ class SessionRuntime:
         if self.session.is_unloaded():
             return like  # meta placeholders while unloaded
         raw = bytearray(self.session.source_tensor(name))
+        if len(raw) != like.numel() * like.element_size():
+            raise _native.DynamicOffloadLifecycleError(
+                f"parameter {name} was changed after ddo attached (it is {like.dtype} {list(like.shape)}, its source "
+                f"holds {len(raw)} bytes): call remove_dynamic_offload(module) first, change the module, then offload "
+                "it again"
+            )
         return torch.frombuffer(raw, dtype=like.dtype).reshape(like.shape) if raw else torch.empty(like.shape, dtype=like.dtype)
 
     def _refuse_fuse(self, *_args: Any, **_kwargs: Any) -> None:
@@ -491,6 +632,8 @@ class SessionRuntime:
     def _pre(self, unit: int):
         def hook(_m: torch.nn.Module, _args: tuple) -> None:
             self.leases.setdefault(unit, []).append(self.session.acquire(unit, self.stream()))
+            for owner, attr, view, _ in self.swaps.get(unit, ()):
+                owner._parameters[attr] = view
 
         return hook
 
@@ -499,8 +642,19 @@ class SessionRuntime:
             held = self.leases.get(unit)
             if held:
                 self.session.release(held.pop(), self.stream())
+            if not held:
+                self._rest(unit)
 
         return hook
+
+    def _rest(self, unit: int) -> None:
+        for owner, attr, _, placeholder in self.swaps.get(unit, ()):
+            owner._parameters[attr] = placeholder
+
+    def _rest_all(self) -> None:
+        """Every streamed unit back on its placeholders (a pass ended, however it ended)."""
+        for unit in self.swaps:
+            self._rest(unit)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -565,11 +719,14 @@ class SessionRuntime:
             self._detach()
 
     def _detach(self) -> None:
+        self.detached = True
         _RUNTIMES.discard(self)
         for h in self.handles:
             h.remove()
         self.handles.clear()
         self.module.__dict__.pop("forward", None)
+        self.module.__dict__.pop("_apply", None)
+        self.module.__dict__.pop("__deepcopy__", None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
         self.published, self.watched = {}, []
