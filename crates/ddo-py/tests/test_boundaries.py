@@ -385,3 +385,16 @@ def test_a_move_to_where_the_weights_are_changes_nothing_and_any_other_is_refuse
     # Removed: the module is a plain module again.
     if route == "linear":
         assert module.half() is module and module.transformer_blocks[0].attn.to_q.weight.dtype == torch.float16
+
+
+def test_a_write_into_a_host_tensor_the_linear_route_streams_from_is_refused(flux):
+    model, inputs = flux
+    want = run(copy.deepcopy(model), inputs)
+    kept = model.transformer_blocks[1].attn.to_k.weight  # the user's reference, from before
+    result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
+    assert torch.equal(run(model, inputs), want)
+    with torch.no_grad():
+        kept.mul_(2)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="transformer_blocks.1.attn.to_k.weight.*was written"):
+        run(model, inputs)
+    result.remove()

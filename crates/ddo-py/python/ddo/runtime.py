@@ -299,6 +299,7 @@ class SessionRuntime:
         self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
         self.streamed: Dict[int, List[str]] = {}
         self.detached = False
+        self.sources: List[Tuple[str, torch.Tensor, int]] = []
         # After reclaim() parameters are meta; the next pass publishes the views again.
         self.republish = False
         # The structure count at the last full walk of the module tree (-1: none yet), and the
@@ -322,6 +323,9 @@ class SessionRuntime:
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         self.stream = _stream_reader(self.device)
         self.originals = dict(self.module.named_parameters(remove_duplicate=False))
+        # The module's own host tensors the linear route streams from: an in-place write into
+        # one (a reference kept from before attach) bumps its version.
+        self.sources = [] if self.checkpoint is not None else [(n, p, p._version) for n, p in self.originals.items()]
         self.places = [(*_owner(self.module, name), name) for name in self.originals]
         self.streamed = dict(self.session.streamed_units())
         self._publish_views()
@@ -478,6 +482,13 @@ class SessionRuntime:
             for owner, attr, p, ptr in watched
         ):
             self._refuse_changed_parameter()
+        for name, p, version in self.sources:
+            if p._version != version:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"the host tensor of parameter {name}, which ddo streams from, was written since ddo attached "
+                    "(through a reference kept from before): blocks already on the device would not see the write. "
+                    "Call remove_dynamic_offload(module) first, change the weights, then offload the module again"
+                )
         self._check_added_parameters()
 
     def _refuse_changed_parameter(self) -> None:
