@@ -255,6 +255,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_linear.py",
         "flux_workload.py",
         "gpu_features.py",
+        "gpu_boundaries.py",
         "gpu_pipeline.py",
         "tiny_pipelines.py",
     ] {
@@ -283,17 +284,19 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 # One command per part keeps each under a machine's per-command limit:
 #   bash run.sh native            fidelity of the native route (Flux 512/1024/2048, SD3, AutoencoderKL)
 #   bash run.sh features          pipelines, text encoders, LoRA and conversion against resident runs
+#   bash run.sh boundaries        kept weights, reads between passes, refusals, interrupts, threads, rewrites
 #   bash run.sh pipeline [GIB]    a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
 #   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
 #   bash run.sh table             the table of every row measured so far
 case "${1:-bench}" in
   native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
+  boundaries) cmd=(python3 "$bundle/gpu_boundaries.py") ;;
   pipeline) cmd=(python3 "$bundle/gpu_pipeline.py" --dir "$work" --budget-gb "${2:-10}") ;;
   bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work")
          [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
-  *) echo "usage: run.sh native | features | pipeline [GIB] | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}
