@@ -76,9 +76,15 @@ fn is_component_form(body: &str) -> bool {
 /// forms only the key part is compared (the component name is free). Exact keys win ties.
 fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
     let upper = body.to_ascii_uppercase();
+    // Within a third of the real name's length; names further apart in length are not
+    // compared (a long garbage name costs nothing).
     let near = |written: &str, candidate: &str| {
+        let limit = (candidate.len() / 3).max(2);
+        if written.len().abs_diff(candidate.len()) > limit {
+            return None;
+        }
         let d = edit_distance(written, candidate);
-        (d <= (written.len() / 3).max(2)).then_some(d)
+        (d <= limit).then_some(d)
     };
     let exact_matches =
         exact.iter().filter_map(|key| near(&upper, key).map(|d| (d, (*key).to_owned())));
@@ -118,6 +124,15 @@ mod tests {
 
     fn warnings(names: &[&str]) -> Vec<String> {
         unknown_variable_warnings(&Environment::from_pairs(names.iter().map(|n| (*n, "1"))))
+    }
+
+    #[test]
+    fn a_long_unknown_name_gets_no_suggestion() {
+        // Compared only with names of a similar length (a fuzzed name of thousands of
+        // underscores once took seconds).
+        let name = format!("DDO_{}", "K_".repeat(5000));
+        let w = warnings(&[&name]);
+        assert!(w.len() == 1 && !w[0].contains("did you mean"), "{}", &w[0][w[0].len() - 60..]);
     }
 
     #[test]
