@@ -398,3 +398,17 @@ def test_a_write_into_a_host_tensor_the_linear_route_streams_from_is_refused(flu
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="transformer_blocks.1.attn.to_k.weight.*was written"):
         run(model, inputs)
     result.remove()
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_an_in_place_write_into_a_resident_weight_is_refused_at_the_next_forward(tmp_path, flux, route):
+    model, inputs = flux
+    result, module = offload(tmp_path, model, route)
+    run(module, inputs)
+    resident = module.get_parameter("x_embedder.weight")  # a view of resident arena memory
+    assert not isinstance(resident, ddo.StreamedWeight)
+    with torch.no_grad():
+        torch.nn.init.zeros_(resident)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="x_embedder.weight was written in place"):
+        run(module, inputs)
+    result.remove()

@@ -293,7 +293,7 @@ class SessionRuntime:
         self.buffer_places: List[Tuple[torch.nn.Module, str, str]] = []
         # Every parameter as published (by identity), with the address it views.
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
-        self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int]]] = []
+        self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int], int]] = []
         # Streamed units' places: (owner, attribute, view, placeholder) per unit; the view is in
         # place only while the unit's forward runs.
         self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
@@ -385,7 +385,7 @@ class SessionRuntime:
         current = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self.places]
         self.published = {id(p): (p, _address(p)) for _, _, p in current}
         # What each forward checks, flat: (owner, attribute, parameter, address).
-        self.watched = [(owner, attr, p, _address(p)) for owner, attr, p in current]
+        self.watched = [(owner, attr, p, _address(p), p._version) for owner, attr, p in current]
 
     def _publish_meta(self) -> None:
         # Holding the views would keep the arena's memory alive. The views go back first, so
@@ -475,11 +475,12 @@ class SessionRuntime:
             self._check_parameters()
 
     def _check_parameters(self) -> None:
-        # Every forward: each parameter still the one published, at its address, without grad.
+        # Every forward: each parameter still the one published, at its address, not written
+        # in place, without grad.
         watched = self.watched
         if len(watched) != len(self.places) or any(
-            owner._parameters.get(attr) is not p or _address(p) != ptr or p.requires_grad
-            for owner, attr, p, ptr in watched
+            owner._parameters.get(attr) is not p or _address(p) != ptr or p._version != version or p.requires_grad
+            for owner, attr, p, ptr, version in watched
         ):
             self._refuse_changed_parameter()
         for name, p, version in self.sources:
@@ -494,6 +495,14 @@ class SessionRuntime:
     def _refuse_changed_parameter(self) -> None:
         """Raises for the first managed parameter changed since it was published."""
         published = self.published
+        for (owner, attr, name), (*_, p, _ptr, version) in zip(self.places, self.watched):
+            if owner._parameters.get(attr) is p and p._version != version:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"parameter {name} was written in place since ddo attached: its values come from the checkpoint "
+                    "(or the module's host tensors), so the write would be lost at the next reload and state_dict() "
+                    "would not show it. Call remove_dynamic_offload(module) first, change the weights, then offload "
+                    "the module again"
+                )
         for owner, attr, name in self.places:
             p = owner._parameters.get(attr)
             seen = published.get(id(p))
