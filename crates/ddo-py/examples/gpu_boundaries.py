@@ -132,12 +132,15 @@ def check_training_and_casts(case: Case) -> str:
     loaded = case.native()
     module = loaded.module
     case.run(module)
-    module.train()
+    raises(ddo.DynamicOffloadLifecycleError, lambda: module.train())
+    raises(ddo.DynamicOffloadLifecycleError, lambda: module.requires_grad_(True))
+    # Below the module itself: refused at the next forward.
+    module.transformer_blocks[0].train()
     raises(ddo.DynamicOffloadLifecycleError, lambda: case.run(module))
-    module.eval()
-    module.requires_grad_(True)
+    module.transformer_blocks[0].eval()
+    module.transformer_blocks[0].requires_grad_(True)
     raises(ddo.DynamicOffloadLifecycleError, lambda: case.run(module))
-    module.requires_grad_(False)
+    module.transformer_blocks[0].requires_grad_(False)
     moves = [lambda m: m.half(), lambda m: m.float(), lambda m: m.to("meta")]
     if DEVICE.startswith("cuda"):
         moves.append(lambda m: m.cpu())

@@ -230,8 +230,8 @@ def test_a_weight_kept_after_the_offload_ends_stays_readable(tmp_path, flux, end
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda m: m.train(), "training mode"),
-        (lambda m: m.requires_grad_(True), "requires grad"),
+        (lambda m: m.transformer_blocks[1].train(), "training mode"),
+        (lambda m: m.transformer_blocks[1].requires_grad_(True), "requires grad"),
         (lambda m: m.transformer_blocks[0].half(), "was changed after ddo attached"),
         (lambda m: setattr(m.transformer_blocks[0].attn.to_q.weight, "data", torch.zeros(32, 32)), "was changed"),
     ],
@@ -412,3 +412,18 @@ def test_an_in_place_write_into_a_resident_weight_is_refused_at_the_next_forward
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="x_embedder.weight was written in place"):
         run(module, inputs)
     result.remove()
+
+
+def test_training_is_refused_when_asked_for_and_the_module_is_unchanged(flux):
+    model, inputs = flux
+    want = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="eval mode"):
+        model.train()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="cannot require grad"):
+        model.requires_grad_()
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert model.eval() is model and model.requires_grad_(False) is model
+    assert torch.equal(run(model, inputs), want)
+    result.remove()
+    assert model.train() is model and model.training

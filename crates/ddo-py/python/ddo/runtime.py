@@ -448,6 +448,28 @@ class SessionRuntime:
 
         self.module._apply = _apply
         self.module.__deepcopy__ = self._refuse_deepcopy
+        train, requires_grad_ = self.module.train, self.module.requires_grad_
+
+        @functools.wraps(train)
+        def guarded_train(mode: bool = True) -> Any:
+            if mode:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"{type(runtime.module).__name__} is offloaded by ddo, which serves inference only (block memory "
+                    "is reused between blocks): keep it in eval mode, or call remove_dynamic_offload(module) first"
+                )
+            return train(mode)
+
+        @functools.wraps(requires_grad_)
+        def guarded_requires_grad_(requires_grad: bool = True) -> Any:
+            if requires_grad:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"{type(runtime.module).__name__} is offloaded by ddo, which serves inference only: its weights "
+                    "cannot require grad (their memory is reused between blocks); call remove_dynamic_offload(module) first"
+                )
+            return requires_grad_(requires_grad)
+
+        self.module.train = guarded_train
+        self.module.requires_grad_ = guarded_requires_grad_
 
     def _refuse_deepcopy(self, _memo: Any) -> Any:
         raise _native.DynamicOffloadLifecycleError(
@@ -650,7 +672,12 @@ class SessionRuntime:
             )
 
     def _pre(self, unit: int):
-        def hook(_m: torch.nn.Module, _args: tuple) -> None:
+        def hook(m: torch.nn.Module, _args: tuple) -> None:
+            if m.training:
+                raise _native.DynamicOffloadLifecycleError(
+                    f"block {type(m).__name__} of {type(self.module).__name__} is in training mode; ddo offloads "
+                    "inference only: call module.eval()"
+                )
             self.leases.setdefault(unit, []).append(self.session.acquire(unit, self.stream()))
             for owner, attr, view, _ in self.swaps.get(unit, ()):
                 owner._parameters[attr] = view
@@ -746,7 +773,8 @@ class SessionRuntime:
         self.handles.clear()
         self.module.__dict__.pop("forward", None)
         self.module.__dict__.pop("_apply", None)
-        self.module.__dict__.pop("__deepcopy__", None)
+        for guarded in ("__deepcopy__", "train", "requires_grad_"):
+            self.module.__dict__.pop(guarded, None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
         self.published, self.watched = {}, []
