@@ -400,18 +400,27 @@ fn pinning_settings_decide_what_is_registered() {
     assert_eq!(s.registered_bytes, Some(0));
     assert_eq!(s.unregistered_reason.as_deref(), Some("pin_cpu_memory is off"));
     run_and_check(&unpinned, 1, &checkpoint_bytes(6));
-    // 64 MiB of registration: each storage is charged a whole segment, so one fits.
-    let limited =
-        linear(&[("pin_cpu_memory", "true"), ("pin_weight_budget_gb", "0.0625")]).unwrap();
+    // 64 MiB of registration for 40 blocks of 2 MiB: the first 31 storages fit (each charged
+    // its pages), the rest are copied unregistered.
+    let open = |extra: &[(&str, &str)]| {
+        let mut args = vec![
+            ("backend", "linear"),
+            ("pin_cpu_memory", "true"),
+            ("pin_weight_budget_gb", "0.0625"),
+        ];
+        args.extend_from_slice(extra);
+        ComponentSession::open(SessionSpec {
+            plan: resolve(&args),
+            weights: host_weights(40),
+            tree: None,
+        })
+    };
+    let limited = open(&[]).unwrap();
     let s = setup(&limited);
-    assert!(s.registered_bytes.unwrap() > 0 && s.unregistered_bytes.unwrap() > 0, "{s:?}");
+    let (registered, unregistered) = (s.registered_bytes.unwrap(), s.unregistered_bytes.unwrap());
+    assert!(registered > 60 << 20 && registered <= 64 << 20 && unregistered > 0, "{s:?}");
     assert!(s.unregistered_reason.unwrap().contains("registration"));
-    let strict = linear(&[
-        ("pin_cpu_memory", "true"),
-        ("pin_weight_budget_gb", "0.0625"),
-        ("allow_pin_memory_fallback", "false"),
-    ])
-    .unwrap_err();
+    let strict = open(&[("allow_pin_memory_fallback", "false")]).unwrap_err();
     assert!(strict.to_string().contains("registration"), "{strict}");
 }
 

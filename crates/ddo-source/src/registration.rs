@@ -1,5 +1,5 @@
-//! Host registration: page-locking host ranges for DMA under a ceiling counted in whole
-//! segments, separate from the storage ceiling.
+//! Host registration: page-locking host ranges for DMA under a ceiling of whole segments,
+//! separate from the storage ceiling; each range is charged its pages.
 
 use std::sync::{Arc, Mutex};
 
@@ -7,8 +7,12 @@ use ddo_core::{
     AdmissionProbe, GrowthKind, GrowthRequest, HostSlice, Registration, Residency, SourceError,
 };
 
-/// Registration is accounted in segments of this size: 64 MiB.
+/// The registration ceiling is a whole number of segments of this size: 64 MiB.
 pub const REGISTRATION_SEGMENT: u64 = 64 << 20;
+
+/// Each registered range is charged its bytes in whole host pages (what the kernel locks), so
+/// ranges smaller than a segment (retained windows of whole tensors) use the ceiling fully.
+const HOST_PAGE: u64 = 4096;
 
 /// A registered host range. Unregister it through [`Registrar::unregister`]; dropping it
 /// without doing so keeps the pages locked (the safe failure) and keeps counting them.
@@ -69,7 +73,7 @@ impl Registrar {
         self.ceiling
     }
 
-    /// Bytes charged now (whole segments), including ranges whose unregistration failed.
+    /// Bytes charged now (whole pages), including ranges whose unregistration failed.
     pub fn charged(&self) -> u64 {
         self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner).charged
     }
@@ -86,7 +90,7 @@ impl Registrar {
         slice: HostSlice,
         read_only: bool,
     ) -> Result<RegisteredRange, SourceError> {
-        let charge = (slice.len() as u64).div_ceil(REGISTRATION_SEGMENT) * REGISTRATION_SEGMENT;
+        let charge = (slice.len() as u64).div_ceil(HOST_PAGE) * HOST_PAGE;
         let mut ledger = self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if ledger.charged + charge > self.ceiling {
             return Err(SourceError::CeilingExceeded {

@@ -122,24 +122,27 @@ fn registering(unregister_fails: bool) -> Arc<MockResidency> {
 }
 
 #[test]
-fn registration_is_charged_in_whole_segments_under_its_own_ceiling() {
-    let reg = Registrar::new(3 * REGISTRATION_SEGMENT + 5, registering(false), granting());
-    assert_eq!(reg.ceiling(), 3 * REGISTRATION_SEGMENT);
+fn registration_is_charged_in_whole_pages_under_a_ceiling_of_whole_segments() {
+    let reg = Registrar::new(REGISTRATION_SEGMENT + 5, registering(false), granting());
+    assert_eq!(reg.ceiling(), REGISTRATION_SEGMENT);
     let a = reg.register(slice(1000), true).unwrap();
-    assert_eq!(a.charged(), REGISTRATION_SEGMENT);
-    let b = reg.register(slice(1000), true).unwrap();
-    let e = reg.register(slice(REGISTRATION_SEGMENT as usize + 1), false).unwrap_err();
+    assert_eq!(a.charged(), 4096);
+    // Ranges smaller than a segment fill the ceiling: 16383 more pages fit, not one more.
+    let b = reg.register(slice(REGISTRATION_SEGMENT as usize - 8192), true).unwrap();
+    let c = reg.register(slice(4096), true).unwrap();
+    let e = reg.register(slice(1), false).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "registration ceiling of 192.00 MiB would be exceeded: 128.00 MiB in use, 128.00 MiB requested; raise the ceiling or lower what is kept"
+        "registration ceiling of 64.00 MiB would be exceeded: 64.00 MiB in use, 4.00 KiB requested; raise the ceiling or lower what is kept"
     );
-    assert_eq!(reg.charged(), 2 * REGISTRATION_SEGMENT);
+    assert_eq!(reg.charged(), REGISTRATION_SEGMENT);
     let bytes = a.slice().clone();
     reg.unregister(a).unwrap();
-    assert_eq!(reg.charged(), REGISTRATION_SEGMENT);
+    assert_eq!(reg.charged(), REGISTRATION_SEGMENT - 4096);
     // Unregistering keeps the stored bytes.
     assert_eq!(bytes.as_bytes(), vec![5u8; 1000].as_slice());
     reg.unregister(b).unwrap();
+    reg.unregister(c).unwrap();
     assert_eq!(reg.charged(), 0);
 }
 
@@ -165,6 +168,6 @@ fn a_failed_unregistration_retains_ownership() {
     let a = reg.register(slice(4096), true).unwrap();
     let e = reg.unregister(a).unwrap_err();
     assert!(matches!(e, SourceError::Device(DeviceError::Lost(_))));
-    assert_eq!(reg.charged(), REGISTRATION_SEGMENT, "still charged: never reused");
-    assert_eq!(reg.unsafe_retained(), REGISTRATION_SEGMENT);
+    assert_eq!(reg.charged(), 4096, "still charged: never reused");
+    assert_eq!(reg.unsafe_retained(), 4096);
 }
