@@ -1,9 +1,7 @@
 //! The read paths: positioned reads with a worker pool, O_DIRECT through aligned bounce buffers,
 //! and copies out of a mapping. All land in caller-provided buffers.
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::{IoSliceMut, Read, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::Mutex;
@@ -64,6 +62,7 @@ type Job<'a> = (Run, Vec<&'a mut [u8]>);
 pub(crate) fn execute(
     paths: &[&Path],
     maps: Option<&[std::sync::Arc<MappedFile>]>,
+    files: &[File],
     options: ReadOptions,
     runs: Vec<Run>,
     dsts: Vec<Vec<&mut [u8]>>,
@@ -77,7 +76,7 @@ pub(crate) fn execute(
     std::thread::scope(|scope| {
         for _ in 0..workers {
             scope.spawn(|| {
-                let mut worker = Worker::new(paths, maps, options);
+                let mut worker = Worker::new(paths, maps, files, options);
                 loop {
                     if first_error
                         .lock()
@@ -108,12 +107,32 @@ pub(crate) fn execute(
     }
 }
 
-/// Per-thread state: open files and a bounce buffer.
+/// Opens the checkpoint's files for positioned reads (with O_DIRECT for
+/// [`ReadMethod::Direct`]): the descriptors a source keeps for its life, shared by every read.
+pub(crate) fn open_for_reads(path: &Path, method: ReadMethod) -> Result<File, SourceError> {
+    let mut open = OpenOptions::new();
+    open.read(true);
+    if method == ReadMethod::Direct {
+        open.custom_flags(libc::O_DIRECT);
+    }
+    open.open(path).map_err(|e| {
+        if e.raw_os_error() == Some(libc::EINVAL) {
+            SourceError::Unsupported(format!(
+                "{} is on a filesystem without O_DIRECT; use the pread or mmap read backend",
+                path.display()
+            ))
+        } else {
+            SourceError::Io { file: path.to_owned(), source: e }
+        }
+    })
+}
+
+/// Per-thread state: the source's open files and a bounce buffer.
 struct Worker<'a> {
     paths: &'a [&'a Path],
     maps: Option<&'a [std::sync::Arc<MappedFile>]>,
+    files: &'a [File],
     options: ReadOptions,
-    files: HashMap<usize, File>,
     bounce: Vec<u8>,
 }
 
@@ -121,36 +140,23 @@ impl<'a> Worker<'a> {
     fn new(
         paths: &'a [&'a Path],
         maps: Option<&'a [std::sync::Arc<MappedFile>]>,
+        files: &'a [File],
         options: ReadOptions,
     ) -> Self {
-        Worker { paths, maps, options, files: HashMap::new(), bounce: Vec::new() }
+        Worker { paths, maps, files, options, bounce: Vec::new() }
     }
 
     fn io(&self, file: usize, source: std::io::Error) -> SourceError {
         SourceError::Io { file: self.paths[file].to_owned(), source }
     }
 
-    fn file(&mut self, index: usize) -> Result<&mut File, SourceError> {
-        if !self.files.contains_key(&index) {
-            let path = self.paths[index];
-            let mut open = OpenOptions::new();
-            open.read(true);
-            if self.options.method == ReadMethod::Direct {
-                open.custom_flags(libc::O_DIRECT);
-            }
-            let file = open.open(path).map_err(|e| {
-                if e.raw_os_error() == Some(libc::EINVAL) {
-                    SourceError::Unsupported(format!(
-                        "{} is on a filesystem without O_DIRECT; use the pread or mmap read backend",
-                        path.display()
-                    ))
-                } else {
-                    SourceError::Io { file: path.to_owned(), source: e }
-                }
-            })?;
-            self.files.insert(index, file);
-        }
-        Ok(self.files.get_mut(&index).expect("opened"))
+    fn file(&self, index: usize) -> Result<&'a File, SourceError> {
+        self.files.get(index).ok_or_else(|| {
+            SourceError::Unsupported(format!(
+                "{} is not open for reads (a mapped source copies out of its mapping)",
+                self.paths[index].display()
+            ))
+        })
     }
 
     fn read(&mut self, run: &Run, dst: &mut [&mut [u8]]) -> Result<(), SourceError> {
@@ -161,26 +167,24 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// One seek and vectored reads until every piece is full.
+    /// Positioned reads of each piece in turn (the descriptor is shared: no seek).
     fn read_vectored(&mut self, run: &Run, dst: &mut [&mut [u8]]) -> Result<(), SourceError> {
         let index = run.file;
         let file = self.file(index)?;
         let result = (|| {
-            file.seek(SeekFrom::Start(run.offset))?;
-            let mut slices: Vec<IoSliceMut<'_>> =
-                dst.iter_mut().map(|d| IoSliceMut::new(d)).collect();
-            let mut bufs: &mut [IoSliceMut<'_>] = &mut slices;
-            let mut left = run.len;
-            while left > 0 {
-                let n = file.read_vectored(bufs)?;
-                if n == 0 {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("file ended {left} bytes before the end of a tensor read"),
-                    ));
-                }
-                left -= n;
-                IoSliceMut::advance_slices(&mut bufs, n);
+            let mut at = run.offset;
+            for d in dst.iter_mut() {
+                file.read_exact_at(d, at).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                        std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "file ended before the end of a tensor read",
+                        )
+                    } else {
+                        e
+                    }
+                })?;
+                at += d.len() as u64;
             }
             Ok(())
         })();

@@ -49,6 +49,9 @@ impl MmapChoice {
 pub struct CheckpointSource {
     checkpoint: Arc<Checkpoint>,
     maps: Option<Vec<Arc<MappedFile>>>,
+    /// Every file, open for positioned reads for the source's life (none when mapped): reads
+    /// never open files, and read the files whose identity was checked at open.
+    files: Arc<[std::fs::File]>,
     options: ReadOptions,
 }
 
@@ -62,7 +65,23 @@ impl CheckpointSource {
                 "the mmap read path needs CheckpointSource::with_mmap".into(),
             ));
         }
-        Ok(CheckpointSource { checkpoint, maps: None, options })
+        let mut files = Vec::with_capacity(checkpoint.files().len());
+        for f in checkpoint.files() {
+            let file = crate::read::open_for_reads(&f.path, options.method)?;
+            let same = file.metadata().is_ok_and(|m| {
+                use std::os::unix::fs::MetadataExt;
+                m.dev() == f.identity.device && m.ino() == f.identity.inode
+            });
+            if !same {
+                return Err(SourceError::CheckpointChanged {
+                    file: f.path.clone(),
+                    what: "the file was replaced".into(),
+                });
+            }
+            files.push(file);
+        }
+        checkpoint.check_unchanged()?;
+        Ok(CheckpointSource { checkpoint, maps: None, files: files.into(), options })
     }
 
     /// A source that maps every file: [`WeightSource::host_bytes`] returns slices of the mappings
@@ -84,7 +103,7 @@ impl CheckpointSource {
             .map(|f| unsafe { MappedFile::map(&f.path) }.map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
         let options = ReadOptions { method: ReadMethod::Mmap, workers, ..ReadOptions::default() };
-        Ok(CheckpointSource { checkpoint, maps: Some(maps), options })
+        Ok(CheckpointSource { checkpoint, maps: Some(maps), files: Arc::from([]), options })
     }
 
     /// A mapped source ([`CheckpointSource::with_mmap`]) when `choice` allows mapping, `None`
@@ -166,7 +185,7 @@ impl WeightSource for CheckpointSource {
         let runs = plan(self.slices(), requests, dst.len(), self.options.chunk_bytes)?;
         let dsts = carve(&runs, dst);
         let paths: Vec<&Path> = self.checkpoint.files().iter().map(|f| f.path.as_path()).collect();
-        execute(&paths, self.maps.as_deref(), self.options, runs, dsts)?;
+        execute(&paths, self.maps.as_deref(), &self.files, self.options, runs, dsts)?;
         // A file that changed during the reads (a mapping read past a truncated end) is noticed
         // before the bytes are used.
         self.check_unchanged()
