@@ -12,14 +12,13 @@ import os
 import sys
 import tempfile
 import threading
-import traceback
 
 import torch
 
 import ddo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_pipelines import PIPELINES  # noqa: E402
+from tiny_pipelines import PIPELINES, flux_transformer_inputs, report  # noqa: E402
 
 DEVICE = os.environ.get("DDO_FEATURES_DEVICE", "cuda:0")
 # The resident rest and two slots of 2 MiB granules: every block streams.
@@ -37,15 +36,7 @@ class Case:
         if not os.path.exists(self.folder):
             PIPELINES["flux"]()[0].transformer.save_pretrained(self.folder)
         self.reference = FluxTransformer2DModel.from_pretrained(self.folder, torch_dtype=torch.bfloat16).to(DEVICE).eval()
-        g = torch.Generator().manual_seed(4)
-        inputs = dict(
-            hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-            pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3),
-            txt_ids=torch.zeros(8, 3), return_dict=False,
-        )
-        self.inputs = {
-            k: v.to(DEVICE, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
-        }
+        self.inputs = flux_transformer_inputs(4, DEVICE)
         self.want = self.run(self.reference)
 
     def run(self, module: torch.nn.Module) -> torch.Tensor:
@@ -215,19 +206,8 @@ def main() -> int:
         ("an interrupt and concurrent forwards", check_interrupts_and_threads),
         ("a checkpoint rewritten in place", check_rewritten_checkpoint),
     ]
-    failed = 0
     with tempfile.TemporaryDirectory() as work:
-        case = Case(work)
-        for name, check in checks:
-            try:
-                print(f"PASS {name}: {check(case)}", flush=True)
-            except Exception as e:  # noqa: BLE001 - every check reports
-                failed += 1
-                print(f"FAIL {name}: {e!r}", flush=True)
-                traceback.print_exc()
-    where = torch.cuda.get_device_name(0) if DEVICE.startswith("cuda") else DEVICE
-    print(f"{len(checks) - failed}/{len(checks)} checks passed on {where}")
-    return 1 if failed else 0
+        return report(checks, Case(work), DEVICE)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ import copy
 import os
 import sys
 import tempfile
-import traceback
 
 import torch
 
 import ddo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_pipelines import PIPELINES, clip, generate, own_memory, t5  # noqa: E402
+from tiny_pipelines import PIPELINES, clip, flux_transformer_inputs, generate, own_memory, report, t5  # noqa: E402
 
 DEVICE = os.environ.get("DDO_FEATURES_DEVICE", "cuda:0")
 # Three 2 MiB granules: the resident rest and two slots, so the blocks of tiny models stream.
@@ -181,13 +180,7 @@ def check_gguf(work: str) -> str:
     reference = FluxTransformer2DModel.from_single_file(
         path, config=folder, torch_dtype=torch.bfloat16, quantization_config=quant
     ).to(DEVICE).eval()
-    g = torch.Generator().manual_seed(2)
-    inputs = dict(
-        hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3),
-        txt_ids=torch.zeros(8, 3), return_dict=False,
-    )
-    inputs = {k: v.to(DEVICE, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    inputs = flux_transformer_inputs(2, DEVICE)
     with torch.no_grad():
         want = reference(**inputs)[0]
     config = ddo.DynamicOffloadConfig(backend="vmm", execution_device=DEVICE, vmm_resident_weight_budget_gb=BUDGET)
@@ -222,13 +215,7 @@ def check_side_stream(work: str) -> str:
     folder = os.path.join(work, "flux-side-stream")
     PIPELINES["flux"]()[0].transformer.save_pretrained(folder)
     reference = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(DEVICE).eval()
-    g = torch.Generator().manual_seed(3)
-    inputs = dict(
-        hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3),
-        txt_ids=torch.zeros(8, 3), return_dict=False,
-    )
-    inputs = {k: v.to(DEVICE, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    inputs = flux_transformer_inputs(3, DEVICE)
     config = ddo.DynamicOffloadConfig(backend="vmm", execution_device=DEVICE, vmm_resident_weight_budget_gb=BUDGET)
     got = ddo.from_pretrained_with_dynamic_offload(
         folder, torch_dtype=torch.bfloat16, apply_dynamic=True, dynamic_offload_config=config
@@ -274,18 +261,8 @@ def main() -> int:
         ("GGUF Q8_0 into Diffusers' GGUF modules", check_gguf),
         ("a forward on a side stream; parameters read between passes", check_side_stream),
     ]
-    failed = 0
     with tempfile.TemporaryDirectory() as work:
-        for name, check in checks:
-            try:
-                print(f"PASS {name}: {check(work)}", flush=True)
-            except Exception as e:  # noqa: BLE001 - every check reports
-                failed += 1
-                print(f"FAIL {name}: {e!r}", flush=True)
-                traceback.print_exc()
-    where = torch.cuda.get_device_name(0) if DEVICE.startswith("cuda") else DEVICE
-    print(f"{len(checks) - failed}/{len(checks)} checks passed on {where}")
-    return 1 if failed else 0
+        return report(checks, work, DEVICE)
 
 
 if __name__ == "__main__":

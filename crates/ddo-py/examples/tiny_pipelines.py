@@ -113,3 +113,32 @@ def own_memory(pipe):
                 for p in component.parameters():
                     p.data = p.data.clone()
     return pipe
+
+
+def flux_transformer_inputs(seed: int, device: str) -> dict:
+    """Inputs of the tiny Flux transformer of ``flux_pipeline``, bf16 on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3), return_dict=False,
+    )
+    return {k: v.to(device, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def report(checks: list, argument, device: str) -> int:
+    """Runs each ``(name, check)`` on ``argument``, printing PASS with what the check returns or
+    FAIL with its error, then a summary line; returns the exit status."""
+    import traceback
+
+    failed = 0
+    for name, check in checks:
+        try:
+            print(f"PASS {name}: {check(argument)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - every check reports
+            failed += 1
+            print(f"FAIL {name}: {e!r}", flush=True)
+            traceback.print_exc()
+    where = torch.cuda.get_device_name(0) if device.startswith("cuda") else device
+    print(f"{len(checks) - failed}/{len(checks)} checks passed on {where}")
+    return 1 if failed else 0
