@@ -112,6 +112,19 @@ def _stream_reader(device: torch.device) -> Any:
     return functools.partial(raw, device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _refusing_true(method: Any, message: str) -> Any:
+    """``method(flag=True)`` refused with ``message`` when ``flag`` is true (``train``,
+    ``requires_grad_``); ``method(False)`` goes on."""
+
+    @functools.wraps(method)
+    def guarded(flag: bool = True) -> Any:
+        if flag:
+            raise _native.DynamicOffloadLifecycleError(message)
+        return method(flag)
+
+    return guarded
+
+
 def _address(p: torch.Tensor) -> Optional[int]:
     """The address a parameter views, or ``None`` for a placeholder (no storage; one given data
     by ``.data =`` has an address, so the change is seen)."""
@@ -448,28 +461,17 @@ class SessionRuntime:
 
         self.module._apply = _apply
         self.module.__deepcopy__ = self._refuse_deepcopy
-        train, requires_grad_ = self.module.train, self.module.requires_grad_
-
-        @functools.wraps(train)
-        def guarded_train(mode: bool = True) -> Any:
-            if mode:
-                raise _native.DynamicOffloadLifecycleError(
-                    f"{type(runtime.module).__name__} is offloaded by ddo, which serves inference only (block memory "
-                    "is reused between blocks): keep it in eval mode, or call remove_dynamic_offload(module) first"
-                )
-            return train(mode)
-
-        @functools.wraps(requires_grad_)
-        def guarded_requires_grad_(requires_grad: bool = True) -> Any:
-            if requires_grad:
-                raise _native.DynamicOffloadLifecycleError(
-                    f"{type(runtime.module).__name__} is offloaded by ddo, which serves inference only: its weights "
-                    "cannot require grad (their memory is reused between blocks); call remove_dynamic_offload(module) first"
-                )
-            return requires_grad_(requires_grad)
-
-        self.module.train = guarded_train
-        self.module.requires_grad_ = guarded_requires_grad_
+        name = type(self.module).__name__
+        self.module.train = _refusing_true(
+            self.module.train,
+            f"{name} is offloaded by ddo, which serves inference only (block memory is reused between blocks): keep "
+            "it in eval mode, or call remove_dynamic_offload(module) first",
+        )
+        self.module.requires_grad_ = _refusing_true(
+            self.module.requires_grad_,
+            f"{name} is offloaded by ddo, which serves inference only: its weights cannot require grad (their memory "
+            "is reused between blocks); call remove_dynamic_offload(module) first",
+        )
 
     def _refuse_deepcopy(self, _memo: Any) -> Any:
         raise _native.DynamicOffloadLifecycleError(
