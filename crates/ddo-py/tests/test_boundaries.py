@@ -4,6 +4,7 @@ module structures, and errors of the right class."""
 from __future__ import annotations
 
 import copy
+import io
 import threading
 
 import pytest
@@ -232,7 +233,10 @@ def test_a_weight_kept_after_the_offload_ends_stays_readable(tmp_path, flux, end
     [
         (lambda m: m.transformer_blocks[1].train(), "training mode"),
         (lambda m: m.transformer_blocks[1].requires_grad_(True), "requires grad"),
-        (lambda m: m.transformer_blocks[0].half(), "was changed after ddo attached"),
+        (
+            lambda m: setattr(m.transformer_blocks[0].attn.to_q, "weight", torch.nn.Parameter(torch.zeros(32, 32))),
+            "was changed after ddo attached",
+        ),
         (lambda m: setattr(m.transformer_blocks[0].attn.to_q.weight, "data", torch.zeros(32, 32)), "was changed"),
     ],
 )
@@ -262,19 +266,21 @@ def test_reload_after_remove_is_refused_and_hooks_never_double(flux):
 
 
 @pytest.mark.parametrize("route", ["linear", "native"])
-def test_after_reclaim_parameters_are_meta_until_the_next_forward(tmp_path, flux, route):
+def test_after_reclaim_parameters_read_the_checkpoint_and_the_next_forward_is_correct(tmp_path, flux, route):
     model, inputs = flux
-    reference = run(copy.deepcopy(model), inputs)
+    own = copy.deepcopy(model)
+    reference = run(own, inputs)
     result, module = offload(tmp_path, model, route)
     run(module, inputs)
     slots, freed = result.reclaim()
     assert slots > 0 and freed > 0
-    # Reading parameters now never touches released memory.
-    weight = module.get_parameter("transformer_blocks.0.attn.to_q.weight")
-    assert weight.is_meta
-    repr(weight)
+    # Reading parameters now never touches released memory: streamed ones are placeholders.
+    name = "transformer_blocks.0.attn.to_q.weight"
+    weight = module.get_parameter(name)
+    assert isinstance(weight, ddo.StreamedWeight)
+    assert torch.equal(weight.detach().clone(), own.get_parameter(name).detach())
+    assert torch.equal(module.get_parameter("x_embedder.weight"), own.get_parameter("x_embedder.weight"))
     assert torch.equal(run(module, inputs), reference)
-    assert not module.get_parameter("transformer_blocks.0.attn.to_q.weight").is_meta
     result.remove()
 
 
@@ -356,12 +362,35 @@ def test_parameters_read_between_passes_are_the_checkpoints_values(tmp_path, flu
             assert torch.equal(torch.linalg.vector_norm(p), torch.linalg.vector_norm(own[n].detach())), n
         assert torch.equal(run(module, inputs), want)
     assert name in repr(weight)
-    # Writes are refused at the moment they are tried, and nothing changes.
+    # Writes are refused at the moment they are tried, through views and indices too, and
+    # nothing changes (the linear route's host tensors included).
+    writes = (
+        lambda w: w.add_(1),
+        lambda w: w.data.copy_(torch.zeros_like(w)),
+        lambda w: w.zero_(),
+        lambda w: w[0].zero_(),
+        lambda w: w.__setitem__(0, 0.0),
+        lambda w: w.data.__setitem__((slice(None), 1), 0.0),
+        lambda w: w.view(-1).mul_(2),
+        lambda w: w.t()[1:3].fill_(7),
+        lambda w: w.split(4)[1].zero_(),
+        lambda w: setattr(w, "data", torch.zeros(w.shape)),
+    )
     with torch.no_grad():
-        for write in (lambda w: w.add_(1), lambda w: w.data.copy_(torch.zeros_like(w)), lambda w: w.zero_()):
+        for write in writes:
             with pytest.raises(ddo.DynamicOffloadLifecycleError, match="writing into transformer_blocks.0"):
                 write(weight)
-    assert torch.equal(weight.detach().clone(), own[name].detach())
+    value = own[name].detach()
+    assert torch.equal(weight.detach().clone(), value)
+    # Views read the values they view; the common ways out of a tensor give them as plain data.
+    assert torch.equal(weight[3].clone(), value[3]) and torch.equal(weight.t()[1:3].clone(), value.t()[1:3])
+    assert torch.equal(torch.stack(weight.split(8)), torch.stack(value.split(8)))
+    assert weight.tolist() == value.tolist() and (weight.numpy() == value.numpy()).all()
+    assert torch.equal(copy.deepcopy(weight), value) and type(copy.deepcopy(weight)) is torch.Tensor
+    buffer = io.BytesIO()
+    torch.save(dict(module.named_parameters()), buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer)[name], value)
     assert torch.equal(run(module, inputs), want)
     result.remove()
 
@@ -375,7 +404,15 @@ def test_a_move_to_where_the_weights_are_changes_nothing_and_any_other_is_refuse
     assert module.to("cpu") is module
     module.to(device="cpu", dtype=torch.float32).float().cpu()
     assert torch.equal(run(module, inputs), want)
-    for move in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double(), lambda m: m.to("meta")):
+    moves = (
+        lambda m: m.half(),
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.double(),
+        lambda m: m.to("meta"),
+        lambda m: m.transformer_blocks[0].half(),
+        lambda m: m.single_transformer_blocks[1].attn.to_q.to(torch.bfloat16),
+    )
+    for move in moves:
         with pytest.raises(ddo.DynamicOffloadLifecycleError, match="moving or casting"):
             move(module)
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="load its state_dict"):

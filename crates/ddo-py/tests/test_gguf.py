@@ -215,6 +215,11 @@ def test_native_route_streams_gguf_and_equals_from_single_file(tmp_path, monkeyp
     assert layout(module) == layout(ref)
     own = module.state_dict()
     assert all(torch.equal(own[k], v) for k, v in ref.state_dict().items())
+    # Between passes a streamed quantized layer called on its own dequantizes its placeholder.
+    name, layer = next((n, m) for n, m in linears.items() if isinstance(m.weight, ddo.StreamedWeight))
+    x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), ref.get_submodule(name)(x)), name
     stats = result.metrics_snapshot(collect_completed=True).as_dict()
     setup, runtime = stats["setup"], stats["runtime"]
     assert setup["host_source"] == "mapping" and setup["streamed_units"] >= 2, setup

@@ -134,8 +134,9 @@ def test_an_adapter_loads_from_its_state_dict_as_pipelines_load_it(offloaded):
 def test_an_adapter_without_values_is_refused_with_what_to_do(offloaded):
     loaded, _, inputs = offloaded
     run(loaded.module, inputs)
-    loaded.offload.reclaim()
-    adapter(loaded.module)  # placed where the base weights are: meta placeholders after reclaim()
+    loaded.offload.unload()
+    adapter(loaded.module)  # placed where the base weights are: meta placeholders while unloaded
+    loaded.offload.reload()
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="has no values: it is meta"):
         run(loaded.module, inputs)
     loaded.module.delete_adapters("style")

@@ -228,26 +228,49 @@ def _refuse_write(name: str) -> Exception:
 class StreamedWeight(torch.Tensor):
     """A streamed parameter between passes. Its block's device memory holds other blocks' weights
     then, so instead of a view of it the parameter is this placeholder: same shape, dtype and
-    device, no storage of its own. Reading it (norms, copies, ``print``) gives the source's
-    values, read again on every use; writing into it is refused. A forward swaps the view in
-    while its block runs."""
+    device, no storage of its own. Reading it (norms, copies, ``print``, ``numpy()``, pickling)
+    gives the source's values, read again on every use; a view of it (an index, ``view``,
+    ``.data``) is a placeholder too, and writing into any of them is refused. A forward swaps the
+    parameter's view of arena memory in while its block runs."""
 
     @staticmethod
-    def __new__(cls, runtime: "SessionRuntime", name: str, like: torch.Tensor, device: torch.device) -> "StreamedWeight":
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device, requires_grad=False)
-        t._ddo_runtime = weakref.ref(runtime)
+    def __new__(
+        cls,
+        runtime: Any,
+        name: str,
+        like: torch.Tensor,
+        device: torch.device,
+        chain: tuple = (),
+    ) -> "StreamedWeight":
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=device, requires_grad=False
+        )
+        t._ddo_runtime = runtime if isinstance(runtime, weakref.ref) else weakref.ref(runtime)
         t._ddo_name = name
+        # View operations applied to the parameter's values, in order: (op, args, kwargs, index).
+        t._ddo_chain = chain
         quant_type = getattr(like, "quant_type", None)
         if quant_type is not None:
             t.quant_type = quant_type
         return t
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
-        return f"StreamedWeight({self._ddo_name}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+        view = " (a view)" if self._ddo_chain else ""
+        return f"StreamedWeight({self._ddo_name}{view}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, _value: torch.Tensor) -> None:
+        raise _refuse_write(self._ddo_name)
+
     def _values(self) -> torch.Tensor:
+        """The values now: the source's bytes, on the device, never an alias of what ddo streams
+        from."""
         runtime = self._ddo_runtime()
         if runtime is None or runtime.session is None or runtime.detached:
             raise _native.DynamicOffloadLifecycleError(
@@ -258,8 +281,30 @@ class StreamedWeight(torch.Tensor):
             raise _native.DynamicOffloadLifecycleError(
                 f"{self._ddo_name} belongs to a module that is unloaded: call reload() on its offload result first"
             )
-        like = torch.empty(self.shape, dtype=self.dtype, device="meta")
-        return runtime._source_value(self._ddo_name, like).to(self.device)
+        like = runtime.shapes[self._ddo_name]
+        values = runtime._source_value(self._ddo_name, like)
+        values = values.to(self.device, copy=runtime.checkpoint is None)
+        for op, args, kwargs, index in self._ddo_chain:
+            values = op(values, *args, **kwargs)
+            if index is not None:
+                values = values[index]
+        return values
+
+    def as_tensor(self) -> torch.Tensor:
+        """The values as a plain tensor (what Diffusers' GGUF layers ask a quantized weight for)."""
+        return self._values()
+
+    def numpy(self, *, force: bool = False) -> Any:  # noqa: ARG002 - torch's signature
+        return self._values().cpu().numpy()
+
+    def tolist(self) -> Any:
+        return self._values().tolist()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._values().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self._values().clone()
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -272,11 +317,15 @@ class StreamedWeight(torch.Tensor):
                 value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
                 if isinstance(value, StreamedWeight):
                     raise _refuse_write(value._ddo_name)
-
-        if func is torch.ops.aten.detach.default and isinstance(args[0], StreamedWeight):
-            # A detached placeholder is a placeholder (what nn.Parameter and .data build on).
-            w = args[0]
-            return StreamedWeight(w._ddo_runtime(), w._ddo_name, w, w.device)
+        leaves = torch.utils._pytree.tree_leaves((args[1:], kwargs))
+        if (
+            args
+            and isinstance(args[0], StreamedWeight)
+            and schema.returns
+            and schema.returns[0].alias_info is not None
+            and not any(isinstance(v, StreamedWeight) for v in leaves)
+        ):
+            return args[0]._view(func, args[1:], kwargs)
 
         def real(v: Any) -> Any:
             return v._values() if isinstance(v, StreamedWeight) else v
@@ -284,6 +333,24 @@ class StreamedWeight(torch.Tensor):
         args = torch.utils._pytree.tree_map(real, args)
         kwargs = torch.utils._pytree.tree_map(real, kwargs)
         return func(*args, **kwargs)
+
+    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A view of the placeholder (``detach``, an index, ``view``, ``t``, ``split``...):
+        placeholders of the view's shape whose values apply it to the parameter's."""
+        runtime = self._ddo_runtime
+        meta = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta")
+        result = func(meta, *args, **kwargs)
+
+        def wrap(m: torch.Tensor, index: Any) -> "StreamedWeight":
+            step = (func, args, kwargs, index)
+            view = StreamedWeight(runtime, self._ddo_name, m, self.device, self._ddo_chain + (step,))
+            if hasattr(self, "quant_type"):
+                view.quant_type = self.quant_type
+            return view
+
+        if isinstance(result, torch.Tensor):
+            return wrap(result, None)
+        return type(result)(wrap(m, i) for i, m in enumerate(result))
 
 
 class SessionRuntime:
@@ -312,9 +379,9 @@ class SessionRuntime:
         self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
         self.streamed: Dict[int, List[str]] = {}
         self.detached = False
+        # Each streamed parameter's shape and dtype as published (what its placeholder reads).
+        self.shapes: Dict[str, torch.Tensor] = {}
         self.sources: List[Tuple[str, torch.Tensor, int]] = []
-        # After reclaim() parameters are meta; the next pass publishes the views again.
-        self.republish = False
         # The structure count at the last full walk of the module tree (-1: none yet), and the
         # adapter layers it found.
         self.walked = -1
@@ -381,6 +448,9 @@ class SessionRuntime:
             for n in names:
                 views[n] = view
         self._publish(lambda name, p: _parameter_like(p, views[name]))
+        for owner, attr, name in self.places:
+            view = owner._parameters[attr]
+            self.shapes[name] = torch.empty(view.shape, dtype=view.dtype, device="meta")
         # Streamed units rest on placeholders; their views come back for their forwards.
         unit_of = {name: unit for unit, names in self.streamed.items() for name in names}
         placeholders: Dict[int, torch.nn.Parameter] = {}
@@ -440,26 +510,29 @@ class SessionRuntime:
         """``.to()``, ``.cuda()``, ``.half()`` and the like on the module: a move to where its
         weights already are (the execution device, their dtypes) changes nothing, as for a
         resident module (``pipe.to("cuda")``); any other is refused before anything changes."""
-        original = self.module._apply
         runtime = self
 
-        @functools.wraps(original)
-        def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
-            dtypes = {p.dtype for p in runtime.originals.values()}
-            for dtype in sorted(dtypes, key=str):
-                probe = torch.empty(1, dtype=dtype, device=runtime.device if dtype.is_floating_point else "cpu")
-                if dtype.is_floating_point or probe.device == runtime.device:
+        def guard(module: torch.nn.Module) -> Any:
+            @functools.wraps(module._apply)
+            def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+                for dtype in sorted({p.dtype for p in runtime.originals.values()}, key=str):
+                    probe = torch.empty(1, dtype=dtype, device=runtime.device)
                     moved = fn(probe)
                     if moved.device != probe.device or moved.dtype != probe.dtype:
                         raise _native.DynamicOffloadLifecycleError(
-                            f"{type(runtime.module).__name__} is offloaded by ddo to {runtime.device}: moving or casting "
-                            f"it ({probe.dtype} on {probe.device} -> {moved.dtype} on {moved.device}) would detach its "
-                            "weights from the arena. Call remove_dynamic_offload(module) first, or load it with the "
-                            "dtype and execution device you want"
+                            f"{type(runtime.module).__name__} is offloaded by ddo to {runtime.device}: moving or "
+                            f"casting {type(module).__name__} ({probe.dtype} on {probe.device} -> {moved.dtype} on "
+                            f"{moved.device}) would detach its weights from the arena. Call "
+                            "remove_dynamic_offload(module) first, or load it with the dtype and execution device "
+                            "you want"
                         )
-            return runtime.module
+                return module
 
-        self.module._apply = _apply
+            return _apply
+
+        # Every module of the tree: a block cast on its own is refused when asked for too.
+        for m in self.module.modules():
+            m._apply = guard(m)
         self.module.__deepcopy__ = self._refuse_deepcopy
         name = type(self.module).__name__
         self.module.train = _refusing_true(
@@ -601,9 +674,6 @@ class SessionRuntime:
                 f"{type(self.module).__name__} is unloaded (its weights are placeholders): call reload() on its "
                 "offload result before the next forward"
             )
-        if self.republish:
-            self._publish_views()
-            self.republish = False
         self._check_module(args, kwargs)
         stream = self.stream()
         self.leases.clear()
@@ -720,12 +790,11 @@ class SessionRuntime:
         return list(self.session.warnings())
 
     def reclaim(self) -> tuple:
-        """Releases idle slot memory. Parameters are meta until the next forward publishes the
-        views again (a streamed block's addresses have no memory until it is uploaded)."""
+        """Releases idle slot memory. Streamed parameters are placeholders between passes (their
+        views are in place only while their block runs); resident ones keep their memory."""
         with self.forward_lock:
             self.synchronize()
-            self._publish_meta()
-            self.republish = True
+            self._rest_all()
             return self.session.reclaim()
 
     def _not_inside_forward(self, what: str) -> None:
@@ -774,7 +843,8 @@ class SessionRuntime:
             h.remove()
         self.handles.clear()
         self.module.__dict__.pop("forward", None)
-        self.module.__dict__.pop("_apply", None)
+        for m in self.module.modules():
+            m.__dict__.pop("_apply", None)
         for guarded in ("__deepcopy__", "train", "requires_grad_"):
             self.module.__dict__.pop(guarded, None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
