@@ -464,3 +464,25 @@ def test_training_is_refused_when_asked_for_and_the_module_is_unchanged(flux):
     assert torch.equal(run(model, inputs), want)
     result.remove()
     assert model.train() is model and model.training
+
+
+def test_placeholders_as_inputs_of_out_and_foreach_ops(tmp_path, flux):
+    model, inputs = flux
+    own = copy.deepcopy(model)
+    result, module = offload(tmp_path, model, "native")
+    run(module, inputs)
+    name = "transformer_blocks.0.attn.to_q.weight"
+    weight, value = module.get_parameter(name), own.get_parameter(name).detach()
+    out = torch.zeros_like(value)
+    torch.add(weight, 1, out=out)
+    assert torch.equal(out, value + 1)
+    torch.mul(weight[3], 2, out=out[0])
+    assert torch.equal(out[0], value[3] * 2)
+    with torch.no_grad(), pytest.raises(ddo.DynamicOffloadLifecycleError, match="writing into"):
+        torch._foreach_add_([weight], 1)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="load its state_dict"):
+        copy.deepcopy(module.transformer_blocks[0])
+    # A cast of a submodule to its own dtype is a no-op.
+    assert module.transformer_blocks[0].to(torch.float32) is module.transformer_blocks[0]
+    assert torch.equal(weight.detach().clone(), value)
+    result.remove()

@@ -4,6 +4,7 @@ forward), and outputs equal Diffusers' own ``from_single_file`` bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -220,6 +221,9 @@ def test_native_route_streams_gguf_and_equals_from_single_file(tmp_path, monkeyp
     x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(layer(x), ref.get_submodule(name)(x)), name
+    kept = copy.deepcopy(layer.weight)  # a quantized parameter of its own
+    assert isinstance(kept, GGUFParameter) and kept.quant_type == ref.get_submodule(name).weight.quant_type
+    assert torch.equal(kept.as_tensor(), ref.get_submodule(name).weight.as_tensor())
     stats = result.metrics_snapshot(collect_completed=True).as_dict()
     setup, runtime = stats["setup"], stats["runtime"]
     assert setup["host_source"] == "mapping" and setup["streamed_units"] >= 2, setup

@@ -237,11 +237,18 @@ class StreamedWeight(torch.Tensor):
     def __new__(
         cls,
         runtime: Any,
-        name: str,
-        like: torch.Tensor,
-        device: torch.device,
+        name: Optional[str] = None,
+        like: Optional[torch.Tensor] = None,
+        device: Optional[torch.device] = None,
         chain: tuple = (),
+        **_kwargs: Any,
     ) -> "StreamedWeight":
+        if name is None or like is None or device is None:
+            # A library rebuilding a parameter as ``type(param)(data, ...)`` (accelerate).
+            raise _native.DynamicOffloadLifecycleError(
+                "a ddo placeholder cannot be rebuilt from data: the module's streamed weights belong to its offload; "
+                "call remove_dynamic_offload(module) before handing the module to another placement library"
+            )
         t = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, strides=like.stride(), dtype=like.dtype, device=device, requires_grad=False
         )
@@ -252,6 +259,8 @@ class StreamedWeight(torch.Tensor):
         quant_type = getattr(like, "quant_type", None)
         if quant_type is not None:
             t.quant_type = quant_type
+            kind = getattr(like, "_ddo_class", type(like))
+            t._ddo_class = kind if kind not in (torch.Tensor, torch.nn.Parameter, StreamedWeight) else None
         return t
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
@@ -282,12 +291,20 @@ class StreamedWeight(torch.Tensor):
                 f"{self._ddo_name} belongs to a module that is unloaded: call reload() on its offload result first"
             )
         like = runtime.shapes[self._ddo_name]
-        values = runtime._source_value(self._ddo_name, like)
-        values = values.to(self.device, copy=runtime.checkpoint is None)
+        values = runtime._source_value(self._ddo_name, like).to(self.device)
         for op, args, kwargs, index in self._ddo_chain:
             values = op(values, *args, **kwargs)
             if index is not None:
                 values = values[index]
+        return values
+
+    def _own_values(self) -> torch.Tensor:
+        """The values in memory of their own (they leave ddo: never an alias of what it streams
+        from), as a quantized parameter of the framework's class when the weight is one."""
+        values = self._values().clone()
+        kind = getattr(self, "_ddo_class", None)
+        if kind is not None and hasattr(self, "quant_type"):
+            return kind(values, requires_grad=False, quant_type=self.quant_type)
         return values
 
     def as_tensor(self) -> torch.Tensor:
@@ -295,16 +312,16 @@ class StreamedWeight(torch.Tensor):
         return self._values()
 
     def numpy(self, *, force: bool = False) -> Any:  # noqa: ARG002 - torch's signature
-        return self._values().cpu().numpy()
+        return self._values().cpu().clone().numpy()
 
     def tolist(self) -> Any:
         return self._values().tolist()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return self._values().__reduce_ex__(protocol)
+        return self._own_values().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
-        return self._values().clone()
+        return self._own_values()
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -315,11 +332,13 @@ class StreamedWeight(torch.Tensor):
                 if a.alias_info is None or not a.alias_info.is_write:
                     continue
                 value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-                if isinstance(value, StreamedWeight):
-                    raise _refuse_write(value._ddo_name)
+                for target in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(target, StreamedWeight):
+                        raise _refuse_write(target._ddo_name)
         leaves = torch.utils._pytree.tree_leaves((args[1:], kwargs))
         if (
-            args
+            not schema.is_mutable
+            and args
             and isinstance(args[0], StreamedWeight)
             and schema.returns
             and schema.returns[0].alias_info is not None
@@ -346,6 +365,7 @@ class StreamedWeight(torch.Tensor):
             view = StreamedWeight(runtime, self._ddo_name, m, self.device, self._ddo_chain + (step,))
             if hasattr(self, "quant_type"):
                 view.quant_type = self.quant_type
+                view._ddo_class = getattr(self, "_ddo_class", None)
             return view
 
         if isinstance(result, torch.Tensor):
@@ -513,9 +533,12 @@ class SessionRuntime:
         runtime = self
 
         def guard(module: torch.nn.Module) -> Any:
+            # The dtypes of the weights below this module, as published.
+            dtypes = sorted({p.dtype for p in module.parameters()}, key=str)
+
             @functools.wraps(module._apply)
             def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
-                for dtype in sorted({p.dtype for p in runtime.originals.values()}, key=str):
+                for dtype in dtypes:
                     probe = torch.empty(1, dtype=dtype, device=runtime.device)
                     moved = fn(probe)
                     if moved.device != probe.device or moved.dtype != probe.dtype:
@@ -530,10 +553,10 @@ class SessionRuntime:
 
             return _apply
 
-        # Every module of the tree: a block cast on its own is refused when asked for too.
+        # Every module of the tree: a block cast or copied on its own is refused when asked for too.
         for m in self.module.modules():
             m._apply = guard(m)
-        self.module.__deepcopy__ = self._refuse_deepcopy
+            m.__deepcopy__ = self._refuse_deepcopy
         name = type(self.module).__name__
         self.module.train = _refusing_true(
             self.module.train,
@@ -584,7 +607,8 @@ class SessionRuntime:
             if p._version != version:
                 raise _native.DynamicOffloadLifecycleError(
                     f"the host tensor of parameter {name}, which ddo streams from, was written since ddo attached "
-                    "(through a reference kept from before): blocks already on the device would not see the write. "
+                    "(through a reference to it: one kept from before, or a state_dict() value): blocks already on the "
+                    "device would not see the write. "
                     "Call remove_dynamic_offload(module) first, change the weights, then offload the module again"
                 )
         self._check_added_parameters()
@@ -845,6 +869,7 @@ class SessionRuntime:
         self.module.__dict__.pop("forward", None)
         for m in self.module.modules():
             m.__dict__.pop("_apply", None)
+            m.__dict__.pop("__deepcopy__", None)
         for guarded in ("__deepcopy__", "train", "requires_grad_"):
             self.module.__dict__.pop(guarded, None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
