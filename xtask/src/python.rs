@@ -41,12 +41,44 @@ pub(crate) fn ensure_env() -> Result<(), String> {
         .is_ok_and(|o| o.status.success());
     if !ready {
         let py_s = py.to_string_lossy().into_owned();
-        run(&py_s, &["-m", "pip", "install", "--quiet", "--upgrade", "pip"])?;
-        let mut args = vec!["-m", "pip", "install", "--quiet"];
-        args.extend_from_slice(REQUIREMENTS);
-        run(&py_s, &args)?;
+        pip(&py_s, &["--upgrade", "pip"])?;
+        pip(&py_s, REQUIREMENTS)?;
     }
     Ok(())
+}
+
+/// `pip install` without pip's wheel cache (PyTorch's wheels would sit on disk twice) and with its
+/// unpacking under `target/pip-tmp`, on the repository's disk rather than a possibly small `/tmp`.
+/// A failure reports the free space where the venv lives.
+fn pip(py: &str, packages: &[&str]) -> Result<(), String> {
+    let tmp = Path::new("target/pip-tmp");
+    std::fs::create_dir_all(tmp).map_err(|e| format!("could not create {}: {e}", tmp.display()))?;
+    let tmp = tmp.canonicalize().map_err(|e| e.to_string())?;
+    let mut args = vec!["-m", "pip", "install", "--quiet", "--no-cache-dir"];
+    args.extend_from_slice(packages);
+    eprintln!("$ TMPDIR={} {py} {}", tmp.display(), args.join(" "));
+    let status = Command::new(py)
+        .args(&args)
+        .env("TMPDIR", &tmp)
+        .env("PIP_NO_CACHE_DIR", "1")
+        .status()
+        .map_err(|e| format!("could not start {py}: {e}"));
+    let _ = std::fs::remove_dir_all(&tmp);
+    match status? {
+        s if s.success() => Ok(()),
+        s => {
+            let free = Command::new("df")
+                .args(["-h", VENV, "/tmp"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            Err(format!(
+                "`{py} {}` failed ({s}); PyTorch with Diffusers needs about 6 GB free where the \
+                 venv lives; free space now:\n{free}",
+                args.join(" ")
+            ))
+        }
+    }
 }
 
 /// Builds the abi3 wheel into `target/wheels` and installs it into the venv; returns its path.
