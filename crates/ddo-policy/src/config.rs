@@ -7,7 +7,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::value::{
-    AutoBudgetPolicy, ConversionSite, OffloadType, ReadBackend, Selection, SettingValue,
+    AutoBudgetPolicy, ConversionSite, LinearRuntimeStrategy, OffloadType, ReadBackend, Selection,
+    SettingValue,
 };
 
 /// Declares every setting once: its field, type, default, variable key and documentation; a
@@ -31,9 +32,14 @@ macro_rules! settings {
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub backend: Option<String>,
             /// Route for the component this configuration is applied to: `auto`,
-            /// `dynamic_offload`, `diffusers_group_offload` or `none` (aliases accepted).
+            /// `dynamic_offload`, `linear_convolution`, `diffusers_group_offload` or `none`
+            /// (aliases accepted).
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub route: Option<String>,
+            /// The peer library's execution mode (`plan`, `linear_runtime`, `vmm_runtime`,
+            /// `vmm_fast_runtime`): picks the backend, and `plan` turns dynamic offload off.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub execution_mode: Option<String>,
             /// Per-component policies, by component name (`transformer`, `vae`, ...).
             #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
             pub components: BTreeMap<String, ComponentPolicy>,
@@ -87,18 +93,31 @@ macro_rules! settings {
                     invalid("config", value, "an object of settings".to_owned())
                 })?;
                 let mut config = DynamicOffloadConfig::default();
+                let mut threshold_from_bytes: Option<u32> = None;
                 for (key, v) in object {
                     if v.is_null() {
                         continue;
                     }
                     match key.as_str() {
-                        "preset" | "backend" | "route" => {
+                        "preset" | "backend" | "route" | "execution_mode" => {
                             let text = v.as_str().ok_or_else(|| invalid(key, v, "a name".into()))?;
                             match key.as_str() {
                                 "preset" => config.preset = Some(text.to_owned()),
                                 "backend" => config.backend = Some(text.to_owned()),
-                                _ => config.route = Some(text.to_owned()),
+                                "route" => config.route = Some(text.to_owned()),
+                                _ => config.execution_mode = Some(text.to_owned()),
                             }
+                        }
+                        // The peer library's threshold in bytes; ddo's is whole KiB.
+                        "small_tensor_threshold_bytes" => {
+                            let kib = v
+                                .as_u64()
+                                .filter(|b| b % 1024 == 0)
+                                .and_then(|b| u32::try_from(b / 1024).ok())
+                                .ok_or_else(|| {
+                                    invalid(key, v, "a multiple of 1024 bytes (ddo's threshold is whole KiB: small_tensor_threshold_kb)".into())
+                                })?;
+                            threshold_from_bytes = Some(kib);
                         }
                         "components" => {
                             config.components = serde_json::from_value(v.clone()).map_err(|e| {
@@ -120,6 +139,14 @@ macro_rules! settings {
                         }
                     }
                 }
+                if let Some(kib) = threshold_from_bytes {
+                    if config.small_tensor_threshold_kb.is_some_and(|k| k != kib) {
+                        return Err(crate::ConfigError::RouteConflict(
+                            "small_tensor_threshold_bytes and small_tensor_threshold_kb disagree; set one of them".into(),
+                        ));
+                    }
+                    config.small_tensor_threshold_kb = Some(kib);
+                }
                 Ok(config)
             }
 
@@ -128,6 +155,7 @@ macro_rules! settings {
                 self.preset.is_none()
                     && self.backend.is_none()
                     && self.route.is_none()
+                    && self.execution_mode.is_none()
                     && self.components.is_empty()
                     $( && self.$field.is_none() )*
             }
@@ -346,6 +374,80 @@ settings! {
     verbose: bool = false, "VERBOSE";
     /// Print the profile after runs.
     show_profile: bool = false, "SHOW_PROFILE";
+    /// The peer library's layer classes whose weights it streams.
+    target_module_classes: Vec<String> = vec!["Linear".to_owned(), "Embedding".to_owned()], "TARGET_MODULE_CLASSES",
+        unsupported = "ddo streams every parameter of each block whatever its layer class; choose blocks with vmm_module_pattern and keep modules on the device with always_resident_modules_pattern";
+    /// The peer library's way of running a streamed layer.
+    linear_runtime_strategy: LinearRuntimeStrategy = LinearRuntimeStrategy::Functional, "LINEAR_RUNTIME_STRATEGY",
+        unsupported = "ddo publishes arena views as the parameters, so layers run their own forward on them";
+    /// Streams the convolution weights of a component without repeated blocks (a VAE) layer by
+    /// layer: the `linear_convolution` route.
+    linear_convolution_offload: bool = false, "LINEAR_CONVOLUTION_OFFLOAD";
+    /// A named capacity profile: its recommended GPU budget applies when no budget is set.
+    profile_name: String = String::new(), "PROFILE_NAME";
+    /// Measure this run (`result.profile_run()`) and record it under `profile_name`.
+    build_profile: bool = false, "BUILD_PROFILE";
+    /// GPU memory (GiB) a profile's recommendation leaves free.
+    profile_vram_headroom_gb: f64 = 1.0, "PROFILE_VRAM_HEADROOM_GB";
+    /// A GPU budget (GiB) taken from a profile (set when one is applied).
+    profile_resident_module_budget_gb: f64 = 0.0, "PROFILE_RESIDENT_MODULE_BUDGET_GB";
+    /// The peer library's process-wide plan cache. ddo plans each attach (planning is cheap) and
+    /// records the value.
+    cache_plan: bool = true, "CACHE_PLAN";
+    /// The peer library's override of observed host RAM (GiB).
+    available_system_ram_gb: f64 = 0.0, "AVAILABLE_SYSTEM_RAM_GB",
+        unsupported = "ddo's host admission observes MemAvailable, the cgroup and rlimits itself before every growth; keep more memory free with system_ram_headroom_gb";
+    /// The peer library's namespace of its pinned-copy cache.
+    pinned_weight_cache_namespace: String = String::new(), "PINNED_WEIGHT_CACHE_NAMESPACE",
+        unsupported = "ddo registers host tensors in place up to pin_weight_budget_gb; there is no cache of pinned copies to name";
+    /// The peer library's registered host ring. ddo's native route always uses its registered
+    /// transport, so both values are accepted.
+    vmm_native_transport: bool = false, "VMM_NATIVE_TRANSPORT";
+    /// The peer library's whole-component ownership. ddo's native route owns every parameter of
+    /// the component, so both values are accepted.
+    vmm_component_tensor_ownership: bool = false, "VMM_COMPONENT_TENSOR_OWNERSHIP";
+    /// The peer library's batching of non-Linear block parameters. ddo streams every parameter of
+    /// a block with it, so both values are accepted.
+    vmm_execution_auxiliary_ownership: bool = false, "VMM_EXECUTION_AUXILIARY_OWNERSHIP";
+    /// The peer library's device bytes (MiB) for component buffers.
+    vmm_component_buffer_limit_mb: u32 = 1, "VMM_COMPONENT_BUFFER_LIMIT_MB",
+        unsupported = "ddo keeps module buffers on the execution device, outside the weight budget";
+    /// The peer library's arena page size (MiB).
+    vmm_page_mb: u32 = 0, "VMM_PAGE_MB",
+        unsupported = "the arena maps memory in the device's allocation granularity";
+    /// The peer library's TorchAO fp8 weight-only route.
+    vmm_float8_weight_only: bool = false, "VMM_FLOAT8_WEIGHT_ONLY",
+        unsupported = "ddo streams fp8 checkpoints as stored and widens them on the device (dtype_conversion)";
+    /// The peer library's registration of CPU weights (GiB).
+    vmm_host_cache_gb: f64 = 0.0, "VMM_HOST_CACHE_GB",
+        unsupported = "ddo registers host weights in place up to pin_weight_budget_gb (linear route) or vmm_source_registered_gb (native route)";
+    /// The peer library's micro source cache slot size (MiB).
+    vmm_native_source_cache_slot_mb: u32 = 0, "VMM_NATIVE_SOURCE_CACHE_SLOT_MB",
+        unsupported = "retained source memory is sized by vmm_source_cache_gb";
+    /// The peer library's micro source cache slot count.
+    vmm_native_source_cache_slots: u32 = 0, "VMM_NATIVE_SOURCE_CACHE_SLOTS",
+        unsupported = "retained source memory is sized by vmm_source_cache_gb";
+    /// The peer library's pinning of CPU weights on its disk route.
+    vmm_pin_source_weights: bool = false, "VMM_PIN_SOURCE_WEIGHTS",
+        unsupported = "the disk route (vmm_runtime) is not built yet; vmm_source_cache_gb retains and registers checkpoint bytes";
+    /// The peer library's temporary-tensor fallback on its disk route.
+    vmm_fault_fallback: bool = false, "VMM_FAULT_FALLBACK",
+        unsupported = "the disk route (vmm_runtime) is not built yet; ddo's arena never falls back to temporary tensors";
+    /// The peer library's Windows read chunk (MiB).
+    vmm_windows_file_read_chunk_mb: u32 = 2, "VMM_WINDOWS_FILE_READ_CHUNK_MB",
+        unsupported = "ddo runs on Linux";
+    /// The peer library's Windows staging transport.
+    vmm_virtual_host_transport: bool = false, "VMM_VIRTUAL_HOST_TRANSPORT",
+        unsupported = "ddo runs on Linux";
+    /// The peer library's Windows DXGI local reserve (GiB).
+    vmm_dxgi_local_headroom_gb: f64 = 0.0, "VMM_DXGI_LOCAL_HEADROOM_GB",
+        unsupported = "ddo runs on Linux";
+    /// The peer library's Windows DXGI shared reserve (GiB).
+    vmm_dxgi_shared_headroom_gb: f64 = 0.0, "VMM_DXGI_SHARED_HEADROOM_GB",
+        unsupported = "ddo runs on Linux";
+    /// The peer library's Windows DXGI system reserve (GiB).
+    vmm_dxgi_system_headroom_gb: f64 = 0.0, "VMM_DXGI_SYSTEM_HEADROOM_GB",
+        unsupported = "ddo runs on Linux";
 }
 
 /// Variables accepted under a second name.

@@ -5,8 +5,8 @@ use std::fmt;
 use serde::Serialize;
 
 /// The layer that decided a value, from lowest to highest precedence:
-/// default < preset < `DDO_*` env < `DDO_<COMPONENT>_*` env < component policy < config <
-/// argument.
+/// default < preset < `DDO_*` env < `DDO_<COMPONENT>_*` env < component policy < the route's
+/// own configuration (used when no config is given) < config < argument.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(tag = "layer", content = "name", rename_all = "snake_case")]
 pub enum Origin {
@@ -20,6 +20,8 @@ pub enum Origin {
     ComponentEnv(String),
     /// A per-component policy of the configuration.
     ComponentPolicy(String),
+    /// The configuration a route brings when the caller gives none (`linear_convolution`'s).
+    Route(String),
     /// The explicit configuration object.
     Config,
     /// An explicit argument (keyword argument, CLI flag).
@@ -33,6 +35,7 @@ impl fmt::Display for Origin {
             Origin::Preset(p) => write!(f, "preset {p}"),
             Origin::Env(v) | Origin::ComponentEnv(v) => f.write_str(v),
             Origin::ComponentPolicy(c) => write!(f, "component policy {c:?}"),
+            Origin::Route(r) => write!(f, "route {r}"),
             Origin::Config => f.write_str("config"),
             Origin::Argument => f.write_str("argument"),
         }

@@ -3,7 +3,8 @@
 //!
 //! Precedence, highest first:
 //! 1. explicit arguments ([`Request::arguments`], [`Request::group`]);
-//! 2. the explicit configuration ([`Request::config`]);
+//! 2. the explicit configuration ([`Request::config`]); without one, route `linear_convolution`
+//!    brings its own (the published library's defaults for that route);
 //! 3. the per-component policy (`components[name]` of the arguments, then of the config);
 //! 4. `DDO_<COMPONENT>_*` variables (then `DDO_RUNNER_<COMPONENT>_*` for component keys);
 //! 5. `DDO_*` variables;
@@ -22,7 +23,7 @@ use crate::config::{ENV_ALIASES, parse_setting};
 use crate::env::component_env_name;
 use crate::preset::{Backend, ExecutionMode, Preset, VaeDefault, resolve_backend};
 use crate::route::{GroupOffload, Placement, Route, RouteChoice};
-use crate::value::{OffloadType, SettingValue};
+use crate::value::{AutoBudgetPolicy, OffloadType, SettingValue};
 use crate::variables::{COMPONENT_KEYS, unknown_variable_warnings};
 use crate::{ComponentPolicy, ConfigError, DynamicOffloadConfig, Environment, Origin, Settings};
 
@@ -121,6 +122,23 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
     let (preset_text, preset_origin) =
         pick(&|c| c.preset.clone(), "DDO_PRESET").unwrap_or(("auto".into(), Origin::Default));
     let requested_preset = Preset::parse(&preset_text, preset_origin)?;
+    let mode = match pick(&|c| c.execution_mode.clone(), "DDO_EXECUTION_MODE") {
+        Some((text, origin)) => {
+            let mode = ExecutionMode::parse_text(&text).ok_or_else(|| ConfigError::InvalidChoice {
+                field: "execution_mode".into(),
+                value: text.clone(),
+                origin: origin.clone(),
+                allowed: format!(
+                    "{} (ddo has no sdnq_runtime: offload SDNQ-quantized modules with route diffusers_group_offload)",
+                    ExecutionMode::allowed()
+                ),
+            })?;
+            Some((mode, origin))
+        }
+        None => None,
+    };
+    let native_mode =
+        matches!(mode, Some((ExecutionMode::VmmRuntime | ExecutionMode::VmmFastRuntime, _)));
     let backend = match pick(&|c| c.backend.clone(), "DDO_BACKEND") {
         Some((text, origin)) => {
             Backend::parse_text(&text).ok_or_else(|| ConfigError::InvalidChoice {
@@ -130,16 +148,60 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
                 allowed: Backend::allowed(),
             })?
         }
-        None if requested_preset.is_native() => Backend::Vmm,
+        None if requested_preset.is_native() || native_mode => Backend::Vmm,
         None => Backend::Linear,
     };
-    let effective_preset = resolve_backend(backend, requested_preset)?;
+    // `vmm_runtime` is the protected disk preset's mode.
+    let preset_for_backend = match mode {
+        Some((ExecutionMode::VmmRuntime, _)) if requested_preset == Preset::Auto => {
+            Preset::NvmeBaseline
+        }
+        _ => requested_preset,
+    };
+    let effective_preset = resolve_backend(backend, preset_for_backend)?;
+    let execution_mode = match mode {
+        None => effective_preset.execution_mode(),
+        Some((mode, origin)) => {
+            let fits = match mode {
+                ExecutionMode::Plan | ExecutionMode::LinearRuntime => backend == Backend::Linear,
+                native => effective_preset.execution_mode() == native,
+            };
+            if !fits {
+                return Err(ConfigError::RouteConflict(format!(
+                    "execution_mode {mode} (from {origin}) does not fit backend {backend} with preset {effective_preset}: \
+                     linear_runtime and plan run on backend linear, vmm_fast_runtime on backend vmm with preset auto, \
+                     vmm_runtime on backend vmm with preset nvme_baseline; drop one of the two settings"
+                )));
+            }
+            mode
+        }
+    };
 
     let component_env = component_env_name(request.component);
     let mut origins = BTreeMap::new();
+    let keys =
+        ComponentKeys { request, effective_preset, execution_mode, component_env: &component_env };
+    let choice = keys.choice()?;
+    // Route `linear_convolution` brings its own configuration when the caller gives none; a
+    // config that names the route itself (its `route`, or its policy for this component) asks
+    // for convolution offload without saying so twice.
+    let route_config = match (choice.0, config, &choice.1) {
+        (RouteChoice::LinearConvolution, None, _) => Some(linear_convolution_config()),
+        (RouteChoice::LinearConvolution, Some(_), Origin::Config | Origin::ComponentPolicy(_)) => {
+            Some(DynamicOffloadConfig {
+                linear_convolution_offload: Some(true),
+                ..DynamicOffloadConfig::default()
+            })
+        }
+        _ => None,
+    };
+    let route_layer = route_config
+        .as_ref()
+        .map(|c| (c, Origin::Route(RouteChoice::LinearConvolution.as_str().into())));
     let typed: Vec<(&DynamicOffloadConfig, Origin)> =
         std::iter::once((&request.arguments, Origin::Argument))
             .chain(config.map(|c| (c, Origin::Config)))
+            .chain(route_layer)
             .collect();
     let text = |key: &'static str| -> Option<(String, Origin)> {
         let component_var = format!("DDO_{component_env}_{key}");
@@ -162,8 +224,13 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
 
     let effective_pin_cpu_memory =
         settings.pin_cpu_memory && !(request.running_on_wsl && settings.disable_pin_on_wsl);
-    let keys = ComponentKeys { request, effective_preset, component_env: &component_env };
-    let route = keys.route(&settings, &mut origins)?;
+    let route = keys.route(choice, &settings, &mut origins)?;
+    // The layer route runs the linear runtime whatever backend the other components use.
+    let execution_mode = if route == Route::LinearConvolution {
+        ExecutionMode::LinearRuntime
+    } else {
+        execution_mode
+    };
     if route.is_native() && settings.vmm_resident_weight_budget_gb <= 0.0 {
         return Err(ConfigError::RouteConflict(format!(
             "route {} needs vmm_resident_weight_budget_gb > 0 (it is {}, from {}); set a GPU budget in GiB",
@@ -182,7 +249,7 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
         backend,
         requested_preset,
         effective_preset,
-        execution_mode: effective_preset.execution_mode(),
+        execution_mode,
         route,
         running_on_wsl: request.running_on_wsl,
         effective_pin_cpu_memory,
@@ -197,6 +264,7 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
 struct ComponentKeys<'r, 'a> {
     request: &'r Request<'a>,
     effective_preset: Preset,
+    execution_mode: ExecutionMode,
     component_env: &'r str,
 }
 
@@ -255,18 +323,27 @@ impl ComponentKeys<'_, '_> {
         Ok(None)
     }
 
+    /// Whether the call asks for a runtime itself (a config, settings or a route choice), so
+    /// a preset's component default does not replace it. Where the component runs and the
+    /// published library's host keywords (device, target classes, patterns) are not such asks.
     fn explicit_runtime(&self) -> bool {
+        let runtime_arguments = DynamicOffloadConfig {
+            execution_device: None,
+            offload_device: None,
+            target_module_classes: None,
+            skip_modules_pattern: None,
+            always_resident_modules_pattern: None,
+            ..self.request.arguments.clone()
+        };
         self.request.config.is_some()
-            || !self.request.arguments.is_empty()
+            || !runtime_arguments.is_empty()
             || self.request.group.group_offload.is_some()
             || self.request.group.dynamic_offload.is_some()
     }
 
-    fn route(
-        &self,
-        settings: &Settings,
-        origins: &mut BTreeMap<String, Origin>,
-    ) -> Result<Route, ConfigError> {
+    /// The route asked for (arguments, config, policies, variables, preset table) and where
+    /// that came from; `auto` from the default when nothing asks.
+    fn choice(&self) -> Result<(RouteChoice, Origin), ConfigError> {
         let explicit =
             self.request.arguments.route.clone().map(|r| (r, Origin::Argument)).or_else(|| {
                 self.request
@@ -279,10 +356,18 @@ impl ComponentKeys<'_, '_> {
             Some(found) => Some(found),
             None => self.value("ROUTE", |p| p.route.clone())?,
         };
-        let (choice, origin) = match chosen {
+        Ok(match chosen {
             Some((text, origin)) => (RouteChoice::parse(&text, origin.clone())?, origin),
             None => (RouteChoice::Auto, Origin::Default),
-        };
+        })
+    }
+
+    fn route(
+        &self,
+        (choice, origin): (RouteChoice, Origin),
+        settings: &Settings,
+        origins: &mut BTreeMap<String, Origin>,
+    ) -> Result<Route, ConfigError> {
         origins.insert("route".into(), origin.clone());
 
         let is_vae = self.request.component.eq_ignore_ascii_case("vae");
@@ -297,8 +382,9 @@ impl ComponentKeys<'_, '_> {
         let route = match (choice, vae_rule) {
             (RouteChoice::None, _) => Route::None { placement: Placement::Resident },
             (RouteChoice::DiffusersGroupOffload, _) => self.group(settings, None, origins)?,
-            (RouteChoice::DynamicOffload, _) => {
-                runtime_route(self.effective_preset.execution_mode())
+            (RouteChoice::DynamicOffload, _) => self.runtime(settings, origins)?,
+            (RouteChoice::LinearConvolution, _) => {
+                self.linear_convolution(&origin, settings, origins)?
             }
             (RouteChoice::Auto, Some(rule)) => {
                 origins.insert("route".into(), preset_origin);
@@ -315,7 +401,7 @@ impl ComponentKeys<'_, '_> {
             (RouteChoice::Auto, None) => {
                 let group = self.value("GROUP_OFFLOAD", |p| p.group_offload)?;
                 let dynamic = self.value("DYNAMIC_OFFLOAD", |p| p.dynamic_offload)?;
-                let mode = self.effective_preset.execution_mode();
+                let mode = self.execution_mode;
                 if let Some((true, o)) = group {
                     origins.insert("route".into(), o);
                     self.group(settings, None, origins)?
@@ -323,7 +409,7 @@ impl ComponentKeys<'_, '_> {
                     if let Some((_, o)) = dynamic {
                         origins.insert("route".into(), o);
                     }
-                    runtime_route(mode)
+                    self.runtime(settings, origins)?
                 } else {
                     let placement = if self.effective_preset == Preset::Off {
                         Placement::Unmanaged
@@ -335,6 +421,58 @@ impl ComponentKeys<'_, '_> {
             }
         };
         Ok(route)
+    }
+
+    /// The runtime route of the execution mode; with `linear_convolution_offload` the linear
+    /// runtime streams layer by layer, and the native runtimes refuse it.
+    fn runtime(
+        &self,
+        settings: &Settings,
+        origins: &BTreeMap<String, Origin>,
+    ) -> Result<Route, ConfigError> {
+        let route = runtime_route(self.execution_mode);
+        if !settings.linear_convolution_offload {
+            return Ok(route);
+        }
+        if route.is_native() {
+            return Err(ConfigError::RouteConflict(format!(
+                "linear_convolution_offload = true (from {}) streams layers on the linear runtime, but this component \
+                 resolves to route {} (execution mode {}): use backend linear, give only this component route \
+                 linear_convolution (DDO_{}_ROUTE=linear_convolution), or leave linear_convolution_offload false",
+                origin_of(origins, "linear_convolution_offload"),
+                route.name(),
+                self.execution_mode,
+                self.component_env,
+            )));
+        }
+        Ok(Route::LinearConvolution)
+    }
+
+    /// Route `linear_convolution`: an explicit config must itself ask for it (the route's own
+    /// configuration applies only when there is none), and nothing may turn it off.
+    fn linear_convolution(
+        &self,
+        route_origin: &Origin,
+        settings: &Settings,
+        origins: &BTreeMap<String, Origin>,
+    ) -> Result<Route, ConfigError> {
+        let origin = origin_of(origins, "linear_convolution_offload");
+        let explicit = matches!(origin, Origin::Argument | Origin::Config | Origin::Route(_));
+        if self.request.config.is_some() && !explicit {
+            return Err(ConfigError::RouteConflict(format!(
+                "route linear_convolution (from {route_origin}) with an explicit config: the config must itself set \
+                 linear_convolution_offload=True (it comes from {origin}); add it to the config (or name the route \
+                 in it: route, or its policy for this component), or pass no config to use the route's own \
+                 (registered host tensors, no resident units, small_tensor_threshold_kb 16)"
+            )));
+        }
+        if !settings.linear_convolution_offload {
+            return Err(ConfigError::RouteConflict(format!(
+                "route linear_convolution (from {route_origin}) streams convolution layers, but \
+                 linear_convolution_offload = false (from {origin}); drop that setting or choose another route"
+            )));
+        }
+        Ok(Route::LinearConvolution)
     }
 
     fn group(
@@ -407,6 +545,26 @@ impl ComponentKeys<'_, '_> {
             low_cpu_mem_usage,
             num_blocks_per_group,
         }))
+    }
+}
+
+fn origin_of(origins: &BTreeMap<String, Origin>, field: &str) -> Origin {
+    origins.get(field).cloned().unwrap_or(Origin::Default)
+}
+
+/// The configuration route `linear_convolution` brings when the caller gives none, as the
+/// published library's: convolution offload, registered (pinned) host tensors, no resident
+/// units, no automatic budget, no cache of pinned copies, and its 16 KiB small-tensor threshold
+/// (parameters at most this size stay resident).
+fn linear_convolution_config() -> DynamicOffloadConfig {
+    DynamicOffloadConfig {
+        linear_convolution_offload: Some(true),
+        pin_cpu_memory: Some(true),
+        resident_module_budget_gb: Some(0.0),
+        auto_budget_policy: Some(AutoBudgetPolicy::Off),
+        cache_pinned_weights: Some(false),
+        small_tensor_threshold_kb: Some(16),
+        ..DynamicOffloadConfig::default()
     }
 }
 

@@ -13,6 +13,8 @@ choice! {
         Auto = "auto",
         /// ddo's own runtime (linear_runtime, vmm_fast_runtime or vmm_runtime, by backend).
         DynamicOffload = "dynamic_offload",
+        /// The linear runtime streaming each convolution and linear layer on its own (a VAE).
+        LinearConvolution = "linear_convolution",
         /// Diffusers' own group/leaf offload hooks.
         DiffusersGroupOffload = "diffusers_group_offload",
         /// No offload.
@@ -29,6 +31,7 @@ impl RouteChoice {
         let choice = match name.as_str() {
             "auto" | "" => RouteChoice::Auto,
             "dynamic_offload" | "dynamic" | "ddo" => RouteChoice::DynamicOffload,
+            "linear_convolution" => RouteChoice::LinearConvolution,
             "diffusers_group_offload"
             | "diffusers"
             | "diffusers_group"
@@ -79,6 +82,9 @@ pub enum Placement {
 pub enum Route {
     /// The weight arena fed by the module's own host tensors (registered in place).
     LinearRuntime,
+    /// The linear runtime with each convolution and linear layer its own unit
+    /// (`linear_convolution_offload`): for components without repeated blocks, such as a VAE.
+    LinearConvolution,
     /// The weight arena fed by the checkpoint's mapping or retained windows.
     VmmFastRuntime,
     /// Weights read from disk each pass into registered staging, bounded host memory.
@@ -97,6 +103,7 @@ impl Route {
     pub const fn name(&self) -> &'static str {
         match self {
             Route::LinearRuntime => "linear_runtime",
+            Route::LinearConvolution => "linear_convolution",
             Route::VmmFastRuntime => "vmm_fast_runtime",
             Route::VmmRuntime => "vmm_runtime",
             Route::DiffusersGroupOffload(_) => "diffusers_group_offload",
@@ -106,7 +113,13 @@ impl Route {
 
     /// Whether ddo's own runtime streams this component.
     pub const fn is_dynamic(&self) -> bool {
-        matches!(self, Route::LinearRuntime | Route::VmmFastRuntime | Route::VmmRuntime)
+        matches!(
+            self,
+            Route::LinearRuntime
+                | Route::LinearConvolution
+                | Route::VmmFastRuntime
+                | Route::VmmRuntime
+        )
     }
 
     /// Whether the route runs on the native arena.
@@ -126,12 +139,13 @@ mod tests {
             ("DDO", RouteChoice::DynamicOffload),
             ("cuda", RouteChoice::None),
             ("", RouteChoice::Auto),
+            (" Linear_Convolution ", RouteChoice::LinearConvolution),
         ] {
             assert_eq!(RouteChoice::parse(alias, Origin::Argument), Ok(want));
         }
         assert_eq!(
             RouteChoice::parse("fast", Origin::Argument).unwrap_err().to_string(),
-            "route = \"fast\" (from argument) is not valid; allowed: auto, dynamic_offload, diffusers_group_offload, none"
+            "route = \"fast\" (from argument) is not valid; allowed: auto, dynamic_offload, linear_convolution, diffusers_group_offload, none"
         );
     }
 }

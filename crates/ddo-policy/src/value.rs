@@ -200,6 +200,17 @@ choice! {
 }
 
 choice! {
+    /// The peer library's way of running a streamed layer; ddo publishes arena views as the
+    /// parameters instead and accepts only the default.
+    LinearRuntimeStrategy {
+        /// Call the functional op with the transient weight.
+        Functional = "functional",
+        /// Swap the parameter's data around the layer's own forward.
+        Swap = "swap"
+    }
+}
+
+choice! {
     /// Diffusers' group-offload granularity.
     OffloadType {
         /// One group per leaf module.

@@ -3,10 +3,10 @@
 //!
 //! A variable is known when it is `DDO_<KEY>` for a setting key or its alias, `DDO_PRESET`,
 //! `DDO_BACKEND`, a key of a preset table (host hints such as `DDO_EXECUTION_MODE` or
-//! `DDO_RUNNER_ATTENTION_BACKEND` that presets carry), a variable of ddo's test tooling, or
-//! `DDO_<COMPONENT>_<KEY>` for a setting key or component key (`DDO_RUNNER_<COMPONENT>_<KEY>` is
-//! that form too). Component names are free, so a misspelt component name cannot be told from
-//! another component.
+//! `DDO_RUNNER_ATTENTION_BACKEND` that presets carry), a variable of ddo's test tooling or of
+//! the Python package (`DDO_PROGRESS`), or `DDO_<COMPONENT>_<KEY>` for a setting key or component
+//! key (`DDO_RUNNER_<COMPONENT>_<KEY>` is that form too). Component names are free, so a
+//! misspelt component name cannot be told from another component.
 
 use crate::{ENV_ALIASES, ENV_PREFIX, Environment, Preset, SETTING_KEYS};
 
@@ -28,6 +28,10 @@ const SELECTION_KEYS: &[&str] = &["PRESET", "BACKEND"];
 /// Keys ddo's own test and benchmark tooling reads.
 const TOOLING_KEYS: &[&str] = &["TEST_TMPDIR", "BENCH_GIB", "BENCH_DIR"];
 
+/// Keys the Python package reads itself (`DDO_PROGRESS`: its progress bars; `DDO_PROFILE_DIR`:
+/// where capacity profiles are stored).
+const HOST_KEYS: &[&str] = &["PROGRESS", "PROFILE_DIR"];
+
 /// One warning per `DDO_*` variable of `env` that ddo does not read, in name order; variables
 /// without the prefix are not ddo's business and are skipped.
 pub(crate) fn unknown_variable_warnings(env: &Environment) -> Vec<String> {
@@ -43,13 +47,14 @@ pub(crate) fn unknown_variable_warnings(env: &Environment) -> Vec<String> {
 }
 
 /// Every key read under its own name, without the prefix: settings, aliases, selection, preset
-/// table keys and tooling.
+/// table keys, tooling and the Python package's own.
 fn exact_keys() -> Vec<&'static str> {
     let mut keys: Vec<&'static str> = SETTING_KEYS.iter().map(|(_, key)| *key).collect();
     keys.extend(ENV_ALIASES.iter().map(|(_, alias)| *alias));
     keys.extend(SELECTION_KEYS);
     keys.extend(Preset::ALL.iter().flat_map(|p| p.values().iter().map(|(key, _)| *key)));
     keys.extend(TOOLING_KEYS);
+    keys.extend(HOST_KEYS);
     let mut seen = std::collections::BTreeSet::new();
     keys.retain(|key| seen.insert(*key));
     keys
@@ -160,6 +165,8 @@ mod tests {
             "DDO_RUNNER_ATTENTION_BACKEND",
             "DDO_PURGE_WINDOWS_STANDBY_BEFORE_RUN",
             "DDO_TEST_TMPDIR",
+            "DDO_PROGRESS",
+            "DDO_PROFILE_DIR",
         ];
         assert_eq!(warnings(&known), Vec::<String>::new());
     }

@@ -355,7 +355,7 @@ fn unknown_backend_and_route() {
     let r = Request { environment: env(&[("DDO_VAE_ROUTE", "tiled")]), ..req("vae") };
     assert_eq!(
         err(&r),
-        "route = \"tiled\" (from DDO_VAE_ROUTE) is not valid; allowed: auto, dynamic_offload, diffusers_group_offload, none"
+        "route = \"tiled\" (from DDO_VAE_ROUTE) is not valid; allowed: auto, dynamic_offload, linear_convolution, diffusers_group_offload, none"
     );
 }
 
