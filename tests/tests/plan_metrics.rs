@@ -7,7 +7,7 @@ use ddo_core::{
     Admission, AdmissionProbe, GrowthKind, GrowthRequest, HostMemoryObservation,
     MockAdmissionProbe, MockFence, MockResidency, Platform, Refusal, RefusalReason,
 };
-use ddo_metrics::{DynamicOffloadMetrics, HostMemorySection, RouteSection};
+use ddo_metrics::{DynamicOffloadMetrics, ExecutionSection, HostMemorySection};
 use ddo_platform::LinuxAdmissionProbe;
 use ddo_policy::{Environment, Request, SETTING_KEYS, resolve};
 
@@ -19,10 +19,10 @@ fn a_plan_becomes_the_configuration_section() {
         ..Request::default()
     };
     let plan = resolve(&request).unwrap();
-    let mut m = DynamicOffloadMetrics::new(RouteSection {
-        name: plan.route.name().into(),
+    let mut m = DynamicOffloadMetrics::new(ExecutionSection {
+        route: plan.route.name().into(),
         component: Some(plan.component.clone()),
-        ..RouteSection::default()
+        ..ExecutionSection::default()
     });
     m.configuration = plan.configuration();
     m.host_memory = Some(HostMemorySection {
@@ -36,7 +36,10 @@ fn a_plan_becomes_the_configuration_section() {
     }
     assert_eq!(json["configuration"]["dynamic_offload_route"], "vmm_fast_runtime");
     assert_eq!(json["configuration"]["dynamic_offload_effective_preset"], "vmm_fast");
-    assert!(m.format_profile().contains("route=vmm_fast_runtime component=transformer"));
+    assert!(
+        m.format_profile()
+            .contains("route=dynamic_offload runtime=vmm_fast_runtime component=transformer")
+    );
 }
 
 fn refusing_probe() -> MockAdmissionProbe {

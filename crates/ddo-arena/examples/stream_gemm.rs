@@ -23,7 +23,7 @@ use ddo_arena::{Arena, Budget, UnitSpec};
 use ddo_core::{
     DeviceRange, GIB, HostRegion, HostSlice, Platform, Residency, StreamId, UnitId, WeightSource,
 };
-use ddo_metrics::{DynamicOffloadMetrics, RouteSection, SetupSection};
+use ddo_metrics::{DynamicOffloadMetrics, ExecutionSection, SetupSection};
 use ddo_platform::cuda::CudaDevice;
 use ddo_source::{Checkpoint, CheckpointSource, Registrar};
 
@@ -368,11 +368,11 @@ fn run() -> Result<(), Box<dyn Error>> {
 
 fn profile(arena: &Arena, register_seconds: f64) -> String {
     let plan = arena.plan();
-    let mut m = DynamicOffloadMetrics::new(RouteSection {
-        name: "vmm_fast_runtime".into(),
+    let mut m = DynamicOffloadMetrics::new(ExecutionSection {
+        route: "vmm_fast_runtime".into(),
         component: Some("stream_gemm".into()),
         backend: Some("vmm".into()),
-        ..RouteSection::default()
+        ..ExecutionSection::default()
     });
     m.setup = SetupSection {
         unit_count: Some(arena.layout().units.len() as u64),

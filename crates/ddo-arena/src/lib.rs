@@ -36,7 +36,7 @@ pub use layout::{
 pub use plan::{Budget, ResidencyPlan};
 pub use stats::ArenaStats;
 pub use tree::{
-    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitRule,
+    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitKind, UnitRule,
     dtype_from_torch,
 };
 

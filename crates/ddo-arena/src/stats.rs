@@ -73,6 +73,7 @@ impl ArenaStats {
             slot_bytes: Some(self.slot_bytes),
             peak_bytes: Some(self.peak_bytes),
             unsafe_retained_bytes: Some(self.unsafe_retained_bytes),
+            ..RuntimeSection::default()
         }
     }
 

@@ -20,6 +20,9 @@ pub struct ModuleNode {
     pub path: String,
     /// A list of repeated blocks (PyTorch's `ModuleList`).
     pub is_list: bool,
+    /// A leaf layer whose weights a [`UnitKind::Layers`] rule streams on their own (a
+    /// convolution or linear layer).
+    pub layer: bool,
 }
 
 /// One parameter name. Aliases of a shared (tied) parameter carry the same `key`.
@@ -44,20 +47,41 @@ pub struct ModuleTree {
     pub parameters: Vec<ParameterRef>,
 }
 
+/// What one execution unit is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnitKind {
+    /// A child of an outermost list of repeated blocks (a transformer block).
+    #[default]
+    Blocks,
+    /// One layer ([`ModuleNode::layer`]) on its own, for modules without repeated blocks (a VAE):
+    /// its own parameters larger than `resident_bytes` stream, smaller ones (biases) and those of
+    /// every other module (norms) stay resident.
+    Layers {
+        /// Parameters of at most this many bytes stay resident.
+        resident_bytes: u64,
+    },
+}
+
 /// Which modules are streamed and which are kept on the device (regexes with search semantics
 /// on module paths, as Python's `re.search`).
 #[derive(Debug, Clone)]
 pub struct UnitRule {
-    /// Only blocks whose path matches are streamed (`vmm_module_pattern`; `.*` = all).
+    /// Only units whose path matches are streamed (`vmm_module_pattern`; `.*` = all).
     pub streamed: Regex,
     /// Parameters of modules matching any of these stay resident
     /// (`always_resident_modules_pattern`).
     pub always_resident: Vec<Regex>,
+    /// Blocks or layers.
+    pub kind: UnitKind,
 }
 
 impl Default for UnitRule {
     fn default() -> Self {
-        UnitRule { streamed: Regex::new(".*").expect("valid"), always_resident: Vec::new() }
+        UnitRule {
+            streamed: Regex::new(".*").expect("valid"),
+            always_resident: Vec::new(),
+            kind: UnitKind::Blocks,
+        }
     }
 }
 
@@ -77,7 +101,14 @@ impl UnitRule {
                 .iter()
                 .map(|p| compile("always_resident_modules_pattern", p))
                 .collect::<Result<_, _>>()?,
+            kind: UnitKind::Blocks,
         })
+    }
+
+    /// The same rule with one unit per layer; parameters of at most `resident_bytes` stay
+    /// resident.
+    pub fn by_layers(self, resident_bytes: u64) -> Self {
+        UnitRule { kind: UnitKind::Layers { resident_bytes }, ..self }
     }
 }
 
@@ -96,10 +127,10 @@ pub struct Parameter {
     pub shape: Option<Vec<u64>>,
 }
 
-/// A streamed unit: one repeated block.
+/// A streamed unit: one repeated block, or one layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FoundUnit {
-    /// The block's module path (`transformer_blocks.3`).
+    /// The unit's module path (`transformer_blocks.3`, or a layer's: `decoder.conv_in`).
     pub path: String,
     /// Indices into [`Assignment::parameters`].
     pub parameters: Vec<usize>,
@@ -153,17 +184,84 @@ impl ModuleTree {
                 let is_list = children
                     .get(&path)
                     .is_some_and(|c| !c.is_empty() && c.iter().all(|s| s.parse::<u64>().is_ok()));
-                ModuleNode { path, is_list }
+                ModuleNode { path, is_list, layer: false }
             })
             .collect();
         ModuleTree { modules, parameters }
     }
 
-    /// Applies the unit rule: the children of every list with at least two children that hold
-    /// parameters become units, outermost lists only, in module order; blocks the rule does not
-    /// stream, parameters of always-resident modules, and parameters shared between units or
-    /// with the rest stay resident.
+    /// Applies the unit rule. Blocks: the children of every list with at least two children
+    /// that hold parameters become units, outermost lists only, in module order. Layers: every
+    /// layer holding a parameter larger than the rule's resident size is a unit, in module
+    /// order. Either way, units the rule does not stream, parameters of always-resident modules,
+    /// and parameters shared between units or with the rest stay resident.
     pub fn assign(&self, rule: &UnitRule) -> Assignment {
+        let unit_paths = match rule.kind {
+            UnitKind::Blocks => self.block_paths(),
+            UnitKind::Layers { .. } => {
+                self.modules.iter().filter(|m| m.layer).map(|m| m.path.clone()).collect()
+            }
+        };
+        let layer_index: HashMap<&str, usize> =
+            unit_paths.iter().enumerate().map(|(i, u)| (u.as_str(), i)).collect();
+        let unit_of = |p: &ParameterRef| -> Option<usize> {
+            // The parameter's module and every module above it.
+            let module = p.name.rsplit_once('.').map_or("", |(m, _)| m);
+            let mut ancestors = module.match_indices('.').map(|(i, _)| &module[..i]);
+            let resident = |m: &str| rule.always_resident.iter().any(|r| r.is_match(m));
+            if resident(module) || ancestors.any(resident) {
+                return None;
+            }
+            match rule.kind {
+                UnitKind::Blocks => {
+                    unit_paths.iter().position(|u| p.name.starts_with(&format!("{u}.")))
+                }
+                // A layer's own parameters; a size the host did not give counts as large.
+                UnitKind::Layers { resident_bytes } => {
+                    let bytes = match (p.dtype, &p.shape) {
+                        (Some(d), Some(shape)) => {
+                            shape.iter().product::<u64>().saturating_mul(d.size_bytes())
+                        }
+                        _ => u64::MAX,
+                    };
+                    if bytes <= resident_bytes {
+                        return None;
+                    }
+                    layer_index.get(module).copied()
+                }
+            }
+        };
+        // One entry per key; a key whose names fall in different places stays resident.
+        let mut parameters: Vec<Parameter> = Vec::new();
+        let mut by_key: HashMap<u64, usize> = HashMap::new();
+        for p in &self.parameters {
+            let unit = unit_of(p);
+            match by_key.get(&p.key) {
+                Some(&i) => {
+                    let entry = &mut parameters[i];
+                    if entry.unit != unit {
+                        entry.unit = None;
+                    }
+                    entry.names.push(p.name.clone());
+                }
+                None => {
+                    by_key.insert(p.key, parameters.len());
+                    parameters.push(Parameter {
+                        names: vec![p.name.clone()],
+                        key: p.key,
+                        unit,
+                        dtype: p.dtype,
+                        shape: p.shape.clone(),
+                    });
+                }
+            }
+        }
+        Self::group(unit_paths, parameters, rule)
+    }
+
+    /// The paths of the blocks: children of the outermost lists with at least two children
+    /// that hold parameters, in module order.
+    fn block_paths(&self) -> Vec<String> {
         let holds_params = |path: &str| {
             let prefix = format!("{path}.");
             self.parameters.iter().any(|p| p.name.starts_with(&prefix))
@@ -200,41 +298,16 @@ impl ModuleTree {
                 unit_paths.extend(children.into_iter().map(str::to_owned));
             }
         }
-        let unit_of_name = |name: &str| -> Option<usize> {
-            // The parameter's module and every module above it.
-            let module = name.rsplit_once('.').map_or("", |(m, _)| m);
-            let mut ancestors = module.match_indices('.').map(|(i, _)| &module[..i]);
-            let resident = |m: &str| rule.always_resident.iter().any(|r| r.is_match(m));
-            if resident(module) || ancestors.any(resident) {
-                return None;
-            }
-            unit_paths.iter().position(|u| name.starts_with(&format!("{u}.")))
-        };
-        // One entry per key; a key whose names fall in different places stays resident.
-        let mut parameters: Vec<Parameter> = Vec::new();
-        let mut by_key: HashMap<u64, usize> = HashMap::new();
-        for p in &self.parameters {
-            let unit = unit_of_name(&p.name);
-            match by_key.get(&p.key) {
-                Some(&i) => {
-                    let entry = &mut parameters[i];
-                    if entry.unit != unit {
-                        entry.unit = None;
-                    }
-                    entry.names.push(p.name.clone());
-                }
-                None => {
-                    by_key.insert(p.key, parameters.len());
-                    parameters.push(Parameter {
-                        names: vec![p.name.clone()],
-                        key: p.key,
-                        unit,
-                        dtype: p.dtype,
-                        shape: p.shape.clone(),
-                    });
-                }
-            }
-        }
+        unit_paths
+    }
+
+    /// Units in module order from the parameters' unit indices into `unit_paths`; units the
+    /// rule does not stream give their parameters back to the resident rest.
+    fn group(
+        unit_paths: Vec<String>,
+        mut parameters: Vec<Parameter>,
+        rule: &UnitRule,
+    ) -> Assignment {
         let streamed: Vec<bool> = unit_paths.iter().map(|u| rule.streamed.is_match(u)).collect();
         let mut units: Vec<FoundUnit> = Vec::new();
         let mut index = vec![None; unit_paths.len()];
@@ -323,12 +396,12 @@ mod tests {
     use super::*;
 
     fn tree(lists: &[&str], modules: &[&str], params: &[(&str, u64)]) -> ModuleTree {
-        let mut m = vec![ModuleNode { path: String::new(), is_list: false }];
-        m.extend(
-            modules
-                .iter()
-                .map(|p| ModuleNode { path: (*p).to_owned(), is_list: lists.contains(p) }),
-        );
+        let mut m = vec![ModuleNode { path: String::new(), is_list: false, layer: false }];
+        m.extend(modules.iter().map(|p| ModuleNode {
+            path: (*p).to_owned(),
+            is_list: lists.contains(p),
+            layer: false,
+        }));
         ModuleTree {
             modules: m,
             parameters: params
@@ -449,6 +522,112 @@ mod tests {
         let t = ModuleTree::from_tensor_names(["blocks.0.a.w", "blocks.1.a.w", "blocks.2.a.w"]);
         let rule = UnitRule::from_patterns(".*", &[r"^blocks\.0$".to_owned()]).unwrap();
         assert_eq!(names(&t.assign(&rule)), vec!["blocks.1", "blocks.2"]);
+    }
+
+    /// A VAE-shaped tree: layers (`conv*`, `attn.to_q`) with weights and biases, norms, a repeated
+    /// list of resnets, a tiny layer and a layer whose weight is tied to another's.
+    fn vae() -> ModuleTree {
+        let layers = [
+            "conv_in",
+            "down.0.conv1",
+            "down.1.conv1",
+            "mid.attn.to_q",
+            "quant_conv",
+            "conv_out",
+            "tied_out",
+        ];
+        let modules = [
+            "conv_in",
+            "down",
+            "down.0",
+            "down.0.norm",
+            "down.0.conv1",
+            "down.1",
+            "down.1.norm",
+            "down.1.conv1",
+            "mid",
+            "mid.attn",
+            "mid.attn.to_q",
+            "quant_conv",
+            "conv_out",
+            "tied_out",
+        ];
+        let mut nodes = vec![ModuleNode { path: String::new(), is_list: false, layer: false }];
+        nodes.extend(modules.iter().map(|p| ModuleNode {
+            path: (*p).to_owned(),
+            is_list: *p == "down",
+            layer: layers.contains(p),
+        }));
+        let param = |name: &str, key: u64, shape: &[u64]| ParameterRef {
+            name: name.to_owned(),
+            key,
+            dtype: Some(Dtype::F32),
+            shape: Some(shape.to_vec()),
+        };
+        ModuleTree {
+            modules: nodes,
+            parameters: vec![
+                param("conv_in.weight", 1, &[32, 3, 3, 3]),
+                param("conv_in.bias", 2, &[32]),
+                param("down.0.norm.weight", 3, &[32]),
+                param("down.0.conv1.weight", 4, &[32, 32, 3, 3]),
+                param("down.0.conv1.bias", 5, &[32]),
+                param("down.1.norm.weight", 6, &[32]),
+                param("down.1.conv1.weight", 7, &[64, 32, 3, 3]),
+                param("mid.attn.to_q.weight", 8, &[64, 64]),
+                param("quant_conv.weight", 9, &[8, 8, 1, 1]),
+                param("conv_out.weight", 10, &[3, 64, 3, 3]),
+                param("tied_out.weight", 10, &[3, 64, 3, 3]),
+            ],
+        }
+    }
+
+    fn resident_names(a: &Assignment) -> Vec<&str> {
+        a.resident().iter().map(|&i| a.parameters[i].names[0].as_str()).collect()
+    }
+
+    #[test]
+    fn layers_are_units_in_module_order_and_small_parameters_stay_resident() {
+        let a = vae().assign(&UnitRule::default().by_layers(1024));
+        // Layers, not the repeated list's children; the tiny layer and the tied weight stay.
+        assert_eq!(names(&a), vec!["conv_in", "down.0.conv1", "down.1.conv1", "mid.attn.to_q"]);
+        assert!(a.units.iter().all(|u| u.parameters.len() == 1), "weights only: biases stay");
+        assert_eq!(
+            resident_names(&a),
+            vec![
+                "conv_in.bias",
+                "down.0.norm.weight",
+                "down.0.conv1.bias",
+                "down.1.norm.weight",
+                "quant_conv.weight",
+                "conv_out.weight"
+            ]
+        );
+        // The same tree by blocks: the repeated list's children.
+        assert_eq!(names(&vae().assign(&UnitRule::default())), vec!["down.0", "down.1"]);
+    }
+
+    #[test]
+    fn with_no_resident_size_every_layer_parameter_streams() {
+        let a = vae().assign(&UnitRule::default().by_layers(0));
+        assert_eq!(
+            names(&a),
+            vec!["conv_in", "down.0.conv1", "down.1.conv1", "mid.attn.to_q", "quant_conv"]
+        );
+        assert_eq!(a.units[0].parameters.len(), 2, "weight and bias");
+    }
+
+    #[test]
+    fn layer_units_follow_the_patterns_and_unknown_sizes_stream() {
+        let rule = UnitRule::from_patterns("^down", &[r"(^|\.)down\.1(\.|$)".to_owned()])
+            .unwrap()
+            .by_layers(1024);
+        assert_eq!(names(&vae().assign(&rule)), vec!["down.0.conv1"]);
+        let mut t = vae();
+        t.parameters.iter_mut().for_each(|p| p.shape = None);
+        let a = t.assign(&UnitRule::default().by_layers(1 << 30));
+        assert_eq!(names(&a)[0], "conv_in");
+        assert_eq!(a.units[0].parameters.len(), 2, "sizes unknown: the bias streams too");
     }
 
     #[test]

@@ -7,13 +7,18 @@
 //! snapshot that reports a counter its route cannot measure.
 #![forbid(unsafe_code)]
 
+mod phases;
 mod profile;
 mod snapshot;
 
+pub use phases::{
+    AuxiliaryDetachment, CapacityProfileSetup, DiagnosticStepWait, ExecutionTiming,
+    HostCacheRelease, IdleCacheRelease,
+};
 pub use profile::format_profile;
 pub use snapshot::{
-    DynamicOffloadMetrics, GroupOffloadSetup, HostMemorySection, MetricsError, RouteSection,
-    RuntimeSection, SCHEMA_VERSION, SetupSection, runtime_counters_of,
+    DynamicOffloadMetrics, ExecutionSection, GroupOffloadSetup, HostMemorySection, MetricsError,
+    RuntimeSection, SCHEMA_VERSION, SetupSection, published_route, runtime_counters_of,
 };
 
 /// The JSON Schema of [`DynamicOffloadMetrics::as_dict`].

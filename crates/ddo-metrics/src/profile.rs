@@ -52,8 +52,11 @@ impl Line {
 /// so the text never shows a counter the route does not have. Sizes are GiB with four decimals.
 pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
     let mut out = String::from("DDO profile\n");
-    let r = &m.route;
-    let _ = write!(out, "  schema={} route={}", m.schema_version, r.name);
+    let _ = write!(out, "  schema={} route={}", m.schema_version, m.route);
+    let r = m.execution.clone().unwrap_or_default();
+    if !r.route.is_empty() && r.route != m.route {
+        let _ = write!(out, " runtime={}", r.route);
+    }
     if let Some(c) = &r.component {
         let _ = write!(out, " component={c}");
     }
@@ -90,6 +93,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .text("link_gb_per_s", s.link_bytes_per_second.map(|b| format!("{:.1}", b / 1e9)))
         .seconds("copy_floor_seconds", s.expected_copy_floor_seconds)
         .render(&mut out, "");
+    capacity_profile_line(m, &mut out);
     if let Some(g) = &s.group_offload {
         Line::new("group_offload")
             .text("offload_type", Some(&g.offload_type))
@@ -150,6 +154,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
     Line::new("unsafe_retained")
         .gib("gib", rt.unsafe_retained_bytes.filter(|b| *b > 0))
         .render(&mut out, " (ownership kept after a release that could not be proven safe)");
+    phase_lines(m, &mut out);
 
     if let Some(h) = &m.host_memory {
         let o = &h.observation;
@@ -170,4 +175,81 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
             .render(&mut out, "");
     }
     out
+}
+
+fn opt_text(value: &str) -> Option<&str> {
+    (!value.is_empty()).then_some(value)
+}
+
+/// The capacity profile a component attached with.
+fn capacity_profile_line(m: &DynamicOffloadMetrics, out: &mut String) {
+    if let Some(p) = &m.setup.capacity_profile {
+        Line::new("capacity_profile")
+            .text("name", Some(&p.name))
+            .text("status", Some(&p.status))
+            .text("setting", p.setting.as_ref())
+            .text("budget_gib", p.budget_gb.map(|g| format!("{g:.4}")))
+            .text("recommended_gib", p.recommended_budget_gb.map(|g| format!("{g:.4}")))
+            .gib("peak_gib", p.peak_bytes)
+            .gib("free_margin_gib", p.free_margin_bytes)
+            .render(out, "");
+    }
+}
+
+/// The execution timer's snapshot and the phase helpers' sections.
+fn phase_lines(m: &DynamicOffloadMetrics, out: &mut String) {
+    let rt = &m.runtime;
+    if let Some(t) = &rt.execution_timing {
+        Line::new("execution_timing")
+            .text("status", Some(&t.status))
+            .text("clock", Some(&t.clock))
+            .text("scope", Some(&t.scope))
+            .count("steps", Some(t.step_count))
+            .flag("failed", t.failed.then_some(true))
+            .render(out, "");
+        Line::new("execution_phase")
+            .seconds("seconds", t.phase_seconds)
+            .seconds("tail_seconds", t.tail_seconds)
+            .seconds("steady_state_seconds_per_step", t.steady_state_seconds_per_step)
+            .render(out, "");
+        if let Some(w) = t.diagnostic_step_wait.as_ref().filter(|w| w.enabled) {
+            Line::new("diagnostic_step_wait")
+                .count("calls", Some(w.calls))
+                .seconds("host_seconds", Some(w.host_seconds))
+                .render(out, " (synchronizing diagnostic, not benchmark-eligible)");
+        }
+    }
+    if let Some(h) = &rt.host_cache_release {
+        Line::new("host_cache_release")
+            .text("phase", opt_text(&h.phase))
+            .text("status", Some(&h.status))
+            .text("device", h.device.as_ref())
+            .count("before_bytes", h.allocator_bytes_before)
+            .count("after_bytes", h.allocator_bytes_after)
+            .text("reason", h.reason.as_ref())
+            .render(out, " (PyTorch's pinned host cache)");
+    }
+    if let Some(i) = &rt.idle_cache_release {
+        Line::new("idle_cache_release")
+            .text("phase", opt_text(&i.phase))
+            .text("status", Some(&i.status))
+            .text("device", i.device.as_ref())
+            .count("components", i.sessions)
+            .count("unloaded", i.unloaded_sessions)
+            .count("slots", i.slots_released)
+            .gib("released_gib", i.bytes_released)
+            .flag("cublas_cleared", i.cublas_workspaces_cleared)
+            .render(out, " (idle execution slots)");
+    }
+    if let Some(d) = &rt.auxiliary_detachment {
+        Line::new("auxiliary_detachment")
+            .text("status", Some(&d.status))
+            .count("copied_bytes", d.copied_bytes)
+            .count("copied_owners", d.copied_tensor_owners)
+            .count("dropped_references", d.dropped_references)
+            .count("loader_mapping_bytes_before", d.loader_mapping_bytes_before)
+            .count("loader_mapping_bytes_after", d.loader_mapping_bytes_after)
+            .text("reason", d.reason.as_ref())
+            .render(out, " (CPU ownership only; commit recovery not proven)");
+    }
 }

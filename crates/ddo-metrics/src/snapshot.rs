@@ -3,18 +3,37 @@
 use std::collections::BTreeMap;
 
 use ddo_core::HostMemoryObservation;
+
+use crate::phases::{
+    AuxiliaryDetachment, CapacityProfileSetup, ExecutionTiming, HostCacheRelease, IdleCacheRelease,
+};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Version of the snapshot layout. It changes when a field changes meaning or is removed.
-pub const SCHEMA_VERSION: u32 = 1;
+/// Version 2: `route` is the published library's route string (`dynamic_offload`,
+/// `diffusers_group_offload`, `none`, or an observation) and ddo's detail moved to `execution`;
+/// version 1 had the detail under `route`, and still reads.
+pub const SCHEMA_VERSION: u32 = 2;
 
-/// Which route, component, backend and preset produced the snapshot.
+/// The published route of one of ddo's runtime routes: every route that streams through ddo's
+/// arena is `dynamic_offload`; the others keep their name.
+pub fn published_route(route: &str) -> &str {
+    match route {
+        "linear_runtime" | "linear_convolution" | "vmm_fast_runtime" | "vmm_runtime" => {
+            "dynamic_offload"
+        }
+        other => other,
+    }
+}
+
+/// Which of ddo's routes, component, backend and preset produced the snapshot (ddo's addition
+/// beside the published `route`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct RouteSection {
-    /// The route (`linear_runtime`, `vmm_fast_runtime`, `vmm_runtime`,
-    /// `diffusers_group_offload`, `none`, or an observation such as `host_memory_observation`).
-    pub name: String,
+pub struct ExecutionSection {
+    /// ddo's route (`linear_runtime`, `vmm_fast_runtime`, `vmm_runtime`,
+    /// `diffusers_group_offload`, `none`).
+    pub route: String,
     /// The component (`transformer`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub component: Option<String>,
@@ -144,6 +163,8 @@ optional_section! {
         group_offload: GroupOffloadSetup,
         /// Who places the component (route none): `resident` or `unmanaged`.
         placement: String,
+        /// What a named capacity profile did at attach.
+        capacity_profile: CapacityProfileSetup,
     }
 }
 
@@ -182,6 +203,14 @@ optional_section! {
         peak_bytes: u64,
         /// Bytes kept owned (never reused) after a release that could not be proven safe.
         unsafe_retained_bytes: u64,
+        /// The execution timer's snapshot, attached by the host (any route).
+        execution_timing: ExecutionTiming,
+        /// What releasing PyTorch's pinned host cache did (its own route).
+        host_cache_release: HostCacheRelease,
+        /// What releasing idle execution slots did (its own route).
+        idle_cache_release: IdleCacheRelease,
+        /// What detaching CPU tensors from the checkpoint's mapping did (its own route).
+        auxiliary_detachment: AuxiliaryDetachment,
     }
 }
 
@@ -197,22 +226,112 @@ pub struct HostMemorySection {
 }
 
 /// A versioned snapshot of one component's offload.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 pub struct DynamicOffloadMetrics {
     /// Layout version ([`SCHEMA_VERSION`]).
     pub schema_version: u32,
-    /// Route, component, backend, preset.
-    pub route: RouteSection,
+    /// The published route: `dynamic_offload`, `diffusers_group_offload`, `none`, or an
+    /// observation such as `host_memory_observation` or `model_load`.
+    pub route: String,
+    /// ddo's route and what chose it (absent for observations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution: Option<ExecutionSection>,
     /// Resolved settings (`dynamic_offload_<setting>` keys).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub configuration: BTreeMap<String, serde_json::Value>,
     /// What attaching did.
+    #[serde(default)]
     pub setup: SetupSection,
     /// What running did.
+    #[serde(default)]
     pub runtime: RuntimeSection,
     /// Host memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_memory: Option<HostMemorySection>,
+}
+
+/// What deserializing accepts: this version's layout, or version 1's (`route` a mapping with
+/// ddo's route as `name`).
+#[derive(Deserialize)]
+struct SnapshotForm {
+    #[serde(default = "current_version")]
+    schema_version: u32,
+    route: RouteForm,
+    #[serde(default)]
+    execution: Option<ExecutionSection>,
+    #[serde(default)]
+    configuration: BTreeMap<String, serde_json::Value>,
+    #[serde(default)]
+    setup: SetupSection,
+    #[serde(default)]
+    runtime: RuntimeSection,
+    #[serde(default)]
+    host_memory: Option<HostMemorySection>,
+}
+
+const fn current_version() -> u32 {
+    SCHEMA_VERSION
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RouteForm {
+    Published(String),
+    Version1 {
+        name: String,
+        #[serde(default)]
+        component: Option<String>,
+        #[serde(default)]
+        backend: Option<String>,
+        #[serde(default)]
+        requested_preset: Option<String>,
+        #[serde(default)]
+        effective_preset: Option<String>,
+        #[serde(default)]
+        execution_mode: Option<String>,
+    },
+}
+
+impl<'de> Deserialize<'de> for DynamicOffloadMetrics {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        SnapshotForm::deserialize(d).map(Into::into)
+    }
+}
+
+impl From<SnapshotForm> for DynamicOffloadMetrics {
+    fn from(f: SnapshotForm) -> Self {
+        let (route, execution) = match f.route {
+            RouteForm::Published(route) => (route, f.execution),
+            RouteForm::Version1 {
+                name,
+                component,
+                backend,
+                requested_preset,
+                effective_preset,
+                execution_mode,
+            } => {
+                let detailed = component.is_some() || backend.is_some() || execution_mode.is_some();
+                let execution = detailed.then(|| ExecutionSection {
+                    route: name.clone(),
+                    component,
+                    backend,
+                    requested_preset,
+                    effective_preset,
+                    execution_mode,
+                });
+                (published_route(&name).to_owned(), execution.or(f.execution))
+            }
+        };
+        DynamicOffloadMetrics {
+            schema_version: f.schema_version,
+            route,
+            execution,
+            configuration: f.configuration,
+            setup: f.setup,
+            runtime: f.runtime,
+            host_memory: f.host_memory,
+        }
+    }
 }
 
 /// A snapshot that reports counters its route cannot measure.
@@ -249,19 +368,33 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
     match route {
         // Every ddo route streams through the arena (linear_runtime from the module's own host
         // tensors), so all measure the same counters.
-        "linear_runtime" | "vmm_fast_runtime" | "vmm_runtime" => STREAMING,
+        "linear_runtime" | "linear_convolution" | "vmm_fast_runtime" | "vmm_runtime"
+        | "dynamic_offload" => STREAMING,
         // Diffusers' hooks do the copies; ddo only counts passes.
         "diffusers_group_offload" => &["passes"],
+        // Phase helpers: each reports its own section.
+        "pytorch_host_cache_release" => &["host_cache_release"],
+        "native_vmm_idle_cache_release" => &["idle_cache_release"],
+        "vmm_auxiliary_source_detachment" => &["auxiliary_detachment"],
         _ => &[],
     }
 }
 
 impl DynamicOffloadMetrics {
-    /// An empty snapshot of `route`.
-    pub fn new(route: RouteSection) -> Self {
+    /// An empty snapshot of one of ddo's routes (`execution.route`); `route` is its published
+    /// name.
+    pub fn new(execution: ExecutionSection) -> Self {
+        let mut m = DynamicOffloadMetrics::observation(published_route(&execution.route));
+        m.execution = Some(execution);
+        m
+    }
+
+    /// An empty snapshot of an observation (`host_memory_observation`, `model_load`, ...).
+    pub fn observation(route: &str) -> Self {
         DynamicOffloadMetrics {
             schema_version: SCHEMA_VERSION,
-            route,
+            route: route.to_owned(),
+            execution: None,
             configuration: BTreeMap::new(),
             setup: SetupSection::default(),
             runtime: RuntimeSection::default(),
@@ -269,15 +402,26 @@ impl DynamicOffloadMetrics {
         }
     }
 
+    /// ddo's route when known, else the published one: what decides the counters.
+    pub fn runtime_route(&self) -> &str {
+        self.execution.as_ref().map_or(self.route.as_str(), |e| e.route.as_str())
+    }
+
     /// Refuses a snapshot whose runtime section has counters the route cannot measure.
     pub fn validate(&self) -> Result<(), MetricsError> {
-        let allowed = runtime_counters_of(&self.route.name);
-        let extra: Vec<&'static str> =
-            self.runtime.present().into_iter().filter(|c| !allowed.contains(c)).collect();
+        let route = self.runtime_route();
+        let allowed = runtime_counters_of(route);
+        // The execution timer's snapshot is an attachment, not a counter: any route may carry it.
+        let extra: Vec<&'static str> = self
+            .runtime
+            .present()
+            .into_iter()
+            .filter(|c| !allowed.contains(c) && *c != "execution_timing")
+            .collect();
         if extra.is_empty() {
             Ok(())
         } else {
-            Err(MetricsError { route: self.route.name.clone(), counters: extra })
+            Err(MetricsError { route: route.to_owned(), counters: extra })
         }
     }
 

@@ -2,12 +2,12 @@
 
 use ddo_core::{CgroupMemory, GIB, HostMemoryObservation, MIB, OvercommitMode};
 use ddo_metrics::{
-    DynamicOffloadMetrics, GroupOffloadSetup, HostMemorySection, RouteSection, metrics_schema,
+    DynamicOffloadMetrics, ExecutionSection, GroupOffloadSetup, HostMemorySection, metrics_schema,
 };
 
-fn route(name: &str, preset: &str, effective: &str, backend: &str, mode: &str) -> RouteSection {
-    RouteSection {
-        name: name.into(),
+fn route(name: &str, preset: &str, effective: &str, backend: &str, mode: &str) -> ExecutionSection {
+    ExecutionSection {
+        route: name.into(),
         component: Some("transformer".into()),
         backend: Some(backend.into()),
         requested_preset: Some(preset.into()),
@@ -130,7 +130,7 @@ fn group() -> DynamicOffloadMetrics {
         "linear",
         "linear_runtime",
     ));
-    m.route.component = Some("vae".into());
+    m.execution.as_mut().expect("a route snapshot").component = Some("vae".into());
     m.setup.group_offload = Some(GroupOffloadSetup {
         offload_type: "leaf_level".into(),
         use_stream: false,
@@ -203,4 +203,59 @@ fn a_counter_the_route_lacks_is_refused() {
 #[test]
 fn metrics_json_schema() {
     insta::assert_json_snapshot!("metrics_schema", metrics_schema());
+}
+
+#[test]
+fn the_route_is_the_published_string_and_ddo_s_route_is_beside_it() {
+    for (m, published, runtime) in [
+        (linear(), "dynamic_offload", "linear_runtime"),
+        (vmm_fast(), "dynamic_offload", "vmm_fast_runtime"),
+        (group(), "diffusers_group_offload", "diffusers_group_offload"),
+        (none(), "none", "none"),
+    ] {
+        let json = m.as_dict();
+        assert_eq!(json["schema_version"], 2);
+        assert_eq!(json["route"], published);
+        assert_eq!(json["execution"]["route"], runtime);
+        for key in ["schema_version", "route", "setup", "runtime"] {
+            assert!(json.get(key).is_some(), "{key} in {json}");
+        }
+    }
+    let observation = DynamicOffloadMetrics::observation("host_memory_observation");
+    let json = observation.as_dict();
+    assert_eq!(json["route"], "host_memory_observation");
+    assert!(json.get("execution").is_none());
+    observation.validate().unwrap();
+}
+
+#[test]
+fn a_version_1_snapshot_still_reads() {
+    let v1 = serde_json::json!({
+        "schema_version": 1,
+        "route": {"name": "linear_runtime", "component": "transformer", "backend": "linear",
+                  "requested_preset": "auto", "effective_preset": "one_shot_fast",
+                  "execution_mode": "linear_runtime"},
+        "setup": {"module_count": 3},
+        "runtime": {"passes": 2, "uploads": 4},
+    });
+    let m: DynamicOffloadMetrics = serde_json::from_value(v1).unwrap();
+    assert_eq!(m.schema_version, 1);
+    assert_eq!(m.route, "dynamic_offload");
+    assert_eq!(m.runtime_route(), "linear_runtime");
+    assert_eq!(m.execution.as_ref().and_then(|e| e.component.as_deref()), Some("transformer"));
+    m.validate().unwrap();
+    let observation: DynamicOffloadMetrics =
+        serde_json::from_value(serde_json::json!({"route": {"name": "model_load"}})).unwrap();
+    assert_eq!((observation.route.as_str(), observation.execution), ("model_load", None));
+}
+
+#[test]
+fn the_schema_describes_the_published_route_and_the_execution_section() {
+    let schema = metrics_schema();
+    let props = &schema["properties"];
+    assert_eq!(props["route"]["type"], "string");
+    assert!(props.get("execution").is_some(), "{schema}");
+    let required: Vec<&str> =
+        schema["required"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
+    assert!(required.contains(&"route") && required.contains(&"schema_version"), "{required:?}");
 }

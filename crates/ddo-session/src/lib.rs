@@ -51,7 +51,7 @@ mod session;
 pub mod testing;
 
 pub use ddo_arena::{
-    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitRule,
+    Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitKind, UnitRule,
     dtype_from_torch,
 };
 pub use device::ExecutionDevice;

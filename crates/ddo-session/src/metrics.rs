@@ -1,7 +1,7 @@
 //! The metrics snapshot of a session, assembled in one place.
 
 use ddo_metrics::{
-    DynamicOffloadMetrics, GroupOffloadSetup, HostMemorySection, RouteSection, SetupSection,
+    DynamicOffloadMetrics, ExecutionSection, GroupOffloadSetup, HostMemorySection, SetupSection,
 };
 use ddo_policy::{OffloadType, Placement, Plan, Route};
 
@@ -11,8 +11,8 @@ use crate::ComponentSession;
 /// (Diffusers' hooks, none) is set to do, the plan's warnings, and the host-memory observation
 /// labelled `phase`. Routes the host applies add what they observed to `setup` and `runtime`.
 pub fn plan_snapshot(plan: &Plan, phase: Option<&str>) -> DynamicOffloadMetrics {
-    let mut m = DynamicOffloadMetrics::new(RouteSection {
-        name: plan.route.name().to_owned(),
+    let mut m = DynamicOffloadMetrics::new(ExecutionSection {
+        route: plan.route.name().to_owned(),
         component: Some(plan.component.clone()),
         backend: Some(plan.backend.as_str().to_owned()),
         requested_preset: Some(plan.requested_preset.as_str().to_owned()),

@@ -62,7 +62,8 @@ pub struct SessionSpec {
 /// The routes a session runs: both on the arena, fed by different sources.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionRoute {
-    /// `linear_runtime`: the module's own host tensors, registered in place.
+    /// `linear_runtime` and `linear_convolution` (whose units are layers): the module's own host
+    /// tensors, registered in place.
     Linear,
     /// `vmm_fast_runtime`: the checkpoint's mapping or retained windows.
     Native,
@@ -72,7 +73,7 @@ impl SessionRoute {
     /// The session route of a resolved route, or why it has none.
     pub fn of(route: &Route) -> Result<SessionRoute, SessionError> {
         match route {
-            Route::LinearRuntime => Ok(SessionRoute::Linear),
+            Route::LinearRuntime | Route::LinearConvolution => Ok(SessionRoute::Linear),
             Route::VmmFastRuntime => Ok(SessionRoute::Native),
             Route::VmmRuntime => Err(SessionError::Route {
                 route: route.name(),
@@ -272,8 +273,12 @@ impl ComponentSession {
         let device = ExecutionDevice::choose(&s.execution_device, device_from_default)?;
         let margin = gib("system_ram_headroom_gb", s.system_ram_headroom_gb)?;
         let platform = DevicePlatform::open(device, margin)?;
-        let rule =
+        let mut rule =
             UnitRule::from_patterns(&s.vmm_module_pattern, &s.always_resident_modules_pattern)?;
+        if plan.route == Route::LinearConvolution {
+            // One unit per layer; parameters up to the small-tensor threshold stay resident.
+            rule = rule.by_layers(u64::from(s.small_tensor_threshold_kb) * 1024);
+        }
         let names: Vec<String> = match &weights {
             Weights::Checkpoint { path, .. } => {
                 Checkpoint::open(path)?.slices().iter().map(|t| t.name.clone()).collect()
@@ -303,6 +308,13 @@ impl ComponentSession {
             warnings.push(format!(
                 "execution_device {} (default): no CUDA driver here, running on the host backend",
                 s.execution_device
+            ));
+        }
+        if plan.route == Route::LinearConvolution && assignment.units.is_empty() {
+            warnings.push(format!(
+                "route linear_convolution found no convolution or linear layer with a parameter over \
+                 small_tensor_threshold_kb ({} KiB): every parameter stays resident",
+                s.small_tensor_threshold_kb
             ));
         }
         let session = ComponentSession {

@@ -138,7 +138,8 @@ fn the_native_route_streams_every_block_from_the_mapping() {
     run_and_check(&session, 3, &checkpoint_bytes(6));
     let m = session.metrics(Some("test"));
     m.validate().unwrap();
-    assert_eq!(m.route.name, "vmm_fast_runtime");
+    assert_eq!(m.route, "dynamic_offload");
+    assert_eq!(m.runtime_route(), "vmm_fast_runtime");
     assert_eq!(m.runtime.passes, Some(3));
     assert_eq!(m.setup.host_source.as_deref(), Some("mapping"));
     assert!(m.setup.streamed_units.unwrap() > 0);
@@ -364,7 +365,8 @@ fn linear(extra: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {
 fn the_linear_route_streams_host_tensors_through_the_arena() {
     let session = linear(&[]).unwrap();
     let m = session.metrics(None);
-    assert_eq!(m.route.name, "linear_runtime");
+    assert_eq!(m.route, "dynamic_offload");
+    assert_eq!(m.runtime_route(), "linear_runtime");
     assert_eq!(m.setup.host_source.as_deref(), Some("host_tensors"));
     assert_eq!(m.setup.streamed_units, Some(6), "no resident budget: every block streams");
     run_and_check(&session, 3, &checkpoint_bytes(6));
