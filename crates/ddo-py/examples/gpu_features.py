@@ -1,7 +1,8 @@
 """Checks, on a CUDA GPU, what loads through ddo beyond a single Diffusers model: whole pipelines
 (Flux-, SD3- and Wan-shaped, every model component streamed), transformers text encoders, LoRA
-adapters, and checkpoints converted from fp32 at load. Each result must equal the same thing run
-resident on the GPU, bit for bit. Prints one line per check and exits non-zero if one fails."""
+adapters, checkpoints converted from fp32 at load, and a VAE streamed layer by layer. Each result
+must equal the same thing run resident on the GPU, bit for bit. Prints one line per check and
+exits non-zero if one fails."""
 
 from __future__ import annotations
 
@@ -250,6 +251,66 @@ def check_side_stream(work: str) -> str:
         got.offload.remove()
 
 
+def check_vae_layers(_work: str) -> str:
+    """Route linear_convolution: an SD-shaped bf16 VAE decodes with each convolution streamed on
+    its own through the arena, equal to the resident decode bit for bit (one pass with the latent
+    left on the host, which ddo moves), at the arena's peak instead of the whole VAE."""
+    from diffusers import AutoencoderKL
+
+    cuda = DEVICE.startswith("cuda")
+    channels, groups, side = ((128, 256, 512, 512), 32, 32) if cuda else ((32, 64), 8, 8)
+    torch.manual_seed(8)
+    vae = AutoencoderKL(
+        block_out_channels=channels, down_block_types=("DownEncoderBlock2D",) * len(channels),
+        up_block_types=("UpDecoderBlock2D",) * len(channels), layers_per_block=2, latent_channels=4,
+        norm_num_groups=groups,
+    ).eval()
+    # AutoencoderKL keeps no module in fp32: a plain cast (Diffusers' .to() warns about one).
+    torch.nn.Module.to(vae, torch.bfloat16)
+    latent = torch.randn(1, 4, side, side, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in vae.parameters())
+
+    def peak() -> int:
+        return torch.cuda.max_memory_allocated(DEVICE) if cuda else 0
+
+    def reset() -> None:
+        if cuda:
+            torch.cuda.synchronize(DEVICE)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(DEVICE)
+
+    reset()
+    reference = copy.deepcopy(vae).to(DEVICE)
+    with torch.no_grad():
+        want = reference.decode(latent.to(DEVICE)).sample
+    resident = peak()
+    del reference
+    assert torch.isfinite(want.float()).all(), "the resident decode is not finite"
+    reset()
+    result = ddo.enable_offload(vae, component="vae", route="linear_convolution", execution_device=DEVICE, use_environment=False)
+    try:
+        with torch.no_grad():
+            outs = [vae.decode(latent.to(DEVICE)).sample, vae.decode(latent).sample]
+        assert all(torch.equal(o, want) for o in outs), (
+            f"decode differs from the resident one (max difference {max((o.float() - want.float()).abs().max().item() for o in outs)})"
+        )
+        m = result.metrics_snapshot().as_dict()
+        arena = m["runtime"]["peak_bytes"]
+        mib = 1 << 20
+        memory = (
+            f"peak GPU {(peak() + arena) / mib:.0f} MiB (PyTorch {peak() / mib:.0f} + arena {arena / mib:.0f}) vs resident "
+            f"{resident / mib:.0f} MiB"
+            if cuda
+            else f"arena peak {arena / mib:.1f} MiB"
+        )
+        return (
+            f"{m['setup']['streamed_units']} layers streamed of a {weights / mib:.0f} MiB VAE, budget "
+            f"{m['setup']['gpu_budget_bytes'] / mib:.0f} MiB; {memory}"
+        )
+    finally:
+        result.remove()
+
+
 def main() -> int:
     checks = [(f"pipeline {f}", lambda w, f=f: check_pipeline(w, f)) for f in sorted(PIPELINES)]
     checks += [
@@ -260,6 +321,7 @@ def main() -> int:
         ("fp8 checkpoint widened on the GPU", check_fp8_on_device),
         ("GGUF Q8_0 into Diffusers' GGUF modules", check_gguf),
         ("a forward on a side stream; parameters read between passes", check_side_stream),
+        ("VAE decode streamed layer by layer (route linear_convolution)", check_vae_layers),
     ]
     with tempfile.TemporaryDirectory() as work:
         return report(checks, work, DEVICE)

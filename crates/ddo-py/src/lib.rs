@@ -130,11 +130,13 @@ fn inspect_checkpoint(path: std::path::PathBuf) -> PyResult<String> {
 }
 
 /// The configuration's field names, in declaration order (`preset`, `backend`, `route`,
-/// `components`, then every setting).
+/// `execution_mode`, `components`, then every setting, then `small_tensor_threshold_bytes`,
+/// the peer library's form of `small_tensor_threshold_kb`).
 #[pyfunction]
 fn config_fields() -> Vec<&'static str> {
-    let mut out = vec!["preset", "backend", "route", "components"];
+    let mut out = vec!["preset", "backend", "route", "execution_mode", "components"];
     out.extend(ddo_policy::SETTING_KEYS.iter().map(|(field, _)| *field));
+    out.push("small_tensor_threshold_bytes");
     out
 }
 
@@ -146,21 +148,57 @@ fn component_policy_fields() -> Vec<String> {
     schema["properties"].as_object().map(|p| p.keys().cloned().collect()).unwrap_or_default()
 }
 
+/// One parameter for [`unit_paths`]: `(name, key)`, or `(name, key, torch dtype, shape)` when
+/// its size matters (the layer rule keeps parameters up to its resident size resident).
+#[derive(FromPyObject)]
+enum UnitParameter {
+    Sized(String, u64, String, Vec<u64>),
+    Named(String, u64),
+}
+
 /// The module paths of the execution units the unit rule finds in a module tree (`modules` as
-/// `(path, is_list)`, `parameters` as `(name, key)`), with the default patterns.
+/// `(path, is_list)`, `parameters` as [`UnitParameter`] rows), with the default patterns: the
+/// blocks of the outermost repeated lists, or with `layers` (the layer modules' paths) one unit
+/// per layer holding a parameter over `resident_bytes` (route `linear_convolution`).
 #[pyfunction]
-fn unit_paths(modules: Vec<(String, bool)>, parameters: Vec<(String, u64)>) -> Vec<String> {
+#[pyo3(signature = (modules, parameters, layers=None, resident_bytes=0))]
+fn unit_paths(
+    modules: Vec<(String, bool)>,
+    parameters: Vec<UnitParameter>,
+    layers: Option<Vec<String>>,
+    resident_bytes: u64,
+) -> Vec<String> {
+    let by_layers = layers.is_some();
+    let layers: std::collections::HashSet<String> = layers.into_iter().flatten().collect();
     let tree = ddo_session::ModuleTree {
         modules: modules
             .into_iter()
-            .map(|(path, is_list)| ddo_session::ModuleNode { path, is_list })
+            .map(|(path, is_list)| ddo_session::ModuleNode {
+                layer: layers.contains(&path),
+                path,
+                is_list,
+            })
             .collect(),
         parameters: parameters
             .into_iter()
-            .map(|(name, key)| ddo_session::ParameterRef { name, key, dtype: None, shape: None })
+            .map(|row| match row {
+                UnitParameter::Sized(name, key, dtype, shape) => ddo_session::ParameterRef {
+                    name,
+                    key,
+                    dtype: ddo_session::dtype_from_torch(&dtype),
+                    shape: Some(shape),
+                },
+                UnitParameter::Named(name, key) => {
+                    ddo_session::ParameterRef { name, key, dtype: None, shape: None }
+                }
+            })
             .collect(),
     };
-    tree.assign(&ddo_session::UnitRule::default()).units.into_iter().map(|u| u.path).collect()
+    let mut rule = ddo_session::UnitRule::default();
+    if by_layers {
+        rule = rule.by_layers(resident_bytes);
+    }
+    tree.assign(&rule).units.into_iter().map(|u| u.path).collect()
 }
 
 /// The metrics layout version.

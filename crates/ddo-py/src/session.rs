@@ -74,10 +74,12 @@ pub(crate) struct Session {
 impl Session {
     /// Opens a session for `plan` over a checkpoint at `path` (native route) or over host
     /// tensors (`storages` as `(address, bytes, owner)`, `tensors` as rows; linear route), with
-    /// the module tree as `modules` `(path, is_list)` and `parameters` rows. Releases the GIL
-    /// while it plans, registers and uploads.
+    /// the module tree as `modules` `(path, is_list)` and `parameters` rows; `layers` names the
+    /// layer modules (convolution, linear) route `linear_convolution` streams one by one.
+    /// Releases the GIL while it plans, registers and uploads.
     #[new]
-    #[pyo3(signature = (plan, modules, parameters, path=None, storages=None, tensors=None))]
+    #[pyo3(signature = (plan, modules, parameters, path=None, storages=None, tensors=None, layers=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         plan: &ResolvedPlan,
@@ -86,11 +88,13 @@ impl Session {
         path: Option<std::path::PathBuf>,
         storages: Option<Vec<(usize, usize, Py<PyAny>)>>,
         tensors: Option<Vec<TensorRow>>,
+        layers: Option<Vec<String>>,
     ) -> PyResult<Self> {
+        let layers: std::collections::HashSet<String> = layers.into_iter().flatten().collect();
         let tree = ModuleTree {
             modules: modules
                 .into_iter()
-                .map(|(path, is_list)| ModuleNode { path, is_list })
+                .map(|(path, is_list)| ModuleNode { layer: layers.contains(&path), path, is_list })
                 .collect(),
             parameters: parameters
                 .into_iter()

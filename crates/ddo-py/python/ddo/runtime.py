@@ -21,7 +21,16 @@ import torch.utils.dlpack
 
 from . import _native
 
-__all__ = ["SessionRuntime", "describe_module", "find_execution_units", "move_inputs"]
+__all__ = ["SessionRuntime", "describe_module", "find_execution_units", "layer_paths", "move_inputs"]
+
+# Leaf layers route ``linear_convolution`` streams one by one.
+_LAYER_CLASSES = (torch.nn.modules.conv._ConvNd, torch.nn.Linear)
+# Parameter dtypes that route streams (the published route's plain float weights).
+_LAYER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The small-tensor threshold that route brings (KiB): parameters up to it stay resident.
+_LAYER_RESIDENT_KB = 16
+# Methods of a module that run a pass of their own on that route (a VAE's entry points).
+_LAYER_ROUTE_ENTRIES = ("encode", "decode")
 
 
 def describe_module(module: torch.nn.Module) -> Tuple[list, list]:
@@ -34,12 +43,97 @@ def describe_module(module: torch.nn.Module) -> Tuple[list, list]:
     return modules, params
 
 
-def find_execution_units(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
-    """The blocks ddo streams, by the session's unit rule (children of outermost repeated
-    ``ModuleList`` s, in module order), as ``(path, module)``."""
+def layer_paths(module: torch.nn.Module) -> List[str]:
+    """Paths of the leaf convolution and linear layers (``Conv1d/2d/3d``, their transposed forms
+    and subclasses such as Wan's causal convolution, ``Linear``): the units of route
+    ``linear_convolution``."""
+    return [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, _LAYER_CLASSES) and next(m.children(), None) is None
+    ]
+
+
+def find_execution_units(
+    module: torch.nn.Module, *, route: str = "dynamic_offload", small_tensor_threshold_kb: int = _LAYER_RESIDENT_KB
+) -> List[Tuple[str, torch.nn.Module]]:
+    """The units ddo streams, by the session's unit rule, as ``(path, module)``, in module order:
+    the children of outermost repeated ``ModuleList`` s, or with ``route="linear_convolution"``
+    each convolution and linear layer holding a parameter over ``small_tensor_threshold_kb``
+    (that route's own threshold by default)."""
     modules, params = describe_module(module)
-    paths = _native.unit_paths(modules, [(name, key) for name, key, _, _ in params])
+    if route == "linear_convolution":
+        paths = _native.unit_paths(
+            modules, params, layers=layer_paths(module), resident_bytes=small_tensor_threshold_kb * 1024
+        )
+    else:
+        paths = _native.unit_paths(modules, [(name, key) for name, key, _, _ in params])
     return [(p, module.get_submodule(p)) for p in paths]
+
+
+def _check_layer_route(module: torch.nn.Module, layers: List[str]) -> None:
+    """What route ``linear_convolution`` refuses before anything changes: quantized modules
+    (its layers run their own forward on plain float weights), modules in training mode, and
+    layers another placement library already hooks."""
+    name = type(module).__name__
+    if getattr(module, "hf_quantizer", None) is not None:
+        raise _native.DynamicOffloadError(
+            f"{name} is quantized ({type(module.hf_quantizer).__name__}); route linear_convolution streams plain "
+            "float16/bfloat16/float32/float64 weights: load it unquantized, or use route diffusers_group_offload"
+        )
+    for pname, p in module.named_parameters():
+        plain = type(p) in (torch.nn.Parameter, torch.Tensor) and type(p.data) is torch.Tensor
+        if not plain or p.dtype not in _LAYER_DTYPES:
+            raise _native.DynamicOffloadError(
+                f"parameter {pname} of {name} is {type(p).__name__} of {p.dtype} (quantized or not a float); route "
+                "linear_convolution streams plain float16/bfloat16/float32/float64 weights: load the module "
+                "unquantized, or use route diffusers_group_offload"
+            )
+    for path, m in module.named_modules():
+        if m.training:
+            raise _native.DynamicOffloadError(
+                f"{path or name} is in training mode; ddo offloads inference only: call {name}.eval() first"
+            )
+    for path in layers:
+        m = module.get_submodule(path)
+        hooks = getattr(m, "_diffusers_hook", None)
+        if getattr(m, "_hf_hook", None) is not None or (hooks is not None and getattr(hooks, "hooks", None)):
+            raise _native.DynamicOffloadError(
+                f"layer {path} of {name} carries another library's offload hooks (accelerate or Diffusers): remove "
+                "them (remove_all_hooks, or a fresh module) before route linear_convolution"
+            )
+
+
+def _refuse_traced(what: str) -> None:
+    """Refuses ``what`` while a tracer records a graph to replay (``torch.export``, a full-graph
+    compile, ``torch.jit.trace``) or a CUDA graph captures: hooks swap each unit's weights in and
+    out around its forward and upload them on demand, which a recorded graph would freeze and a
+    captured one would replay against other weights. (``torch.compile`` by default runs these
+    hooks eagerly between its compiled regions, where this check passes.)"""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        raise _native.DynamicOffloadLifecycleError(
+            f"{what} runs while a tracer records it (torch.export, torch.compile(fullgraph=True) or torch.jit.trace); "
+            "ddo swaps each unit's weights in and out around its forward, which a recorded graph would freeze: "
+            "trace the module resident, use torch.compile without fullgraph, or call remove_dynamic_offload(module) "
+            "first"
+        )
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise _native.DynamicOffloadLifecycleError(
+            f"{what} runs during CUDA graph capture; ddo uploads weights and waits on fences between units, which a "
+            "captured graph would replay against other weights: run it outside torch.cuda.graph, or call "
+            "remove_dynamic_offload(module) first"
+        )
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    """The tensors inside ``value`` (tuples, lists, dicts, Diffusers' output classes)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def move_inputs(value: Any, device: torch.device) -> Any:
@@ -410,15 +504,25 @@ class SessionRuntime:
         # Forwards of one module run one at a time: a pass owns the module's leases.
         self.forward_lock = threading.Lock()
         self.in_forward: Dict[int, bool] = {}
+        self.route = str(json.loads(plan.json())["route"]["name"]) if plan is not None else ""
+        # Methods wrapped in a pass (``forward``; a VAE's ``encode``/``decode`` on the layer route).
+        self.entries: List[str] = []
+        # Per streamed unit: the address ranges its views cover, ``(start, end, name)``.
+        self.ranges: Dict[int, List[Tuple[int, int, str]]] = {}
 
     def attach(self) -> None:
         """Opens the session and publishes the views. On any error the module is left as it was."""
         modules, params = describe_module(self.module)
+        layers = layer_paths(self.module)
+        if self.route == "linear_convolution":
+            _check_layer_route(self.module, layers)
         if self.checkpoint is not None:
-            self.session = _native.Session(self.plan, modules, params, path=self.checkpoint)
+            self.session = _native.Session(self.plan, modules, params, path=self.checkpoint, layers=layers)
         else:
             storages, rows = _host_tensors(self.module)
-            self.session = _native.Session(self.plan, modules, params, storages=storages, tensors=rows)
+            self.session = _native.Session(
+                self.plan, modules, params, storages=storages, tensors=rows, layers=layers
+            )
         kind, index = self.session.device()
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         self.stream = _stream_reader(self.device)
@@ -434,6 +538,11 @@ class SessionRuntime:
             owner, attr = _owner(self.module, name)
             self.buffer_places.append((owner, attr, name))
             setattr(owner, attr, b.to(self.device))
+        if self.checkpoint is not None:
+            # The native route never reads the tensors the module held before attach (a loader's
+            # private mapping of the checkpoint among them): keep none alive.
+            self.originals = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.originals.items()}
+            self.original_buffers = {}
         if "fuse_lora" not in self.module.__dict__ and hasattr(self.module, "fuse_lora"):
             self.module.fuse_lora = self._refuse_fuse
         _guard_adapter_merges()
@@ -475,11 +584,14 @@ class SessionRuntime:
         unit_of = {name: unit for unit, names in self.streamed.items() for name in names}
         placeholders: Dict[int, torch.nn.Parameter] = {}
         self.swaps = {unit: [] for unit in self.streamed}
+        self.ranges = {unit: [] for unit in self.streamed}
         for owner, attr, name in self.places:
             unit = unit_of.get(name)
             if unit is None:
                 continue
             view = owner._parameters[attr]
+            start = view.data_ptr()
+            self.ranges[unit].append((start, start + view.numel() * view.element_size(), name))
             if id(view) not in placeholders:
                 weight = StreamedWeight(self, name, view, self.device)
                 placeholders[id(view)] = torch.nn.Parameter(weight, requires_grad=False)
@@ -499,6 +611,7 @@ class SessionRuntime:
         self.published = {}
         self.watched = []
         self.swaps = {}
+        self.ranges = {}
         self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
 
     # ---- hooks ----------------------------------------------------------------------------
@@ -507,13 +620,24 @@ class SessionRuntime:
         """Wraps the module's forward in one pass: forwards of the module run one at a time
         (other threads wait), inputs move to the device, and the pass ends however the forward
         ends (an exception, ``KeyboardInterrupt`` included, aborts it: leases are given back and
-        the order seen is not learned)."""
-        original = self.module.forward
+        the order seen is not learned). On route ``linear_convolution`` a VAE's ``encode`` and
+        ``decode`` (what pipelines call) are passes too; called from inside a pass (``forward``
+        calling ``encode``) they belong to it."""
+        names = ["forward"]
+        if self.route == "linear_convolution":
+            names += [n for n in _LAYER_ROUTE_ENTRIES if callable(getattr(type(self.module), n, None))]
+        for name in names:
+            setattr(self.module, name, self._entry(name, getattr(self.module, name)))
+        self.entries = names
+
+    def _entry(self, name: str, original: Any) -> Any:
         runtime = self
 
         @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def entry(*args: Any, **kwargs: Any) -> Any:
             if runtime.in_forward.get(threading.get_ident()):
+                if name != "forward":
+                    return original(*args, **kwargs)
                 raise _native.DynamicOffloadLifecycleError(
                     f"{type(runtime.module).__name__}.forward was called inside its own forward; ddo runs one pass at a time"
                 )
@@ -524,7 +648,7 @@ class SessionRuntime:
                 finally:
                     runtime.in_forward.pop(threading.get_ident(), None)
 
-        self.module.forward = forward
+        return entry
 
     def _guard_moves(self) -> None:
         """``.to()``, ``.cuda()``, ``.half()`` and the like on the module: a move to where its
@@ -589,6 +713,7 @@ class SessionRuntime:
                 "an input requires grad; ddo offloads inference only (gradients would read block memory that later "
                 "blocks reuse): run the forward under torch.no_grad() or torch.inference_mode()"
             )
+        _refuse_traced(f"{type(self.module).__name__}'s forward")
         # Runs every forward: plain tensor methods, not a parameter subclass's __torch_function__
         # (Diffusers' GGUFParameter wraps each call).
         with torch._C.DisableTorchFunctionSubclass():
@@ -774,6 +899,8 @@ class SessionRuntime:
                     f"block {type(m).__name__} of {type(self.module).__name__} is in training mode; ddo offloads "
                     "inference only: call module.eval()"
                 )
+            # A block compiled on its own (regional compilation) traces this hook.
+            _refuse_traced(f"block {type(m).__name__} of {type(self.module).__name__}")
             self.leases.setdefault(unit, []).append(self.session.acquire(unit, self.stream()))
             for owner, attr, view, _ in self.swaps.get(unit, ()):
                 owner._parameters[attr] = view
@@ -781,14 +908,39 @@ class SessionRuntime:
         return hook
 
     def _post(self, unit: int):
-        def hook(_m: torch.nn.Module, _args: tuple, _out: Any) -> None:
+        def hook(m: torch.nn.Module, _args: tuple, out: Any) -> None:
             held = self.leases.get(unit)
             if held:
                 self.session.release(held.pop(), self.stream())
             if not held:
                 self._rest(unit)
+            self._refuse_streamed_output(unit, m, out)
 
         return hook
+
+    def _refuse_streamed_output(self, unit: int, m: torch.nn.Module, out: Any) -> None:
+        """A block's output may not view its streamed weights: their memory holds other blocks'
+        weights once the block ends."""
+        ranges = self.ranges.get(unit)
+        if not ranges:
+            return
+        for t in _tensors(out):
+            if not torch._C._has_storage(t):
+                continue
+            storage = t.untyped_storage()
+            low = storage.data_ptr()
+            high = low + storage.nbytes()
+            for start, end, name in ranges:
+                if low < end and start < high:
+                    raise _native.DynamicOffloadLifecycleError(
+                        f"the output of {type(m).__name__} ({self._unit_path(unit)}) views its streamed weight "
+                        f"{name}, whose memory holds other blocks' weights once the block ends: return a copy "
+                        "(.clone()) from that block, or keep the module resident (route none)"
+                    )
+
+    def _unit_path(self, unit: int) -> str:
+        """The module path of a streamed unit."""
+        return next((name for u, name, _ in self.session.units() if u == unit), str(unit))
 
     def _rest(self, unit: int) -> None:
         for owner, attr, _, placeholder in self.swaps.get(unit, ()):
@@ -866,7 +1018,8 @@ class SessionRuntime:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self.module.__dict__.pop("forward", None)
+        for name in self.entries or ["forward"]:
+            self.module.__dict__.pop(name, None)
         for m in self.module.modules():
             m.__dict__.pop("_apply", None)
             m.__dict__.pop("__deepcopy__", None)
