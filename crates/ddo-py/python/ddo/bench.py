@@ -1,0 +1,380 @@
+"""``python -m ddo bench``: one Diffusers model folder run on several routes side by side, each
+route's output checked against the resident run's bit for bit.
+
+Routes: ``resident`` (the plain module on the device), ``linear`` (:func:`ddo.enable_offload`,
+``linear_runtime``), ``vmm`` (:func:`ddo.from_pretrained_with_dynamic_offload` on
+``vmm_fast_runtime`` under a GPU weight budget) and ``diffusers_leaf`` (Diffusers'
+``apply_group_offloading`` at leaf level, with a stream on CUDA). Every route loads the model
+anew in this process, runs one warm-up forward and then ``steps`` timed ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import _native
+from .errors import DynamicOffloadError
+
+__all__ = ["ROUTES", "BUILDERS", "RouteRow", "run_bench", "format_table"]
+
+ROUTES = ("resident", "linear", "vmm", "diffusers_leaf")
+GIB = 1 << 30
+
+Inputs = Tuple[str, Dict[str, Any]]
+
+
+def _flux(config: Dict[str, Any], resolution: int, g: torch.Generator) -> Inputs:
+    """Batch 1 at ``resolution``: (resolution / 16)^2 image tokens (8x latents in 2x2 patches),
+    512 text tokens."""
+    tokens, text = (resolution // 16) ** 2, 512
+    inputs = dict(
+        hidden_states=torch.randn(1, tokens, config["in_channels"], generator=g),
+        encoder_hidden_states=torch.randn(1, text, config["joint_attention_dim"], generator=g),
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=g),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.zeros(tokens, 3),
+        txt_ids=torch.zeros(text, 3),
+        return_dict=False,
+    )
+    if config.get("guidance_embeds"):
+        inputs["guidance"] = torch.tensor([3.5])
+    return "forward", inputs
+
+
+def _sd3(config: Dict[str, Any], resolution: int, g: torch.Generator) -> Inputs:
+    """Batch 1 at ``resolution`` (8x latents), 333 text tokens (77 CLIP + 256 T5)."""
+    patch = config.get("patch_size", 2)
+    side = max(resolution // 8 // patch, 1) * patch
+    return "forward", dict(
+        hidden_states=torch.randn(1, config["in_channels"], side, side, generator=g),
+        encoder_hidden_states=torch.randn(1, 333, config["joint_attention_dim"], generator=g),
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=g),
+        timestep=torch.tensor([500.0]),
+        return_dict=False,
+    )
+
+
+def _wan(config: Dict[str, Any], resolution: int, g: torch.Generator) -> Inputs:
+    """Three latent frames of ``resolution`` x ``resolution`` (8x latents), 512 text tokens; an
+    image-to-video model also gets 257 image tokens."""
+    _, ph, pw = config.get("patch_size", (1, 2, 2))
+    side = max(resolution // 8 // max(ph, pw), 1) * max(ph, pw)
+    inputs = dict(
+        hidden_states=torch.randn(1, config["in_channels"], 3, side, side, generator=g),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 512, config["text_dim"], generator=g),
+        return_dict=False,
+    )
+    if config.get("image_dim"):
+        inputs["encoder_hidden_states_image"] = torch.randn(1, 257, config["image_dim"], generator=g)
+    return "forward", inputs
+
+
+def _vae_decode(config: Dict[str, Any], resolution: int, g: torch.Generator) -> Inputs:
+    """``decode`` of latents that make a ``resolution`` x ``resolution`` image."""
+    scale = 2 ** (len(config["block_out_channels"]) - 1)
+    side = max(resolution // scale, 1)
+    return "decode", dict(z=torch.randn(1, config["latent_channels"], side, side, generator=g), return_dict=False)
+
+
+# Input builders by the class a model folder's config.json names: (method, keyword arguments).
+BUILDERS: Dict[str, Callable[[Dict[str, Any], int, torch.Generator], Inputs]] = {
+    "FluxTransformer2DModel": _flux,
+    "SD3Transformer2DModel": _sd3,
+    "WanTransformer3DModel": _wan,
+    "AutoencoderKL": _vae_decode,
+}
+
+
+@dataclasses.dataclass
+class RouteRow:
+    """One route's measurements. ``output`` is ``reference`` (the run others are compared to),
+    ``equal``, ``differs``, or empty when the route did not run (``error`` says why)."""
+
+    route: str
+    runtime: str = ""
+    setup_seconds: Optional[float] = None
+    seconds: Optional[float] = None
+    ratio: Optional[float] = None
+    peak_gpu_bytes: Optional[int] = None
+    arena_peak_bytes: Optional[int] = None
+    host_rss_bytes: Optional[int] = None
+    output: str = ""
+    max_abs_difference: Optional[float] = None
+    error: Optional[str] = None
+    fits: bool = True
+
+
+def _status(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Resets this process's VmHWM (Linux ``clear_refs`` 5) so each route's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _own_memory(module: torch.nn.Module) -> torch.nn.Module:
+    """Every weight in an allocation of its own. A loader may leave weights as views into a file
+    mapping at any offset, and CPU kernels take other code paths (rounding differently) for such
+    addresses; a device copy, or the arena, is aligned."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.data = p.data.clone()
+    return module
+
+
+def _component(class_name: str) -> str:
+    return "vae" if class_name.startswith("Autoencoder") else "transformer"
+
+
+def _runtime_route(offload: Any) -> str:
+    """ddo's route of an offload (``linear_runtime``, ``vmm_fast_runtime``)."""
+    return getattr(offload, "runtime_route", "") or offload.route
+
+
+def _load(route: str, folder: str, loader: Any, device: torch.device, dtype: torch.dtype, budget_gb: float) -> Tuple[torch.nn.Module, Any, str]:
+    """The module of ``route`` ready to run on ``device``, its ddo offload (or ``None``) and the
+    runtime it ended up on."""
+    from .api import enable_offload, from_pretrained_with_dynamic_offload
+    from .config import DynamicOffloadConfig
+
+    component = _component(loader.__name__)
+    if route == "vmm":
+        config = DynamicOffloadConfig(
+            backend="vmm", route="dynamic", vmm_resident_weight_budget_gb=budget_gb, execution_device=str(device)
+        )
+        loaded = from_pretrained_with_dynamic_offload(
+            folder, model_loader=loader, apply_dynamic=True, component=component, torch_dtype=dtype,
+            dynamic_offload_config=config,
+        )
+        return loaded.module, loaded.offload, f"{_runtime_route(loaded.offload)}, {budget_gb:g} GiB"
+    module = loader.from_pretrained(folder, torch_dtype=dtype).eval()
+    if route == "linear":
+        offload = enable_offload(module, component=component, backend="linear", route="dynamic", execution_device=device)
+        return module, offload, _runtime_route(offload)
+    if device.type == "cpu":
+        _own_memory(module)
+    if route == "resident":
+        return module.to(device), None, f"resident on {device}"
+    from diffusers.hooks import apply_group_offloading
+
+    stream = device.type == "cuda"
+    apply_group_offloading(
+        module, onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level", use_stream=stream
+    )
+    return module, None, "diffusers leaf" + (" + stream" if stream else "")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(call: Callable[[], Any], steps: int, device: torch.device) -> Tuple[List[float], torch.Tensor]:
+    """One warm-up call (kernels load; ddo learns the block order), then ``steps`` timed calls;
+    the seconds of each and the last output."""
+    with torch.no_grad():
+        out = call()
+        times = []
+        for _ in range(steps):
+            _synchronize(device)
+            t = time.perf_counter()
+            out = call()
+            _synchronize(device)
+            times.append(time.perf_counter() - t)
+    return times, out
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    while not isinstance(out, torch.Tensor):
+        out = out[0]
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit: same dtype and shape, same bytes (a NaN equals the same NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(error)
+
+
+def _model_folder(folder: str) -> Tuple[Any, Dict[str, Any]]:
+    """The class ``folder``'s config.json names (it must have an input builder) and the config."""
+    from .api import _loader_of
+
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise DynamicOffloadError(
+            f"{folder} has no config.json: pass a Diffusers model folder (config.json and its safetensors), such as a "
+            "pipeline's transformer/ or vae/"
+        )
+    loader = _loader_of(folder)
+    if loader.__name__ not in BUILDERS:
+        raise DynamicOffloadError(
+            f"{folder}/config.json names {loader.__name__}; ddo bench builds inputs for {', '.join(sorted(BUILDERS))}: "
+            "benchmark a folder of one of those classes"
+        )
+    return loader, dict(loader.load_config(folder))
+
+
+def run_bench(
+    folder: str,
+    *,
+    routes: Tuple[str, ...] = ROUTES,
+    steps: int = 5,
+    device: Optional[str] = None,
+    budget_gb: float = 3.0,
+    dtype: torch.dtype = torch.bfloat16,
+    resolution: int = 1024,
+) -> Dict[str, Any]:
+    """Runs every route of ``routes`` on the model in ``folder`` and returns the rows with what
+    was run (a dict that JSON carries). The reference output is the resident run's when it ran,
+    else the first route's that did."""
+    from .progress import bar
+
+    unknown = [r for r in routes if r not in ROUTES]
+    if unknown or not routes:
+        raise DynamicOffloadError(f"unknown route(s) {', '.join(unknown) or '(none given)'}; choose among {', '.join(ROUTES)}")
+    if steps < 1:
+        raise DynamicOffloadError(f"--steps {steps}: time at least one forward")
+    loader, config = _model_folder(folder)
+    dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DynamicOffloadError(f"device {dev} is not available: PyTorch sees no CUDA device; pass --device cpu")
+    method, host_inputs = BUILDERS[loader.__name__](config, resolution, torch.Generator().manual_seed(0))
+    host_inputs = {
+        k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith("_ids") else v
+        for k, v in host_inputs.items()
+    }
+    stored = sum(int(t["len"]) for t in json.loads(_native.inspect_checkpoint(folder))["tensors"])
+    rows: List[RouteRow] = []
+    reference: Optional[torch.Tensor] = None
+    for route in bar(list(routes), desc="ddo bench", unit="route", leave=False):
+        row = RouteRow(route)
+        rows.append(row)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        base, reset = _status("VmRSS"), _reset_peak_rss()
+        module = offload = None
+        try:
+            t = time.perf_counter()
+            module, offload, row.runtime = _load(route, folder, loader, dev, dtype, budget_gb)
+            _synchronize(dev)
+            row.setup_seconds = time.perf_counter() - t
+            inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in host_inputs.items()}
+            call = getattr(module, method)
+            times, out = _timed(lambda: call(**inputs), steps, dev)
+            row.seconds = statistics.median(times)
+            output = _first_tensor(out).detach().cpu()
+            if reference is None:
+                reference, row.output = output, "reference"
+            elif _same_bits(output, reference):
+                row.output = "equal"
+            else:
+                row.output = "differs"
+                if output.shape == reference.shape:
+                    row.max_abs_difference = float((output.float() - reference.float()).abs().max())
+            if dev.type == "cuda":
+                row.peak_gpu_bytes = torch.cuda.max_memory_allocated(dev)
+            if offload is not None and offload.runtime is not None:
+                row.arena_peak_bytes = offload.metrics_snapshot().as_dict()["runtime"].get("peak_bytes")
+                if row.peak_gpu_bytes is not None and row.arena_peak_bytes is not None and dev.type == "cuda":
+                    row.peak_gpu_bytes += row.arena_peak_bytes
+            peak = _status("VmHWM") if reset else _status("VmRSS")
+            if peak is not None and base is not None:
+                row.host_rss_bytes = max(peak - base, 0)
+        except Exception as e:  # noqa: BLE001 - a route that fails is a row, the others still run
+            row.fits = not (route == "resident" and _is_out_of_memory(e))
+            row.error = f"{type(e).__name__}: {e}".splitlines()[0]
+        finally:
+            if offload is not None:
+                offload.remove()
+            del module, offload
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    resident = next((r for r in rows if r.route == "resident" and r.seconds), None)
+    for r in rows:
+        if resident is not None and r.seconds is not None:
+            r.ratio = r.seconds / resident.seconds
+    return {
+        "model": {"path": folder, "class": loader.__name__, "stored_bytes": stored},
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "resolution": resolution,
+        "method": method,
+        "steps": steps,
+        "budget_gb": budget_gb,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+def failed(result: Dict[str, Any]) -> bool:
+    """Whether a route failed (a resident model that does not fit aside) or differs."""
+    return any((r["error"] and r["fits"]) or r["output"] == "differs" for r in result["rows"])
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """The rows as a text table, then each failure's message."""
+    m = result["model"]
+    lines = [
+        f"ddo bench: {m['class']}.{result['method']} from {m['path']} ({_size(m['stored_bytes'])} stored), "
+        f"{result['dtype']} on {result['device']}, {result['resolution']} px, median of {result['steps']} forward(s) "
+        "after one warm-up",
+    ]
+    header = ("route", "runtime", "setup s", "s/forward", "x resident", "peak GPU GiB (arena)", "host RSS GiB", "output")
+    table = [header]
+    for r in result["rows"]:
+        gpu = "-"
+        if r["peak_gpu_bytes"] is not None:
+            arena = f" ({r['arena_peak_bytes'] / GIB:.2f})" if r["arena_peak_bytes"] is not None else ""
+            gpu = f"{r['peak_gpu_bytes'] / GIB:.2f}{arena}"
+        output = r["output"] or ("does not fit" if not r["fits"] else "failed")
+        if r["output"] == "differs" and r["max_abs_difference"] is not None:
+            output += f" (max |diff| {r['max_abs_difference']:.3g})"
+        table.append((
+            r["route"],
+            r["runtime"] or "-",
+            f"{r['setup_seconds']:.2f}" if r["setup_seconds"] is not None else "-",
+            f"{r['seconds']:.4f}" if r["seconds"] is not None else "-",
+            f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+            gpu,
+            f"{r['host_rss_bytes'] / GIB:.2f}" if r["host_rss_bytes"] is not None else "-",
+            output,
+        ))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        lines.append("  ".join(cell.ljust(w) if i < 2 or i == len(row) - 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+    for r in result["rows"]:
+        if r["error"]:
+            lines.append(f"{r['route']}: {r['error']}")
+    return "\n".join(lines) + "\n"
