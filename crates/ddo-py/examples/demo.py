@@ -85,7 +85,7 @@ def main() -> int:
         dynamic_offload_config=ddo.DynamicOffloadConfig(execution_device=device),
     )
     result = loaded.offload
-    print(f"bound {loaded.bound} of {len(loaded.source['tensors'])} checkpoint tensors; route {result.route} on {device}")
+    print(f"bound {loaded.bound} of {len(loaded.source['tensors'])} checkpoint tensors; route {result.runtime_route} on {device}")
     if not forwards(loaded.module, inputs, reference, device):
         return 1
     print(result.metrics_snapshot(collect_completed=True).format_profile(), end="")
@@ -102,7 +102,7 @@ def main() -> int:
             backend="vmm", execution_device=device, vmm_resident_weight_budget_gb=24 / 1024
         ),
     )
-    print(f"\nroute {native.offload.route} on {device}, 24 MiB weight budget")
+    print(f"\nroute {native.offload.runtime_route} on {device}, 24 MiB weight budget")
     if not forwards(native.module, inputs, reference, device):
         return 1
     print(native.offload.metrics_snapshot(collect_completed=True).format_profile(), end="")
@@ -131,7 +131,7 @@ def pipeline(folder: str, device: str) -> int:
     config = ddo.DynamicOffloadConfig(backend="vmm", execution_device=device, components=policies)
     result = ddo.from_pretrained_pipeline_with_dynamic_offload(folder, dynamic_offload_config=config, gpu_budget_gb=0.06)
     print(f"\npipeline {type(result.pipeline).__name__} from {folder}: " + ", ".join(
-        f"{n} {r.route} ({result.budgets_gb.get(n, 0) * 1024:.1f} MiB)" for n, r in result.offload.items()))
+        f"{n} {r.runtime_route} ({result.budgets_gb.get(n, 0) * 1024:.1f} MiB)" for n, r in result.offload.items()))
     t = time.perf_counter()
     same = bool((generate(result.pipeline, extra) == want).all())
     print(f"generated in {time.perf_counter() - t:.2f} s; image equals Diffusers' own pipeline: {same}")

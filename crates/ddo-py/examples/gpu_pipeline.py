@@ -112,7 +112,7 @@ def child(a: argparse.Namespace) -> int:
     )
     if result is not None:
         row["budgets_gb"] = result.budgets_gb
-        row["routes"] = {n: r.route for n, r in result.offload.items()}
+        row["routes"] = {n: r.runtime_route for n, r in result.offload.items()}
         row["profiles"] = {n: s.format_profile() for n, s in result.metrics_snapshots().items()}
         row["arena_peak"] = sum(
             (s.as_dict().get("runtime", {}).get("peak_bytes") or 0) for s in result.metrics_snapshots().values()

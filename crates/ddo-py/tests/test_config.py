@@ -5,21 +5,32 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 import ddo
 from ddo import _native
 
+# The published library's required keywords of load_dynamic_offload_settings_from_env.
+HOST = dict(
+    execution_device="cpu",
+    offload_device="cpu",
+    target_module_classes=(torch.nn.Linear, torch.nn.Embedding),
+    skip_modules_pattern=(),
+)
+
 
 def test_config_fields_match_the_native_settings():
     native = {field for field, _ in _native.setting_keys()}
-    python = set(ddo.DynamicOffloadConfig.field_names()) - {"preset", "backend", "route", "components"}
+    python = set(ddo.DynamicOffloadConfig.field_names()) - {
+        "preset", "backend", "route", "execution_mode", "components", "small_tensor_threshold_bytes"
+    }
     assert python == native
 
 
 def test_presets_and_backends():
     presets = ddo.get_dynamic_offload_presets()
-    assert presets["one_shot_fast"]["PIN_CPU_MEMORY"] == "1"
-    assert presets["vmm_fast"]["EXECUTION_MODE"] == "vmm_fast_runtime"
+    assert presets["one_shot_fast"]["DDO_PIN_CPU_MEMORY"] == "1"
+    assert presets["vmm_fast"]["DDO_EXECUTION_MODE"] == "vmm_fast_runtime"
     text = ddo.format_dynamic_offload_presets()
     assert text.startswith("DDO presets\n  auto -> one_shot_fast (backend linear), vmm_fast (backend vmm)")
     b = ddo.resolve_dynamic_offload_backend("vmm", "nvme_baseline")
@@ -30,18 +41,18 @@ def test_presets_and_backends():
 
 def test_environment_precedence():
     env = {"DDO_PRESET": "low_ram_safe", "DDO_PREFETCH_DEPTH": "5", "DDO_TRANSFORMER_PREFETCH_DEPTH": "7"}
-    s = ddo.load_dynamic_offload_settings_from_env(component="transformer", environ=env)
+    s = ddo.load_dynamic_offload_settings_from_env(**HOST, component="transformer", environ=env)
     assert s.effective_preset == "low_ram_safe"
     assert s.values["prefetch_depth"] == 7
     assert s.origins["prefetch_depth"] == "DDO_TRANSFORMER_PREFETCH_DEPTH"
     assert s.values["resident_module_budget_gb"] == 3.0
-    s = ddo.load_dynamic_offload_settings_from_env(environ={}, default_preset="warm_process")
+    s = ddo.load_dynamic_offload_settings_from_env(**HOST, environ={}, default_preset="warm_process")
     assert s.effective_preset == "warm_process"
 
 
 def test_unknown_variable_values_name_the_variable():
     with pytest.raises(ddo.DynamicOffloadConfigError, match=r'environment variable DDO_PIN_CPU_MEMORY="maybe" is not a boolean'):
-        ddo.load_dynamic_offload_settings_from_env(environ={"DDO_PIN_CPU_MEMORY": "maybe"})
+        ddo.load_dynamic_offload_settings_from_env(**HOST, environ={"DDO_PIN_CPU_MEMORY": "maybe"})
 
 
 def test_argparse_flags_build_a_config():
@@ -52,7 +63,7 @@ def test_argparse_flags_build_a_config():
     assert config.prefetch_depth is None
     bad = parser.parse_args(["--ddo-vmm-source-cache-gb", "4", "--ddo-vmm-source-registered-gb", "1.1"])
     with pytest.raises(ddo.DynamicOffloadConfigError, match="not a whole number of 64 MiB segments"):
-        ddo.load_dynamic_offload_settings_from_env(environ={})  # fine
+        ddo.load_dynamic_offload_settings_from_env(**HOST, environ={})  # fine
         from ddo.settings import resolve_settings
 
         resolve_settings("transformer", config=ddo.build_config_from_args(bad), environ={})
@@ -66,10 +77,10 @@ def test_unknown_config_fields_are_refused():
 
 
 def test_metrics_never_report_counters_a_route_lacks():
-    m = ddo.DynamicOffloadMetrics(route={"name": "diffusers_group_offload"}, runtime={"passes": 1, "prefetch_hits": 0})
+    m = ddo.DynamicOffloadMetrics(route="diffusers_group_offload", runtime={"passes": 1, "prefetch_hits": 0})
     with pytest.raises(ValueError, match="has no counter"):
         m.validate()
-    ok = ddo.DynamicOffloadMetrics(route={"name": "none"}, setup={"placement": "resident"})
+    ok = ddo.DynamicOffloadMetrics(route="none", setup={"placement": "resident"})
     ok.validate()
     assert ok.as_dict()["runtime"] == {}
     assert "placement=module=resident" in ok.format_profile()

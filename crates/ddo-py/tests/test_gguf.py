@@ -190,7 +190,7 @@ def test_native_route_streams_gguf_and_equals_from_single_file(tmp_path, monkeyp
         monkeypatch.setattr(cls, "from_single_file", read)
     loaded = load(folder, dynamic_offload_config=config(4 if family == "krea2" else 3))  # the folder's one .gguf
     module, result = loaded.module, loaded.offload
-    assert result.route == "vmm_fast_runtime"
+    assert result.runtime_route == "vmm_fast_runtime"
     assert loaded.source["path"] == os.fspath(folder / "model.gguf")
     assert loaded.bound == len(ref.state_dict())
     assert module.is_quantized and module.hf_quantizer.compute_dtype == torch.bfloat16
@@ -247,7 +247,7 @@ def test_gguf_file_by_name_or_path_and_the_linear_route(tmp_path):
     native.offload.remove()
     linear_route = ddo.DynamicOffloadConfig(route="dynamic_offload", execution_device="cpu")
     linear = load(folder, gguf_file=folder / "flux-q8.gguf", dynamic_offload_config=linear_route)
-    assert linear.offload.route == "linear_runtime"
+    assert linear.offload.runtime_route == "linear_runtime"
     for _ in range(2):
         assert torch.equal(run(linear.module, inputs), want)
     linear.offload.remove()

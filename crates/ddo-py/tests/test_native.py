@@ -48,14 +48,14 @@ def test_native_outputs_equal_resident(request, tmp_path, name):
     reference = run(copy.deepcopy(model), inputs)
     loaded = load_native(tmp_path, model)
     result = loaded.offload
-    assert result.route == "vmm_fast_runtime"
+    assert result.runtime_route == "vmm_fast_runtime"
     for _ in range(3):
         assert torch.equal(run(loaded.module, inputs), reference), name
     snapshot = metrics(result)
     setup, runtime = snapshot["setup"], snapshot["runtime"]
     assert setup["streamed_units"] >= 2 and setup["execution_slots"] >= 2, setup
     assert runtime["prefetch_hits"] > 0 and runtime["uploads"] > setup["streamed_units"]
-    assert snapshot["route"]["name"] == "vmm_fast_runtime"
+    assert snapshot["route"] == "dynamic_offload" and snapshot["execution"]["route"] == "vmm_fast_runtime"
     assert setup["host_source"] == "mapping" and setup["execution_device"] == "cpu"
 
 

@@ -37,7 +37,7 @@ def test_a_pipeline_folder_loads_in_one_call_and_generates_what_diffusers_genera
     assert type(result.pipeline) is type(pipe)
     models = {n for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
     assert set(result.offload) == models, result.offload.keys()
-    routes = {n: r.metrics_snapshot().as_dict()["route"]["name"] for n, r in result.offload.items()}
+    routes = {n: r.metrics_snapshot().as_dict()["execution"]["route"] for n, r in result.offload.items()}
     assert set(routes.values()) == {"vmm_fast_runtime"}, routes
     streamed = {n: s.as_dict()["setup"]["streamed_units"] for n, s in result.metrics_snapshots().items()}
     assert streamed["transformer"] >= 2, streamed

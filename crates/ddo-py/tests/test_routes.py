@@ -33,13 +33,14 @@ def test_route_outputs_equal_resident(request, name, route, kwargs):
         pytest.skip("Diffusers group offload targets Diffusers models")
     reference = run(copy.deepcopy(model), inputs)
     result = ddo.enable_offload(model, component="transformer", use_environment=False, **kwargs)
-    assert result.route == route
+    assert result.runtime_route == route
+    assert result.route == ("dynamic_offload" if route == "linear_runtime" else route)
     for _ in range(2):
         got = run(model, inputs)
         assert torch.equal(got, reference), f"{name} {route}: outputs differ"
     snapshot = result.metrics_snapshot()
     data = snapshot.as_dict()
-    assert data["route"]["name"] == route
+    assert data["execution"]["route"] == route
     assert "DDO profile" in snapshot.format_profile()
     if route == "linear_runtime":
         units = ddo.find_execution_units(model)
@@ -93,7 +94,7 @@ def test_pipeline_components_get_their_own_routes(flux, vae, clip):
 
     results = ddo.enable_pipeline_offload(Pipe(), use_environment=False)
     assert set(results) == {"transformer", "vae", "text_encoder"}
-    assert results["transformer"].route == "linear_runtime"
+    assert results["transformer"].runtime_route == "linear_runtime"
     assert results["vae"].route == "diffusers_group_offload"
     assert results["vae"].setup["group_offload"]["use_stream"] is False
     assert results["text_encoder"].route == "diffusers_group_offload"

@@ -92,7 +92,7 @@ def test_a_text_encoder_streams_as_transformers_loads_it(tmp_path, name, stored,
             out = first(got.module(input_ids=ids, return_dict=False))
         assert torch.equal(out, want), name
     snapshot = got.offload.metrics_snapshot().as_dict()
-    assert snapshot["route"]["name"] == "vmm_fast_runtime"
+    assert snapshot["route"] == "dynamic_offload" and snapshot["execution"]["route"] == "vmm_fast_runtime"
     setup = snapshot["setup"]
     assert setup["streamed_units"] >= 2, setup
     assert (setup.get("converted_tensors") or 0) > 0 or stored == loaded

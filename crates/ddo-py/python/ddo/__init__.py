@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from . import _native
 from .api import (
+    DiffusersGroupOffloadResult,
     DynamicOffloadApplyResult,
     DynamicOffloadLoadResult,
     enable_diffusers_group_offload,
@@ -44,18 +45,102 @@ from .errors import (
 )
 from .metrics import DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION, DynamicOffloadMetrics
 from .settings import (
+    DDO_PRESETS,
     DynamicOffloadSettings,
+    dynamic_offload_env_value,
+    dynamic_offload_preset_env_value,
     format_dynamic_offload_presets,
+    get_available_system_ram_gb,
     get_dynamic_offload_presets,
     is_wsl_environment,
     load_dynamic_offload_settings_from_env,
+    resolve_dynamic_offload_preset,
+)
+from .compat import (
+    DynamicOffloadHook,
+    DynamicOffloadPlanEntry,
+    VmmWeightLease,
+    VmmWeightStore,
+    VmmWeightStoreStats,
+    apply_dynamic_offload,
+    build_dynamic_offload_event_payload,
+    clear_dynamic_offload_pinned_tensor_cache,
+    clear_dynamic_offload_plan_cache,
+    detect_quantized_backend_modules,
+    enable_dynamic_offload,
+    inspect_vmm_component,
 )
 from .pipeline import DynamicOffloadPipelineResult, from_pretrained_pipeline_with_dynamic_offload
 from .runtime import StreamedWeight, find_execution_units
 
+# Phase helpers, timing, the metrics journal, offload state and capacity profiles.
+from .journal import DynamicOffloadMetricsJournal
+from .phases import (
+    add_dynamic_offload_lifecycle_arguments,
+    maybe_purge_windows_standby_cache,
+    purge_windows_standby_cache,
+    purge_windows_standby_cache_event,
+    release_native_vmm_idle_cache,
+    release_pytorch_host_cache,
+)
+from .profiles import (
+    DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION,
+    DynamicOffloadProfileSession,
+    dynamic_offload_profile_key,
+    dynamic_offload_profile_path,
+    get_dynamic_offload_profile_dir,
+    get_dynamic_offload_profile_recommendation,
+    load_dynamic_offload_profile,
+    normalize_dynamic_offload_profile_context,
+    record_dynamic_offload_profile,
+)
+from .state import DynamicOffloadState, DynamicOffloadUnitState, get_dynamic_offload_state
+from .timing import DynamicOffloadExecutionTimer
+
+_LIFECYCLE_EXPORTS = [
+    "DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION",
+    "DynamicOffloadExecutionTimer",
+    "DynamicOffloadMetricsJournal",
+    "DynamicOffloadProfileSession",
+    "DynamicOffloadState",
+    "DynamicOffloadUnitState",
+    "add_dynamic_offload_lifecycle_arguments",
+    "dynamic_offload_profile_key",
+    "dynamic_offload_profile_path",
+    "get_dynamic_offload_profile_dir",
+    "get_dynamic_offload_profile_recommendation",
+    "get_dynamic_offload_state",
+    "load_dynamic_offload_profile",
+    "maybe_purge_windows_standby_cache",
+    "normalize_dynamic_offload_profile_context",
+    "purge_windows_standby_cache",
+    "purge_windows_standby_cache_event",
+    "record_dynamic_offload_profile",
+    "release_native_vmm_idle_cache",
+    "release_pytorch_host_cache",
+]
+
 __version__ = _native.version()
 
 __all__ = [
+    "DDO_PRESETS",
+    "DiffusersGroupOffloadResult",
+    "DynamicOffloadHook",
+    "DynamicOffloadPlanEntry",
+    "VmmWeightLease",
+    "VmmWeightStore",
+    "VmmWeightStoreStats",
+    "apply_dynamic_offload",
+    "build_dynamic_offload_event_payload",
+    "clear_dynamic_offload_pinned_tensor_cache",
+    "clear_dynamic_offload_plan_cache",
+    "detect_quantized_backend_modules",
+    "dynamic_offload_env_value",
+    "dynamic_offload_preset_env_value",
+    "enable_dynamic_offload",
+    "get_available_system_ram_gb",
+    "inspect_vmm_component",
+    "resolve_dynamic_offload_preset",
     "ComponentPolicy",
     "DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION",
     "DynamicOffloadApplyResult",
@@ -87,3 +172,4 @@ __all__ = [
     "resolve_dynamic_offload_backend",
     "StreamedWeight",
 ]
+__all__ += _LIFECYCLE_EXPORTS

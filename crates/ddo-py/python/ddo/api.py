@@ -5,19 +5,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from . import _native
 from .config import DynamicOffloadConfig
 from .errors import DynamicOffloadError
+from .log import get_logger, info
 from .metrics import DynamicOffloadMetrics
-from .runtime import SessionRuntime
+from .progress import bar
+from . import journal as _journal, phases as _phases, profiles as _profiles, state as _state, timing as _timing
+from .runtime import SessionRuntime, StreamedWeight
 from .settings import DynamicOffloadSettings, resolve_settings
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_ddo_offload"
+_log = get_logger(__name__)
 
 
 def _default_device() -> str:
@@ -53,7 +56,9 @@ def _host_memory(phase: str) -> Dict[str, Any]:
 
 @dataclass
 class DynamicOffloadApplyResult:
-    """What :func:`enable_offload` did to one component."""
+    """What :func:`enable_offload` did to one component. ``route`` is the published library's
+    route (``dynamic_offload``, ``diffusers_group_offload``, ``none``); ``runtime_route`` is
+    ddo's (``linear_runtime``, ``vmm_fast_runtime``, ``diffusers_group_offload``, ``none``)."""
 
     module: torch.nn.Module
     route: str
@@ -64,16 +69,47 @@ class DynamicOffloadApplyResult:
     source: Optional[Dict[str, Any]] = None
     passes: int = 0
     handles: list = field(default_factory=list)
+    runtime_route: str = ""
+    applied: bool = True
+    # What a named capacity profile did at attach (ddo.profiles), reported in setup metrics.
+    capacity_profile: Optional[Dict[str, Any]] = None
     _removed: bool = False
 
     @property
     def should_move_to_execution_device(self) -> bool:
-        """Whether the caller still has to place the module (an unmanaged component)."""
+        """Whether the caller still has to place the module (an unmanaged component, or a
+        resolved plan that was not applied)."""
+        if not self.applied:
+            return self.route == "none"
         return self.route == "none" and self.setup.get("placement") == "unmanaged"
 
-    def metrics_snapshot(self, *, collect_completed: bool = False) -> DynamicOffloadMetrics:
+    @property
+    def hook(self) -> Optional[SessionRuntime]:
+        """What runs the component's forward on ddo's routes (its session runtime); ``None`` on
+        the others and when the plan was not applied."""
+        return self.runtime
+
+    @property
+    def event_payload(self) -> Dict[str, Any]:
+        """The setup event: route, execution mode and what attaching did (the ``setup``
+        section of metrics)."""
+        payload: Dict[str, Any] = {
+            "route": self.route,
+            "runtime_route": self.runtime_route,
+            "component": self.settings.component,
+            "execution_mode": self.settings.execution_mode,
+            "applied": self.applied,
+        }
+        payload.update(self.metrics_snapshot().as_dict()["setup"] if self.applied else {})
+        return payload
+
+    def metrics_snapshot(
+        self, *, collect_completed: bool = False, execution_timing: Optional[_timing.DynamicOffloadExecutionTimer] = None
+    ) -> DynamicOffloadMetrics:
         """A snapshot of what was done so far. ``collect_completed`` first waits for the execution
-        device's work (one synchronization) so the counters cover completed work only."""
+        device's work (one synchronization) so the counters cover completed work only.
+        ``execution_timing`` (a timer from :meth:`execution_timer`) adds its snapshot under
+        ``runtime.execution_timing``."""
         if self.runtime is not None:
             if collect_completed:
                 self.runtime.synchronize()
@@ -84,7 +120,10 @@ class DynamicOffloadApplyResult:
                 self.settings.native.host_route_metrics(json.dumps(self.setup), json.dumps(runtime), "snapshot")
             )
         data.pop("schema_version", None)
-        return DynamicOffloadMetrics(**data)
+        if self.capacity_profile:
+            data["setup"] = {**data.get("setup", {}), "capacity_profile": dict(self.capacity_profile)}
+        metrics = DynamicOffloadMetrics(**data)
+        return execution_timing.attach(metrics) if execution_timing is not None else metrics
 
     @contextlib.contextmanager
     def cleanup_on_error(self) -> Iterator["DynamicOffloadApplyResult"]:
@@ -108,11 +147,12 @@ class DynamicOffloadApplyResult:
         placeholders. With ``show_profile`` the profile is printed to stderr first."""
         if self._removed:
             return
-        self._removed = True
         if self.settings.values.get("show_profile"):
-            print(self.metrics_snapshot(collect_completed=True).format_profile(), file=sys.stderr, end="")
+            info(_log, self.metrics_snapshot(collect_completed=True).format_profile().rstrip("\n"), shown=True)
         if self.runtime is not None:
+            # Refused inside a forward: the offload stays in place, and a later remove() works.
             self.runtime.detach()
+        self._removed = True
         if self.route == "diffusers_group_offload":
             _remove_group_hooks(self.module)
         for h in self.handles:
@@ -125,7 +165,7 @@ class DynamicOffloadApplyResult:
         if self.runtime is None:
             raise DynamicOffloadError(
                 f"{what} needs a route that streams through ddo's arena (linear_runtime, vmm_fast_runtime); "
-                f"this component uses {self.route}"
+                f"this component uses {self.runtime_route or self.route}"
             )
         return self.runtime
 
@@ -153,6 +193,46 @@ class DynamicOffloadApplyResult:
             raise _native.DynamicOffloadLifecycleError("reload needs an unloaded component (call unload() first)")
         runtime.reload()
 
+    # ---- phase helpers, timing, journal, state, capacity profiles (their own modules) --------
+
+    def detach_auxiliary_cpu_sources(
+        self, *, enabled: bool = False, max_copy_bytes: int = _phases.DEFAULT_MAX_COPY_BYTES
+    ) -> DynamicOffloadMetrics:
+        """Route ``vmm_auxiliary_source_detachment``: see :func:`ddo.phases.detach_auxiliary_cpu_sources`."""
+        return _phases.detach_auxiliary_cpu_sources(self, enabled=enabled, max_copy_bytes=max_copy_bytes)
+
+    def execution_timer(
+        self,
+        *,
+        enabled: bool = False,
+        native_units: bool = False,
+        native_capacity: int = 4096,
+        diagnostic_step_wait: bool = False,
+    ) -> _timing.DynamicOffloadExecutionTimer:
+        """A timer for a denoise loop on this component's device (:mod:`ddo.timing`)."""
+        return _timing.execution_timer(
+            self,
+            enabled=enabled,
+            native_units=native_units,
+            native_capacity=native_capacity,
+            diagnostic_step_wait=diagnostic_step_wait,
+        )
+
+    def metrics_journal(
+        self, directory: Union[str, os.PathLike], *, enabled: bool = False
+    ) -> _journal.DynamicOffloadMetricsJournal:
+        """A journal writing this component's metrics at denoise boundaries (:mod:`ddo.journal`)."""
+        return _journal.DynamicOffloadMetricsJournal(directory, self.metrics_snapshot, enabled=enabled)
+
+    def print_profile_summary(self, top_n: int = 8) -> None:
+        """Prints ``[dynamic-offload-profile]`` lines (:func:`ddo.state.print_profile_summary`)."""
+        _state.print_profile_summary(self, top_n)
+
+    def profile_run(self) -> Any:
+        """With ``build_profile``, a context manager measuring the run on CUDA and recording it
+        under ``profile_name`` (:mod:`ddo.profiles`); otherwise a null context."""
+        return _profiles.profile_run(self)
+
 
 @dataclass
 class DynamicOffloadLoadResult:
@@ -166,9 +246,37 @@ class DynamicOffloadLoadResult:
     def metrics_snapshot(self) -> DynamicOffloadMetrics:
         """Route ``model_load``: how many tensors were bound to checkpoint slices."""
         return DynamicOffloadMetrics(
-            route={"name": "model_load"},
+            route="model_load",
             setup={"source_bound_tensors": self.bound, "tensor_count": len(self.source["tensors"])},
         )
+
+    @property
+    def hook(self) -> Optional[SessionRuntime]:
+        """The offload's runtime when ``apply_dynamic`` attached one, else ``None``."""
+        return self.offload.hook if self.offload is not None else None
+
+    @property
+    def should_move_to_execution_device(self) -> bool:
+        """Whether the caller still has to place the module: true unless ddo offloaded it."""
+        return self.offload is None or self.offload.should_move_to_execution_device
+
+    def profile_run(self) -> Any:
+        """The offload's :meth:`DynamicOffloadApplyResult.profile_run`, or a null context
+        without one."""
+        return self.offload.profile_run() if self.offload is not None else contextlib.nullcontext()
+
+    def inspect_vmm_component(
+        self, *, component: str = "model", buffer_limit_bytes: int = 1 << 20
+    ) -> DynamicOffloadMetrics:
+        """Route ``vmm_component_preflight``: what the native route would stream for this
+        module, from metadata only (no CUDA, no weights read): units, bytes, and the parameters
+        bound to checkpoint slices. ``buffer_limit_bytes`` is the published library's buffer cap;
+        ddo keeps buffers on the device, so it is only reported."""
+        from .compat import inspect_vmm_component
+
+        m = inspect_vmm_component(self.module, component=component)
+        setup = dict(m.setup, source_bound_tensors=self.bound, buffer_limit_bytes=buffer_limit_bytes)
+        return DynamicOffloadMetrics(route="vmm_component_preflight", setup=setup, execution=m.execution)
 
 
 def _remove_group_hooks(module: torch.nn.Module) -> None:
@@ -183,22 +291,48 @@ def _remove_group_hooks(module: torch.nn.Module) -> None:
                 registry.remove_hook(name, recurse=False)
 
 
+@dataclass
+class DiffusersGroupOffloadResult:
+    """What :func:`enable_diffusers_group_offload` applied."""
+
+    module: torch.nn.Module
+    event_payload: Dict[str, Any]
+
+
+class _Default(str):
+    """A keyword's published default, told apart from the same value passed explicitly: left at
+    its default, the layers below (``DDO_*`` variables, the preset) still decide."""
+
+    __slots__ = ()
+
+
+_AUTO = _Default("auto")
+_CUDA0 = _Default("cuda:0")
+
+
+def _given(value: Any) -> bool:
+    return value is not None and not isinstance(value, _Default)
+
+
 def enable_diffusers_group_offload(
     module: torch.nn.Module,
     *,
-    onload_device: Union[str, torch.device, None] = None,
+    onload_device: Union[str, torch.device] = _CUDA0,
     offload_device: Union[str, torch.device] = "cpu",
     offload_type: str = "leaf_level",
     use_stream: bool = True,
     record_stream: bool = False,
     low_cpu_mem_usage: bool = True,
     num_blocks_per_group: int = 1,
-) -> Dict[str, Any]:
-    """Applies Diffusers' own group offload hooks; returns the parameters applied. Streams are
-    turned off on a CPU execution device."""
-    from diffusers.hooks import apply_group_offloading
-
-    device = torch.device(onload_device or _default_device())
+    apply_hook: bool = True,
+    record_event: Optional[Callable[[str, Dict[str, Any]], Any]] = None,
+    event_name: str = "setup_diffusers_group_offload",
+) -> DiffusersGroupOffloadResult:
+    """Applies Diffusers' own group offload hooks (``apply_group_offloading``). Left at its
+    default, ``onload_device`` is ``cuda:0``, or the CPU on a machine without CUDA; streams are
+    turned off on a CPU execution device. ``apply_hook=False`` only builds the payload;
+    ``record_event(event_name, payload)`` is called with it."""
+    device = torch.device(onload_device if _given(onload_device) else _default_device())
     if device.type != "cuda":
         use_stream, record_stream = False, False
     kwargs: Dict[str, Any] = dict(
@@ -211,32 +345,43 @@ def enable_diffusers_group_offload(
     )
     if offload_type == "block_level":
         kwargs["num_blocks_per_group"] = num_blocks_per_group
-    apply_group_offloading(module, **kwargs)
+    if apply_hook:
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(module, **kwargs)
     applied = {k: kwargs[k] for k in ("offload_type", "use_stream", "record_stream", "low_cpu_mem_usage")}
     if offload_type == "block_level":
         applied["num_blocks_per_group"] = num_blocks_per_group
-    return applied
+    if record_event is not None:
+        record_event(event_name, dict(applied))
+    return DiffusersGroupOffloadResult(module=module, event_payload=applied)
 
 
 def enable_offload(
     module: torch.nn.Module,
     *,
-    component: str = "model",
+    settings: Optional[DynamicOffloadSettings] = None,
     config: Optional[DynamicOffloadConfig] = None,
-    preset: Optional[str] = None,
-    backend: Optional[str] = None,
+    component: str = "model",
+    preset: str = _AUTO,
     route: Optional[str] = None,
     group_offload: Optional[bool] = None,
     dynamic_offload: Optional[bool] = None,
     offload_type: Optional[str] = None,
     use_stream: Optional[bool] = None,
     record_stream: Optional[bool] = None,
-    low_cpu_mem_usage: Optional[bool] = None,
+    group_low_cpu_mem_usage: Optional[bool] = None,
     num_blocks_per_group: Optional[int] = None,
-    execution_device: Union[str, torch.device, None] = None,
+    execution_device: Union[str, torch.device] = _CUDA0,
+    offload_device: Union[str, torch.device] = "cpu",
+    low_cpu_mem_usage: bool = True,
+    running_on_wsl: Optional[bool] = None,
     environ: Optional[Mapping[str, str]] = None,
     use_environment: bool = True,
-    running_on_wsl: Optional[bool] = None,
+    apply_hook: bool = True,
+    record_event: Optional[Callable[[str, Dict[str, Any]], Any]] = None,
+    dynamic_event_name: Optional[str] = None,
+    group_event_name: Optional[str] = None,
     **config_overrides: Any,
 ) -> DynamicOffloadApplyResult:
     """Offloads one component by its resolved route (see the README's route table):
@@ -244,8 +389,16 @@ def enable_offload(
     from :func:`from_pretrained_with_dynamic_offload`), ``diffusers_group_offload`` or ``none``.
 
     Explicit keywords beat ``config``, which beats component policies, ``DDO_<COMPONENT>_*``,
-    ``DDO_*``, the preset and defaults; ``config_overrides`` are config field names (an unknown
-    one is a ``TypeError``). Bad settings raise :class:`DynamicOffloadConfigError`; a module that
+    ``DDO_*``, the preset and defaults; ``config_overrides`` are config field names (``backend``
+    among them; an unknown one is a ``TypeError``). ``preset`` and ``execution_device`` left at
+    their defaults (``auto``, ``cuda:0``) let ``DDO_PRESET`` / ``DDO_EXECUTION_DEVICE`` decide;
+    without CUDA the default device is the CPU (the host backend). ``settings`` (from
+    :func:`load_dynamic_offload_settings_from_env`) is used as resolved, re-resolved for this
+    ``component`` when it was resolved for another. ``group_low_cpu_mem_usage`` is the
+    component's Diffusers ``low_cpu_mem_usage``; ``low_cpu_mem_usage=False`` applies when that
+    is unset. ``apply_hook=False`` resolves and reports without touching the module;
+    ``record_event(name, payload)`` receives the setup event (``dynamic_event_name`` /
+    ``group_event_name``). Bad settings raise :class:`DynamicOffloadConfigError`; a module that
     cannot be offloaded raises :class:`DynamicOffloadError`; in both cases the module is left as
     it was.
     """
@@ -254,29 +407,45 @@ def enable_offload(
             f"{type(module).__name__} is already offloaded by ddo; call remove_dynamic_offload(module) first"
         )
     arguments: Dict[str, Any] = {k: v for k, v in config_overrides.items()}
-    for k, v in (("preset", preset), ("backend", backend), ("route", route)):
-        if v is not None:
+    if "target_module_classes" in arguments:
+        arguments["target_module_classes"] = [
+            c if isinstance(c, str) else c.__name__ for c in arguments["target_module_classes"]
+        ]
+    for k, v in (("preset", preset), ("route", route)):
+        if _given(v):
             arguments[k] = v
-    if execution_device is not None:
+    if _given(execution_device):
         arguments["execution_device"] = str(execution_device)
+    if str(offload_device) != "cpu":
+        arguments["offload_device"] = str(offload_device)
+    if group_low_cpu_mem_usage is None and not low_cpu_mem_usage:
+        group_low_cpu_mem_usage = False
     group = {
         "group_offload": group_offload,
         "dynamic_offload": dynamic_offload,
         "offload_type": offload_type,
         "use_stream": use_stream,
         "record_stream": record_stream,
-        "low_cpu_mem_usage": low_cpu_mem_usage,
+        "low_cpu_mem_usage": group_low_cpu_mem_usage,
         "num_blocks_per_group": num_blocks_per_group,
     }
-    settings = resolve_settings(
-        component,
-        arguments=arguments,
-        group=group,
-        config=config,
-        environ=environ,
-        use_environment=use_environment,
-        running_on_wsl=running_on_wsl,
-    )
+    if settings is not None and (arguments or config is not None or any(v is not None for v in group.values())):
+        raise TypeError(
+            "pass either settings= (already resolved) or the keywords and config that resolve them, not both"
+        )
+    if settings is not None:
+        settings = settings.for_component(component)
+    else:
+        settings = resolve_settings(
+            component,
+            arguments=arguments,
+            group=group,
+            config=config,
+            environ=environ,
+            use_environment=use_environment,
+            running_on_wsl=running_on_wsl,
+        )
+    settings, capacity_profile = _profiles.apply_capacity_profile(module, settings)
     device = torch.device(settings.device)
     name = settings.route_name
     if device.type == "cuda":
@@ -289,7 +458,14 @@ def enable_offload(
             raise DynamicOffloadError(f"execution device {device} is not available: PyTorch sees no CUDA device")
     for w in settings.warnings:
         warnings.warn(f"ddo: {w}", stacklevel=2)
-    result = DynamicOffloadApplyResult(module=module, route=name, settings=settings, execution_device=device)
+    result = DynamicOffloadApplyResult(
+        module=module, route=_published_route(name), settings=settings, execution_device=device, runtime_route=name
+    )
+    result.capacity_profile = capacity_profile
+    if not apply_hook:
+        result.applied = False
+        _record(record_event, result, dynamic_event_name, group_event_name)
+        return result
     setup: Dict[str, Any] = {}
     t = time.perf_counter()
     if settings.runs_in_session:
@@ -318,7 +494,7 @@ def enable_offload(
             record_stream=g["record_stream"],
             low_cpu_mem_usage=g["low_cpu_mem_usage"],
             num_blocks_per_group=g["num_blocks_per_group"],
-        )
+        ).event_payload
         setup["group_offload"] = applied
 
         def count(_m: torch.nn.Module, _args: tuple) -> None:
@@ -335,56 +511,120 @@ def enable_offload(
     setup["setup_seconds"] = time.perf_counter() - t
     result.setup = setup
     setattr(module, _STATE_ATTR, result)
-    if settings.values.get("verbose"):
-        print(f"[ddo] {component}: route {name} on {device}", file=sys.stderr)
-        if result.runtime is not None:
-            print(result.metrics_snapshot().format_profile(), file=sys.stderr, end="")
+    verbose = bool(settings.values.get("verbose"))
+    info(_log, f"[ddo] {component}: route {name} on {device}", shown=verbose)
+    if verbose and result.runtime is not None:
+        info(_log, result.metrics_snapshot().format_profile().rstrip("\n"), shown=True)
+    _record(record_event, result, dynamic_event_name, group_event_name)
     return result
 
 
-def remove_dynamic_offload(module: torch.nn.Module) -> None:
-    """Removes ddo from ``module`` (a no-op when it is not offloaded)."""
-    result = getattr(module, _STATE_ATTR, None)
-    if result is not None:
-        result.remove()
+def _published_route(runtime_route: str) -> str:
+    """The published library's name of one of ddo's routes."""
+    arena = ("linear_runtime", "linear_convolution", "vmm_fast_runtime", "vmm_runtime")
+    return "dynamic_offload" if runtime_route in arena else runtime_route
+
+
+def _record(
+    record_event: Optional[Callable[[str, Dict[str, Any]], Any]],
+    result: DynamicOffloadApplyResult,
+    dynamic_event_name: Optional[str],
+    group_event_name: Optional[str],
+) -> None:
+    """Hands the setup event to the host's recorder, named by route."""
+    if record_event is None:
+        return
+    if result.route == "diffusers_group_offload":
+        name = group_event_name or "setup_diffusers_group_offload"
+    elif result.route == "dynamic_offload":
+        name = dynamic_event_name or "setup_dynamic_offload"
+    else:
+        name = "setup_no_offload"
+    record_event(name, result.event_payload)
+
+
+def remove_dynamic_offload(module: torch.nn.Module, recurse: bool = True) -> None:
+    """Removes ddo from ``module`` (a no-op when it is not offloaded) and, with ``recurse``,
+    from every submodule offloaded on its own."""
+    targets = list(module.modules()) if recurse else [module]
+    for m in targets:
+        result = getattr(m, _STATE_ATTR, None)
+        if result is not None:
+            result.remove()
+
+
+_FALLBACK_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "unet", "vae")
 
 
 def enable_pipeline_offload(
     pipeline: Any,
     *,
-    components: Optional[Sequence[str]] = None,
-    config: Optional[DynamicOffloadConfig] = None,
-    preset: Optional[str] = None,
-    backend: Optional[str] = None,
-    execution_device: Union[str, torch.device, None] = None,
+    settings: Optional[DynamicOffloadSettings] = None,
+    components: Union[Sequence[str], Mapping[str, Any], None] = None,
+    preset: str = _AUTO,
+    execution_device: Union[str, torch.device] = _CUDA0,
+    offload_device: Union[str, torch.device] = "cpu",
+    low_cpu_mem_usage: bool = True,
+    running_on_wsl: Optional[bool] = None,
     environ: Optional[Mapping[str, str]] = None,
     use_environment: bool = True,
+    apply_hook: bool = True,
+    record_event: Optional[Callable[[str, Dict[str, Any]], Any]] = None,
+    config: Optional[DynamicOffloadConfig] = None,
     **config_overrides: Any,
 ) -> Dict[str, DynamicOffloadApplyResult]:
     """Offloads every ``torch.nn.Module`` component of a Diffusers pipeline by its own resolved
-    route (VAE and text-encoder defaults included). If one component fails, the ones already
-    done are removed again and the error re-raised."""
-    items = getattr(pipeline, "components", None)
-    if items is None:
-        raise DynamicOffloadError("the pipeline has no .components mapping")
-    names = list(components) if components is not None else list(items.keys())
+    route (VAE and text-encoder defaults included). ``components`` is a list of names, or a
+    mapping of names to modules; by default the pipeline's ``components``, else its
+    ``text_encoder``, ``text_encoder_2``, ``transformer``, ``unet`` and ``vae`` attributes.
+    Components that are not modules are skipped. A component left unmanaged by its route is
+    moved to the execution device (``setup`` records ``unmanaged_module_moved_to_execution_device``).
+    If one component fails, the ones already done are removed again and the error re-raised."""
+    if isinstance(components, Mapping):
+        items: Mapping[str, Any] = dict(components)
+        names = list(items)
+    else:
+        items = getattr(pipeline, "components", None) or {
+            n: getattr(pipeline, n) for n in _FALLBACK_COMPONENTS if getattr(pipeline, n, None) is not None
+        }
+        if not items and components is None:
+            raise DynamicOffloadError(
+                "the pipeline has no .components mapping and none of text_encoder, text_encoder_2, transformer, "
+                "unet, vae; pass components={name: module}"
+            )
+        names = list(components) if components is not None else list(items.keys())
+        missing = [n for n in names if n not in items]
+        if missing:
+            raise DynamicOffloadError(f"the pipeline has no component(s) {', '.join(missing)}; it has {', '.join(items)}")
+    modules = [n for n in names if isinstance(items.get(n), torch.nn.Module)]
+    keywords: Dict[str, Any] = dict(
+        running_on_wsl=running_on_wsl,
+        environ=environ,
+        use_environment=use_environment,
+        apply_hook=apply_hook,
+        record_event=record_event,
+    )
+    if settings is None:
+        keywords.update(
+            preset=preset,
+            execution_device=execution_device,
+            offload_device=offload_device,
+            low_cpu_mem_usage=low_cpu_mem_usage,
+            config=config,
+            **config_overrides,
+        )
+    else:
+        keywords["settings"] = settings
     done: Dict[str, DynamicOffloadApplyResult] = {}
     try:
-        for name in names:
-            comp = items.get(name)
-            if not isinstance(comp, torch.nn.Module):
-                continue
-            done[name] = enable_offload(
-                comp,
-                component=name,
-                config=config,
-                preset=preset,
-                backend=backend,
-                execution_device=execution_device,
-                environ=environ,
-                use_environment=use_environment,
-                **config_overrides,
-            )
+        with bar(modules, desc="ddo offload", unit="component") as progress:
+            for name in progress:
+                progress.set_postfix_str(name, refresh=False)
+                done[name] = enable_offload(items[name], component=name, **keywords)
+                r = done[name]
+                if apply_hook and r.should_move_to_execution_device:
+                    items[name].to(r.execution_device)
+                    r.setup["unmanaged_module_moved_to_execution_device"] = True
     except BaseException:
         for r in done.values():
             with contextlib.suppress(Exception):
@@ -398,7 +638,7 @@ def _association(path: str) -> Dict[str, Any]:
 
 
 def from_pretrained_with_dynamic_offload(
-    path: Union[str, os.PathLike],
+    pretrained_model_name_or_path: Union[str, os.PathLike],
     *,
     model_loader: Any = None,
     subfolder: Optional[str] = None,
@@ -406,6 +646,8 @@ def from_pretrained_with_dynamic_offload(
     dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
     apply_dynamic: bool = False,
     component: str = "model",
+    profile_name: Optional[str] = None,
+    build_profile: Optional[bool] = None,
     **from_pretrained_kwargs: Any,
 ) -> DynamicOffloadLoadResult:
     """Validates the checkpoint (every header, before any load), loads the model with
@@ -418,8 +660,21 @@ def from_pretrained_with_dynamic_offload(
     ``config.json`` in the folder, as Diffusers' ``from_single_file(gguf_file, config=folder,
     quantization_config=GGUFQuantizationConfig(compute_dtype=torch_dtype))`` loads it: on the
     native route its tensors stream as they are stored (quantized ones as ``GGUFParameter`` s that
-    ``GGUFLinear`` dequantizes in its forward); on the linear route through ``from_single_file``."""
-    path = _local_path(path, from_pretrained_kwargs.get("revision"))
+    ``GGUFLinear`` dequantizes in its forward); on the linear route through ``from_single_file``.
+
+    ``profile_name`` / ``build_profile`` set those config fields of the offload (a named capacity
+    profile, :mod:`ddo.profiles`); they need ``apply_dynamic=True``."""
+    if profile_name is not None or build_profile is not None:
+        if not apply_dynamic:
+            raise _native.DynamicOffloadConfigError(
+                "profile_name and build_profile configure the offload: pass apply_dynamic=True with them"
+            )
+        chosen = {k: v for k, v in (("profile_name", profile_name), ("build_profile", build_profile)) if v is not None}
+        dynamic_offload_config = (dynamic_offload_config or DynamicOffloadConfig()).replace(**chosen)
+    # One step per stage Python drives: validate (every header), load (build the module), attach.
+    stages = bar(total=3 if apply_dynamic else 2, desc=f"ddo {component}", unit="stage", leave=False)
+    stages.set_postfix_str("validate")
+    path = _local_path(pretrained_model_name_or_path, from_pretrained_kwargs.get("revision"))
     folder = os.path.join(path, subfolder) if subfolder else path
     gguf_path = _gguf_path(folder, gguf_file, from_pretrained_kwargs.get("variant"))
     checkpoint = gguf_path or _variant_checkpoint(folder, from_pretrained_kwargs.get("variant"))
@@ -434,6 +689,8 @@ def from_pretrained_with_dynamic_offload(
         )
     if subfolder and not gguf_path:
         from_pretrained_kwargs["subfolder"] = subfolder
+    stages.update()
+    stages.set_postfix_str("load")
     module = None
     if apply_dynamic:
         # The native route streams every weight from the checkpoint's mapping: build the module
@@ -461,10 +718,14 @@ def from_pretrained_with_dynamic_offload(
         if t is not None and (gguf_path is not None or list(t["shape"]) == list(p.shape)):
             bound += 1
     result = DynamicOffloadLoadResult(module=module, source=source, bound=bound)
+    stages.update()
     if apply_dynamic:
+        stages.set_postfix_str("attach")
         module.eval()
         result.offload = enable_offload(module, component=component, config=dynamic_offload_config)
         result.offload.source = source
+        stages.update()
+    stages.close()
     return result
 
 
@@ -755,7 +1016,37 @@ def _meta_module(loader: Any, folder: str, dtype: Any) -> Optional[torch.nn.Modu
     return module.eval()
 
 
-def inspect_host_memory() -> DynamicOffloadMetrics:
-    """Route ``host_memory_observation``: this process's RSS and the host's limits; never touches
-    CUDA."""
-    return DynamicOffloadMetrics(route={"name": "host_memory_observation"}, host_memory=_host_memory("inspect"))
+def inspect_host_memory(
+    module: Optional[torch.nn.Module] = None, *, phase: str = "", max_storage_samples: int = 16
+) -> DynamicOffloadMetrics:
+    """Route ``host_memory_observation``: this process's RSS and the host's limits, and with
+    ``module`` a census of its host (CPU) parameter and buffer storages, grouped by storage, with
+    up to ``max_storage_samples`` of the largest (bytes, tensor names, and the checkpoint file a
+    storage is bound to when the module came from :func:`from_pretrained_with_dynamic_offload`).
+    Never touches CUDA."""
+    if max_storage_samples < 0:
+        raise ValueError(f"max_storage_samples must be >= 0, not {max_storage_samples}")
+    setup: Dict[str, Any] = {}
+    if module is not None:
+        storages: Dict[tuple, Dict[str, Any]] = {}
+        tensors = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+        for name, t in tensors:
+            if t.device.type != "cpu" or t.is_meta or isinstance(t, StreamedWeight):
+                continue
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            entry = storages.setdefault(key, {"bytes": storage.nbytes(), "tensors": []})
+            entry["tensors"].append(name)
+        source = getattr(module, "_ddo_source", None) or {}
+        files = {t["name"]: t.get("file") for t in source.get("tensors", [])}
+        samples = sorted(storages.values(), key=lambda e: -e["bytes"])[:max_storage_samples]
+        for e in samples:
+            shard = next((files[n] for n in e["tensors"] if files.get(n)), None)
+            if shard:
+                e["shard"] = shard
+        setup = {
+            "host_storage_groups": len(storages),
+            "host_storage_bytes": sum(e["bytes"] for e in storages.values()),
+            "host_storage_samples": samples,
+        }
+    return DynamicOffloadMetrics(route="host_memory_observation", setup=setup, host_memory=_host_memory(phase or "inspect"))

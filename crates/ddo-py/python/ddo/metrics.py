@@ -14,36 +14,65 @@ __all__ = ["DynamicOffloadMetrics", "DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION"]
 DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION = _native.metrics_schema_version()
 
 
+# ddo's routes that stream through the arena: the published library calls each `dynamic_offload`.
+_ARENA_ROUTES = ("linear_runtime", "vmm_fast_runtime", "vmm_runtime")
+
+
 def _present(section: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in section.items() if v is not None}
 
 
 @dataclass(frozen=True)
 class DynamicOffloadMetrics:
-    """A versioned snapshot. A counter the route does not have is absent, never zero; the native
-    validator refuses a snapshot that reports one."""
+    """A versioned snapshot. ``route`` is the published library's route string
+    (``dynamic_offload``, ``diffusers_group_offload``, ``none``, or an observation such as
+    ``model_load``); ``execution`` is ddo's addition beside it: ddo's own route
+    (``linear_runtime``, ``vmm_fast_runtime``), component, backend and presets. A counter the
+    route does not have is absent, never zero; the native validator refuses a snapshot that
+    reports one."""
 
-    route: Mapping[str, Any]
+    route: str
     configuration: Mapping[str, Any] = field(default_factory=dict)
     setup: Mapping[str, Any] = field(default_factory=dict)
     runtime: Mapping[str, Any] = field(default_factory=dict)
     host_memory: Optional[Mapping[str, Any]] = None
+    execution: Optional[Mapping[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.route, Mapping):
+            # Schema version 1 carried ddo's route as a mapping: read it as version 2 does.
+            detail = dict(self.route)
+            name = str(detail.pop("name", ""))
+            published = "dynamic_offload" if name in _ARENA_ROUTES else name
+            object.__setattr__(self, "route", published)
+            if detail and self.execution is None:
+                object.__setattr__(self, "execution", {"route": name, **detail})
+        elif not isinstance(self.route, str):
+            raise TypeError(f"route is a string such as 'dynamic_offload', not {type(self.route).__name__}")
 
     @property
     def schema_version(self) -> int:
         """The layout version."""
         return DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION
 
+    @property
+    def runtime_route(self) -> str:
+        """ddo's route when known (``linear_runtime``), else the published one."""
+        return str((self.execution or {}).get("route") or self.route)
+
     def as_dict(self) -> dict[str, Any]:
-        """A deep copy as plain JSON-able data."""
+        """A deep copy as plain JSON-able data: the published keys (``schema_version``,
+        ``route``, ``configuration``, ``setup``, ``runtime``) and ddo's ``execution`` and
+        ``host_memory`` beside them."""
         out: dict[str, Any] = {
             "schema_version": self.schema_version,
-            "route": _present(self.route),
+            "route": self.route,
+            "configuration": dict(self.configuration),
             "setup": _present(self.setup),
             "runtime": _present(self.runtime),
         }
-        if self.configuration:
-            out["configuration"] = dict(self.configuration)
+        if self.execution is not None:
+            out["execution"] = _present(self.execution)
         if self.host_memory is not None:
             out["host_memory"] = dict(self.host_memory)
         return copy.deepcopy(out)

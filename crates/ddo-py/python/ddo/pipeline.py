@@ -23,6 +23,7 @@ from .api import (
 from .config import DynamicOffloadConfig
 from .errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
 from .metrics import DynamicOffloadMetrics
+from .progress import bar
 from .settings import resolve_settings
 
 __all__ = ["DynamicOffloadPipelineResult", "from_pretrained_pipeline_with_dynamic_offload"]
@@ -156,8 +157,10 @@ def from_pretrained_pipeline_with_dynamic_offload(
         budgets = {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
     components: Dict[str, Any] = dict(pipeline_kwargs)
     offload: Dict[str, DynamicOffloadApplyResult] = {}
+    progress = bar(specs.items(), total=len(specs), desc="ddo pipeline", unit="component")
     try:
-        for name, spec in specs.items():
+        for name, spec in progress:
+            progress.set_postfix_str(name, refresh=False)
             if name in components:
                 continue
             if spec is None or (isinstance(spec, list) and spec == [None, None]):

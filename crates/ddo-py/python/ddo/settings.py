@@ -11,12 +11,20 @@ from . import _native
 from .config import DynamicOffloadConfig, component_policy_dict
 
 __all__ = [
+    "DDO_PRESETS",
     "DynamicOffloadSettings",
-    "load_dynamic_offload_settings_from_env",
-    "get_dynamic_offload_presets",
+    "dynamic_offload_env_value",
+    "dynamic_offload_preset_env_value",
     "format_dynamic_offload_presets",
+    "get_available_system_ram_gb",
+    "get_dynamic_offload_presets",
     "is_wsl_environment",
+    "load_dynamic_offload_settings_from_env",
+    "resolve_dynamic_offload_preset",
 ]
+
+# Values that read as true in variables and preset tables.
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def is_wsl_environment() -> bool:
@@ -35,7 +43,9 @@ def ddo_environment(environ: Optional[Mapping[str, str]], use_environment: bool)
 
 @dataclass(frozen=True)
 class DynamicOffloadSettings:
-    """One component's resolved plan."""
+    """One component's resolved plan. The published library's attributes read as before
+    (``config``, ``enabled``, ``plan``, ``requested_pin_cpu_memory``, ``preset_value()``, ...);
+    ddo adds where each value came from (``origins``) and the route it chose (``route``)."""
 
     component: str
     backend: str
@@ -53,6 +63,8 @@ class DynamicOffloadSettings:
     session_route: bool
     native: Any = field(repr=False, compare=False, default=None)
     explicit: Mapping[str, Any] = field(default_factory=dict)
+    # What it was resolved from, to resolve another component the same way.
+    inputs: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @property
     def runs_in_session(self) -> bool:
@@ -62,13 +74,73 @@ class DynamicOffloadSettings:
 
     @property
     def route_name(self) -> str:
-        """``linear_runtime``, ``vmm_fast_runtime``, ``vmm_runtime``,
+        """``linear_runtime``, ``linear_convolution``, ``vmm_fast_runtime``, ``vmm_runtime``,
         ``diffusers_group_offload`` or ``none``."""
         return str(self.route["name"])
+
+    @property
+    def config(self) -> DynamicOffloadConfig:
+        """Every resolved setting as a config (explicit, so it resolves to the same values)."""
+        fields = set(DynamicOffloadConfig.field_names())
+        chosen = {k: v for k, v in self.values.items() if k in fields}
+        return DynamicOffloadConfig(preset=self.requested_preset, backend=self.backend, **chosen)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether dynamic offload may run: the execution mode is not ``plan`` (or ``DDO_PLAN``
+        asks for it)."""
+        return self.execution_mode != "plan" or self.plan
+
+    @property
+    def plan(self) -> bool:
+        """``DDO_PLAN`` (or the preset's ``PLAN``) as a boolean."""
+        return self.preset_bool("DDO_PLAN", False)
+
+    @property
+    def requested_pin_cpu_memory(self) -> bool:
+        """``pin_cpu_memory`` as resolved, before the WSL rule."""
+        return bool(self.values.get("pin_cpu_memory"))
+
+    @property
+    def disable_pin_on_wsl(self) -> bool:
+        """Whether pinning is turned off on WSL."""
+        return bool(self.values.get("disable_pin_on_wsl"))
+
+    @property
+    def component_policies(self) -> Mapping[str, Mapping[str, Any]]:
+        """The explicit per-component policies this was resolved with."""
+        config = self.inputs.get("config")
+        policies = dict(getattr(config, "components", None) or {})
+        return {k: (v.as_dict() if hasattr(v, "as_dict") else dict(v)) for k, v in policies.items()}
+
+    def preset_value(self, name: str, default: str = "", environ: Optional[Mapping[str, str]] = None) -> str:
+        """``name`` (``DDO_X`` or ``X``) from ``environ`` (else the environment this was
+        resolved with), else the effective preset's table, else ``default``."""
+        key = name if name.startswith("DDO_") else f"DDO_{name}"
+        env = environ if environ is not None else self.inputs.get("environ", {})
+        if key in env:
+            return str(env[key])
+        return get_dynamic_offload_presets().get(self.effective_preset, {}).get(key, default)
+
+    def preset_bool(self, name: str, default: bool = False, environ: Optional[Mapping[str, str]] = None) -> bool:
+        """:meth:`preset_value` read as a boolean (``1``, ``true``, ``yes``, ``on``)."""
+        value = self.preset_value(name, "", environ)
+        return default if value == "" else value.strip().lower() in _TRUE
 
     def as_metrics(self) -> dict[str, Any]:
         """The configuration section of metrics."""
         return dict(self.configuration)
+
+    def for_component(self, component: str) -> "DynamicOffloadSettings":
+        """The same inputs resolved for ``component`` (routes and policies are per component)."""
+        if component == self.component or not self.inputs:
+            return self
+        return resolve_settings(component, **self.inputs)
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "DynamicOffloadSettings":
+        """:func:`load_dynamic_offload_settings_from_env`."""
+        return load_dynamic_offload_settings_from_env(**kwargs)
 
 
 def resolve_settings(
@@ -93,6 +165,14 @@ def resolve_settings(
         running_on_wsl,
     )
     plan = json.loads(native.json())
+    inputs = dict(
+        arguments=dict(arguments or {}),
+        group=dict(group or {}),
+        config=config,
+        environ=ddo_environment(environ, use_environment),
+        use_environment=True,
+        running_on_wsl=running_on_wsl,
+    )
     return DynamicOffloadSettings(
         component=plan["component"],
         backend=plan["backend"],
@@ -110,29 +190,114 @@ def resolve_settings(
         warnings=tuple(plan.get("warnings", ())),
         native=native,
         explicit=dict(arguments or {}),
+        inputs=inputs,
     )
+
+
+def _class_names(classes: Any) -> list:
+    return [c if isinstance(c, str) else c.__name__ for c in classes]
 
 
 def load_dynamic_offload_settings_from_env(
     *,
-    component: str = "model",
+    execution_device: Any,
+    offload_device: Any,
+    target_module_classes: Any,
+    skip_modules_pattern: Any,
+    always_resident_modules_pattern: Any = None,
+    running_on_wsl: Optional[bool] = None,
     environ: Optional[Mapping[str, str]] = None,
     default_preset: str = "",
-    running_on_wsl: Optional[bool] = None,
+    component_policies: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    component: str = "model",
 ) -> DynamicOffloadSettings:
-    """Settings from ``DDO_*`` variables (``environ`` or the process's), the preset and defaults.
-    ``default_preset`` applies when ``DDO_PRESET`` is unset."""
+    """Settings from ``DDO_*`` variables (``environ`` or the process's), the preset and defaults,
+    for ``component``. ``default_preset`` applies when ``DDO_PRESET`` is unset. The keyword
+    arguments are the published library's: ``target_module_classes`` other than
+    ``(Linear, Embedding)`` and a non-empty ``skip_modules_pattern`` are refused with what ddo
+    does instead; ``component_policies`` maps component names to policies."""
     env = ddo_environment(environ, True)
     if default_preset and "DDO_PRESET" not in env:
         env["DDO_PRESET"] = default_preset
-    return resolve_settings(component, environ=env, running_on_wsl=running_on_wsl)
+    arguments: dict[str, Any] = {
+        "execution_device": str(execution_device),
+        "offload_device": str(offload_device),
+        "target_module_classes": _class_names(target_module_classes),
+        "skip_modules_pattern": list(skip_modules_pattern or ()),
+    }
+    if always_resident_modules_pattern is not None:
+        patterns = always_resident_modules_pattern
+        arguments["always_resident_modules_pattern"] = [patterns] if isinstance(patterns, str) else list(patterns)
+    config = DynamicOffloadConfig(components=dict(component_policies)) if component_policies else None
+    return resolve_settings(component, arguments=arguments, config=config, environ=env, running_on_wsl=running_on_wsl)
+
+
+def dynamic_offload_env_value(name: str, default: str = "", environ: Optional[Mapping[str, str]] = None) -> str:
+    """The variable ``name`` from ``environ`` (else the process's), or ``default``."""
+    source = os.environ if environ is None else environ
+    return str(source.get(name, default))
+
+
+def resolve_dynamic_offload_preset(requested: str, *, running_on_wsl: Optional[bool] = None) -> str:
+    """A linear preset's effective name (``auto`` -> ``one_shot_fast``); empty stays empty; an
+    unknown name raises :class:`DynamicOffloadConfigError` (a ``ValueError``) listing the valid
+    ones. Native presets resolve through :func:`resolve_dynamic_offload_backend` with
+    ``backend="vmm"``."""
+    name = (requested or "").strip().lower()
+    if not name:
+        return ""
+    effective, _mode = _native.resolve_backend("linear", name)
+    return str(effective)
+
+
+def dynamic_offload_preset_env_value(
+    name: str,
+    default: str = "",
+    *,
+    requested_preset: str = "",
+    effective_preset: Optional[str] = None,
+    running_on_wsl: Optional[bool] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> str:
+    """The variable ``name`` when set; else the preset's value of it (``effective_preset``, or
+    ``requested_preset`` resolved); else ``default``. Native presets (``vmm_fast``,
+    ``nvme_baseline``) inherit no linear preset values, so they give ``default``."""
+    source = os.environ if environ is None else environ
+    if name in source:
+        return str(source[name])
+    preset = effective_preset if effective_preset is not None else resolve_dynamic_offload_preset(requested_preset)
+    if preset in ("vmm_fast", "nvme_baseline", ""):
+        return default
+    key = name if name.startswith("DDO_") else f"DDO_{name}"
+    return get_dynamic_offload_presets().get(preset, {}).get(key, default)
 
 
 def get_dynamic_offload_presets() -> dict[str, dict[str, str]]:
-    """Every preset's values, keys without the ``DDO_`` prefix."""
-    return json.loads(_native.preset_values())
+    """Every preset's values (``auto`` included, as its linear preset), keyed by variable name
+    (``DDO_PIN_CPU_MEMORY``)."""
+    raw = json.loads(_native.preset_values())
+    return {preset: {f"DDO_{k}": v for k, v in values.items()} for preset, values in raw.items()}
 
 
-def format_dynamic_offload_presets() -> str:
-    """The text listing of presets and their values."""
-    return _native.format_presets()
+# The published library's constant: every preset's variable values.
+DDO_PRESETS = get_dynamic_offload_presets()
+
+
+def format_dynamic_offload_presets(*, default_preset: str = "auto", running_on_wsl: Optional[bool] = None) -> str:
+    """The text listing of presets and their values; a ``default_preset`` other than ``auto``
+    is named (and checked) on the line after the header."""
+    text = _native.format_presets()
+    name = (default_preset or "auto").strip().lower()
+    if name != "auto":
+        effective, _mode = _native.resolve_backend("vmm" if name in ("vmm_fast", "nvme_baseline") else "linear", name)
+        head, _, rest = text.partition("\n")
+        text = f"{head}\n  default -> {name} ({effective})\n{rest}"
+    return text
+
+
+def get_available_system_ram_gb() -> float:
+    """Available host RAM in GiB (``MemAvailable``, as ddo's admission observes it); 0.0 when it
+    cannot be read."""
+    observed = json.loads(_native.observe_host_memory())
+    available = observed.get("mem_available_bytes")
+    return round(float(available) / 2**30, 4) if available else 0.0

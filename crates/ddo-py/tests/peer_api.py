@@ -1,0 +1,186 @@
+"""The published library's public surface (diffusers-dynamic-offloader 0.1.0rc2), written down as
+stubs: every public name with its parameters and defaults, the attributes of its result and
+settings types, its config fields and its CLI flags. ``test_peer_api.py`` compares ddo against
+this description mechanically. The stubs hold no behaviour; only their signatures matter."""
+
+# ruff: noqa: ARG001
+from __future__ import annotations
+
+import torch
+
+MIB = 1 << 20
+LINEAR_EMBEDDING = (torch.nn.Linear, torch.nn.Embedding)
+PHASES = ("before_run", "after_text_encoder", "before_transformer", "after_run")
+
+
+# Entry points.
+def enable_offload(module, *, settings=None, config=None, component="model", preset="auto", route=None,
+                   group_offload=None, dynamic_offload=None, offload_type=None, use_stream=None, record_stream=None,
+                   group_low_cpu_mem_usage=None, num_blocks_per_group=None, execution_device="cuda:0",
+                   offload_device="cpu", low_cpu_mem_usage=True, running_on_wsl=None, environ=None,
+                   use_environment=True, apply_hook=True, record_event=None, dynamic_event_name=None,
+                   group_event_name=None, **config_overrides): ...
+def enable_pipeline_offload(pipeline, *, settings=None, components=None, preset="auto", execution_device="cuda:0",
+                            offload_device="cpu", low_cpu_mem_usage=True, running_on_wsl=None, environ=None,
+                            use_environment=True, apply_hook=True, record_event=None, **config_overrides): ...
+def enable_dynamic_offload(module, *, component="model", settings=None, config=None, preset="auto",
+                           execution_device="cuda:0", offload_device="cpu", target_module_classes=LINEAR_EMBEDDING,
+                           skip_modules_pattern=(), always_resident_modules_pattern=None, running_on_wsl=None,
+                           environ=None, use_environment=True, apply_hook=True, record_event=None,
+                           event_name="setup_dynamic_offload", **config_overrides): ...
+def enable_diffusers_group_offload(module, *, onload_device="cuda:0", offload_device="cpu", offload_type="leaf_level",
+                                   use_stream=True, record_stream=False, low_cpu_mem_usage=True,
+                                   num_blocks_per_group=1, apply_hook=True, record_event=None,
+                                   event_name="setup_diffusers_group_offload"): ...
+def apply_dynamic_offload(module, config=None): ...
+def from_pretrained_with_dynamic_offload(pretrained_model_name_or_path, *, model_loader=None,
+                                         dynamic_offload_config=None, apply_dynamic=False, profile_name=None,
+                                         build_profile=None, **from_pretrained_kwargs): ...
+def remove_dynamic_offload(module, recurse=True): ...
+def get_dynamic_offload_state(module): ...
+def detect_quantized_backend_modules(module): ...
+def build_dynamic_offload_event_payload(settings, state, config=None): ...
+def clear_dynamic_offload_plan_cache(): ...
+def clear_dynamic_offload_pinned_tensor_cache(): ...
+
+
+# Settings and the environment.
+def load_dynamic_offload_settings_from_env(*, execution_device, offload_device, target_module_classes,
+                                           skip_modules_pattern, always_resident_modules_pattern=None,
+                                           running_on_wsl=None, environ=None, default_preset="",
+                                           component_policies=None): ...
+def dynamic_offload_env_value(name, default="", environ=None): ...
+def dynamic_offload_preset_env_value(name, default="", *, requested_preset="", effective_preset=None,
+                                     running_on_wsl=None, environ=None): ...
+def resolve_dynamic_offload_preset(requested, *, running_on_wsl=None): ...
+def get_dynamic_offload_presets(): ...
+def format_dynamic_offload_presets(*, default_preset="auto", running_on_wsl=None): ...
+def is_wsl_environment(): ...
+def get_available_system_ram_gb(): ...
+def purge_windows_standby_cache(): ...
+def purge_windows_standby_cache_event(record_event, name, print_message=True): ...
+
+
+# Backend and CLI.
+def resolve_dynamic_offload_backend(backend="linear", preset="auto", *, running_on_wsl=None): ...
+def add_dynamic_offload_arguments(parser): ...
+def add_dynamic_offload_lifecycle_arguments(parser, phases=PHASES): ...
+
+
+# Memory and phase helpers.
+def inspect_host_memory(module=None, *, phase="", max_storage_samples=16): ...
+def release_pytorch_host_cache(*, enabled=False, phase="", device=None): ...
+def release_native_vmm_idle_cache(*, enabled=False, phase="", device=None, clear_cublas_workspaces=False): ...
+def inspect_vmm_component(module, *, component="model", module_pattern=".*"): ...
+
+
+# Capacity profiles.
+def get_dynamic_offload_profile_dir(): ...
+
+
+FUNCTIONS = [
+    name for name, value in list(globals().items())
+    if callable(value) and not name.startswith("_") and getattr(value, "__module__", None) == __name__
+    and not isinstance(value, type)
+]
+
+# Names that are values, not callables.
+CONSTANTS = ["DDO_PRESETS", "DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION"]
+
+# Types and what hosts read from them: (attributes, {method: stub}).
+class DynamicOffloadApplyResult:
+    ATTRIBUTES = ("module", "hook", "settings", "should_move_to_execution_device", "event_payload", "route")
+    def metrics_snapshot(self, *, collect_completed=False, execution_timing=None): ...
+    def cleanup_on_error(self): ...
+    def detach_auxiliary_cpu_sources(self, *, enabled=False, max_copy_bytes=16 * MIB): ...
+    def profile_run(self): ...
+    def execution_timer(self, *, enabled=False, native_units=False, native_capacity=4096,
+                        diagnostic_step_wait=False): ...
+    def metrics_journal(self, directory, *, enabled=False): ...
+
+
+class DynamicOffloadLoadResult:
+    ATTRIBUTES = ("module", "hook", "should_move_to_execution_device")
+    def metrics_snapshot(self): ...
+    def inspect_vmm_component(self, *, component="model", buffer_limit_bytes=1 * MIB): ...
+    def profile_run(self): ...
+
+
+class DiffusersGroupOffloadResult:
+    ATTRIBUTES = ("module", "event_payload")
+
+
+class DynamicOffloadSettings:
+    ATTRIBUTES = ("requested_preset", "effective_preset", "enabled", "plan", "config", "requested_pin_cpu_memory",
+                  "effective_pin_cpu_memory", "disable_pin_on_wsl", "running_on_wsl", "component_policies",
+                  "execution_mode")
+    def preset_value(self, name, default="", environ=None): ...
+    def preset_bool(self, name, default=False, environ=None): ...
+    def as_metrics(self): ...
+
+
+class DynamicOffloadBackend:
+    ATTRIBUTES = ("backend", "requested_preset", "effective_preset", "execution_mode", "requires_native_bootstrap")
+    def build_config(self, **overrides): ...
+    def build_config_from_args(self, args): ...
+
+
+class DynamicOffloadMetrics:
+    ATTRIBUTES = ("route", "configuration", "setup", "runtime", "schema_version")
+    def as_dict(self): ...
+    def format_profile(self): ...
+
+
+class DynamicOffloadPlanEntry:
+    ATTRIBUTES = ("module_name", "module_type", "tensor_name", "shape", "dtype", "device", "bytes", "placement")
+
+
+CLASSES = [DynamicOffloadApplyResult, DynamicOffloadLoadResult, DiffusersGroupOffloadResult, DynamicOffloadSettings,
+           DynamicOffloadBackend, DynamicOffloadMetrics, DynamicOffloadPlanEntry]
+
+# Other public types: constructible, or refused with what ddo does instead.
+OTHER_TYPES = ["DynamicOffloadConfig", "DynamicOffloadState", "DynamicOffloadHook", "DynamicOffloadExecutionTimer",
+               "VmmWeightStore", "VmmWeightLease", "VmmWeightStoreStats"]
+
+# Every field of DynamicOffloadConfig (the internal `_profile_budget_applied` aside).
+CONFIG_FIELDS = [
+    "execution_device", "offload_device", "target_module_classes", "skip_modules_pattern",
+    "always_resident_modules_pattern", "small_tensor_threshold_bytes", "execution_mode", "linear_runtime_strategy",
+    "linear_convolution_offload", "vmm_resident_weight_budget_gb", "vmm_staging_buffer_gb",
+    "vmm_windows_file_read_chunk_mb", "vmm_virtual_host_transport", "vmm_native_transport", "vmm_source_cache_gb",
+    "vmm_source_registered_gb", "vmm_module_pattern", "vmm_component_tensor_ownership", "vmm_float8_weight_only",
+    "vmm_execution_auxiliary_ownership", "vmm_component_buffer_limit_mb", "vmm_page_mb",
+    "vmm_dxgi_local_headroom_gb", "vmm_dxgi_shared_headroom_gb", "vmm_dxgi_system_headroom_gb", "vmm_host_cache_gb",
+    "vmm_native_source_cache_slot_mb", "vmm_native_source_cache_slots", "vmm_pin_source_weights",
+    "vmm_fault_fallback", "vmm_execution_backing_reclaim", "pin_cpu_memory", "allow_pin_memory_fallback",
+    "pin_cpu_workers", "cache_plan", "cache_pinned_weights", "pinned_weight_cache_namespace", "auto_budget_policy",
+    "max_resident_module_budget_gb", "auto_vram_headroom_gb", "profile_vram_headroom_gb", "profile_name",
+    "build_profile", "auto_full_pin_min_model_to_vram_ratio", "profile_resident_module_budget_gb",
+    "max_pin_weight_budget_gb", "available_system_ram_gb", "system_ram_headroom_gb", "pin_weight_budget_gb",
+    "pin_weight_budget_ratio", "pin_weight_selection", "resident_module_budget_gb", "resident_module_patterns",
+    "resident_module_selection", "load_safetensors_backend", "verbose", "show_profile",
+]
+
+# add_dynamic_offload_arguments: flag -> default (None for switches and unset values).
+CLI_FLAGS = {
+    "--ddo-backend": "linear",
+    "--ddo-preset": "auto",
+    "--ddo-vmm-resident-weight-budget-gb": 4.0,
+    "--ddo-vmm-total-staging-gb": None,
+    "--ddo-vmm-staging-buffer-gb": 0.625,
+    "--ddo-vmm-native-transport": False,
+    "--ddo-vmm-native-source-cache-slot-mb": 0,
+    "--ddo-vmm-native-source-cache-slots": 0,
+    "--ddo-vmm-source-cache-gb": 0.0,
+    "--ddo-vmm-source-registered-gb": 0.0,
+    "--ddo-vmm-component-tensor-ownership": False,
+    "--ddo-vmm-execution-auxiliary-ownership": False,
+    "--ddo-vmm-component-buffer-limit-mb": 1,
+    "--show-profile": False,
+    "--show-metrics": False,
+}
+
+# The bootstrap module hosts import before CUDA starts.
+class ddo_vmm_bootstrap:  # noqa: N801 - the module's name
+    def vmm_fast_requested(argv=None, *, default_backend="linear"): ...
+    def ensure_vmm_fast_process(*, library_path=None, allocator_cache_mib=512, argv=None, environ=None): ...

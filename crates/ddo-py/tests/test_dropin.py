@@ -1,0 +1,231 @@
+"""A host of the published library switched to ddo by its import: the published keywords,
+settings, results and metrics behave as that host expects, on ddo's runtime."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+import torch
+
+import ddo
+
+HOST = dict(
+    execution_device="cpu",
+    offload_device="cpu",
+    target_module_classes=(torch.nn.Linear, torch.nn.Embedding),
+    skip_modules_pattern=(),
+)
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def test_settings_read_as_published():
+    s = ddo.load_dynamic_offload_settings_from_env(**HOST, environ={"DDO_PRESET": "warm_process"})
+    assert s.enabled and not s.plan
+    assert s.requested_pin_cpu_memory and s.effective_pin_cpu_memory
+    assert s.preset_value("DDO_RESIDENT_MODULE_BUDGET_GB") == "6"
+    assert s.preset_bool("DDO_PIN_CPU_MEMORY") is True
+    assert s.preset_bool("DDO_NOT_A_KEY", True) is True
+    assert s.preset_value("DDO_PIN_CPU_WORKERS", environ={"DDO_PIN_CPU_WORKERS": "2"}) == "2"
+    assert s.config.resident_module_budget_gb == 6.0 and s.config.preset == "warm_process"
+    off = ddo.DynamicOffloadSettings.from_env(**HOST, environ={"DDO_PRESET": "off"})
+    assert not off.enabled
+    with pytest.raises(TypeError):
+        ddo.load_dynamic_offload_settings_from_env(environ={})  # the published keywords are required
+
+
+def test_refused_host_keywords_say_what_instead():
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="target_module_classes .* is not supported by ddo: ddo streams every parameter"):
+        ddo.load_dynamic_offload_settings_from_env(**{**HOST, "target_module_classes": (torch.nn.Conv2d,)}, environ={})
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="offload_device .* is not supported"):
+        ddo.load_dynamic_offload_settings_from_env(**{**HOST, "offload_device": "disk"}, environ={})
+
+
+def test_preset_helpers():
+    assert ddo.resolve_dynamic_offload_preset(" AUTO ") == "one_shot_fast"
+    assert ddo.resolve_dynamic_offload_preset("") == ""
+    with pytest.raises(ValueError, match="turbo"):
+        ddo.resolve_dynamic_offload_preset("turbo")
+    assert ddo.DDO_PRESETS["one_shot_fast"]["DDO_PIN_CPU_MEMORY"] == "1"
+    assert ddo.dynamic_offload_preset_env_value("DDO_PIN_CPU_MEMORY", "x", requested_preset="auto", environ={}) == "1"
+    assert ddo.dynamic_offload_preset_env_value("DDO_PIN_CPU_MEMORY", "x", requested_preset="auto", environ={"DDO_PIN_CPU_MEMORY": "0"}) == "0"
+    # Native presets inherit no linear values.
+    assert ddo.dynamic_offload_preset_env_value("DDO_PIN_CPU_MEMORY", "x", effective_preset="vmm_fast", environ={}) == "x"
+    assert ddo.dynamic_offload_env_value("DDO_X", "d", environ={}) == "d"
+    assert ddo.get_available_system_ram_gb() > 0
+    text = ddo.format_dynamic_offload_presets(default_preset="low_ram_safe")
+    assert "default -> low_ram_safe" in text.splitlines()[1]
+
+
+def test_execution_mode_picks_the_route(flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    config = ddo.DynamicOffloadConfig(execution_mode="linear_runtime", execution_device="cpu")
+    result = ddo.enable_offload(model, component="transformer", config=config, use_environment=False)
+    assert (result.route, result.runtime_route) == ("dynamic_offload", "linear_runtime")
+    assert torch.equal(run(model, inputs), reference)
+    result.remove()
+    plan = ddo.enable_offload(model, component="transformer", execution_mode="plan", execution_device="cpu", use_environment=False)
+    assert plan.route == "none"
+
+
+def test_apply_hook_false_resolves_without_touching_the_module(flux):
+    model, _ = flux
+    before = {n: p for n, p in model.named_parameters()}
+    events = []
+    result = ddo.enable_offload(
+        model, component="transformer", route="dynamic_offload", execution_device="cpu", use_environment=False,
+        apply_hook=False, record_event=lambda name, payload: events.append((name, payload)),
+    )
+    assert result.hook is None and not result.applied
+    assert all(p is before[n] for n, p in model.named_parameters())
+    assert events and events[0][0] == "setup_dynamic_offload" and events[0][1]["applied"] is False
+    # Not applied, so the module can be offloaded now.
+    ddo.enable_offload(model, component="transformer", route="dynamic_offload", execution_device="cpu", use_environment=False).remove()
+
+
+def test_record_event_names_and_payload(flux):
+    model, _ = flux
+    events = []
+    result = ddo.enable_offload(
+        model, component="transformer", route="dynamic_offload", execution_device="cpu", use_environment=False,
+        record_event=lambda name, payload: events.append((name, payload)), dynamic_event_name="attach",
+    )
+    assert [n for n, _ in events] == ["attach"]
+    payload = events[0][1]
+    assert payload["route"] == "dynamic_offload" and payload["runtime_route"] == "linear_runtime"
+    assert payload == result.event_payload
+    assert result.hook is result.runtime is not None
+    result.remove()
+
+
+def test_settings_keyword_resolves_once_and_serves_components(vae):
+    model, inputs = vae
+    reference = run(copy.deepcopy(model), inputs)
+    settings = ddo.load_dynamic_offload_settings_from_env(**HOST, environ={}, component="transformer")
+    result = ddo.enable_offload(model, component="vae", settings=settings)
+    # The VAE default of the preset applies: re-resolved for this component.
+    assert result.route == "diffusers_group_offload"
+    assert torch.equal(run(model, inputs), reference)
+    result.remove()
+    with pytest.raises(TypeError, match="either settings="):
+        ddo.enable_offload(model, settings=settings, route="none")
+
+
+def test_enable_dynamic_offload_ignores_component_defaults(vae):
+    model, inputs = vae
+    reference = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_dynamic_offload(model, component="vae", execution_device="cpu", use_environment=False)
+    assert (result.route, result.runtime_route) == ("dynamic_offload", "linear_runtime")
+    assert torch.equal(run(model, inputs), reference)
+    ddo.remove_dynamic_offload(model)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="skip_modules_pattern"):
+        ddo.enable_dynamic_offload(model, skip_modules_pattern=("norm",), execution_device="cpu", use_environment=False)
+    hook = ddo.apply_dynamic_offload(model, ddo.DynamicOffloadConfig(execution_device="cpu"))
+    assert hook is not None and torch.equal(run(model, inputs), reference)
+    ddo.remove_dynamic_offload(model)
+
+
+def test_remove_recurses_into_offloaded_submodules(flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    inner = model.transformer_blocks
+    ddo.enable_offload(inner, component="blocks", route="none", execution_device="cpu", use_environment=False)
+    assert getattr(inner, "_ddo_offload", None) is not None
+    ddo.remove_dynamic_offload(model, recurse=False)
+    assert getattr(inner, "_ddo_offload", None) is not None
+    ddo.remove_dynamic_offload(model)
+    assert getattr(inner, "_ddo_offload", None) is None
+    assert torch.equal(run(model, inputs), reference)
+
+
+def test_pipeline_components_as_a_mapping_and_unmanaged_ones_moved(flux, vae):
+    transformer, _ = flux
+    autoencoder, _ = vae
+
+    class Pipe:
+        pass
+
+    pipe = Pipe()
+    results = ddo.enable_pipeline_offload(
+        pipe, components={"transformer": transformer, "vae": autoencoder, "scheduler": object()},
+        execution_device="cpu", use_environment=False, environ={}, preset="off",
+    )
+    assert set(results) == {"transformer", "vae"}
+    for r in results.values():
+        assert r.setup.get("unmanaged_module_moved_to_execution_device") is True
+        r.remove()
+    with pytest.raises(ddo.DynamicOffloadError, match="pass components="):
+        ddo.enable_pipeline_offload(pipe, execution_device="cpu")
+    pipe.transformer = transformer
+    results = ddo.enable_pipeline_offload(pipe, execution_device="cpu", use_environment=False)
+    assert list(results) == ["transformer"]
+    results["transformer"].remove()
+
+
+def test_group_offload_result_and_event(vae):
+    model, inputs = vae
+    reference = run(copy.deepcopy(model), inputs)
+    events = []
+    r = ddo.enable_diffusers_group_offload(
+        model, onload_device="cpu", record_event=lambda n, p: events.append(n), apply_hook=False
+    )
+    assert isinstance(r, ddo.DiffusersGroupOffloadResult) and r.event_payload["offload_type"] == "leaf_level"
+    assert events == ["setup_diffusers_group_offload"]
+    assert torch.equal(run(model, inputs), reference)
+
+
+def test_metrics_read_as_published_and_version_1_still_reads(flux):
+    model, _ = flux
+    result = ddo.enable_offload(model, component="transformer", route="dynamic_offload", execution_device="cpu", use_environment=False)
+    d = result.metrics_snapshot().as_dict()
+    assert d["schema_version"] == 2 and d["route"] == "dynamic_offload"
+    assert {"schema_version", "route", "configuration", "setup", "runtime"} <= set(d)
+    assert d["execution"]["route"] == "linear_runtime" and d["execution"]["component"] == "transformer"
+    result.metrics_snapshot().validate()
+    assert "route=dynamic_offload runtime=linear_runtime" in result.metrics_snapshot().format_profile()
+    result.remove()
+    old = ddo.DynamicOffloadMetrics(route={"name": "vmm_fast_runtime", "component": "transformer"})
+    assert (old.route, old.runtime_route) == ("dynamic_offload", "vmm_fast_runtime")
+    with pytest.raises(TypeError, match="route is a string"):
+        ddo.DynamicOffloadMetrics(route=3)
+
+
+def test_inspection_needs_no_cuda_and_reads_no_weights(flux):
+    model, _ = flux
+    m = ddo.inspect_vmm_component(model, component="transformer")
+    s = m.as_dict()["setup"]
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+    assert m.route == "vmm_capacity_inspection" and s["total_bytes"] == total
+    assert s["unit_count"] == len(ddo.find_execution_units(model)) > 0
+    assert 0 < s["streamed_bytes_per_pass"] < total
+    only = ddo.inspect_vmm_component(model, module_pattern=r"^single_transformer_blocks").as_dict()["setup"]
+    assert only["unit_count"] < s["unit_count"]
+    with pytest.raises(ddo.DynamicOffloadError, match="not a regex"):
+        ddo.inspect_vmm_component(model, module_pattern="(")
+    census = ddo.inspect_host_memory(model, phase="before_run", max_storage_samples=2).as_dict()
+    assert census["route"] == "host_memory_observation" and census["host_memory"]["phase"] == "before_run"
+    assert census["setup"]["host_storage_bytes"] == sum(p.untyped_storage().nbytes() for p in {id(p): p for p in list(model.parameters()) + list(model.buffers())}.values())
+    assert len(census["setup"]["host_storage_samples"]) == 2
+
+
+def test_cli_flags_set_only_what_was_given():
+    parser = ddo.add_dynamic_offload_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--ddo-backend", "vmm", "--ddo-vmm-native-transport", "--ddo-vmm-resident-weight-budget-gb", "4"])
+    config = ddo.build_config_from_args(args)
+    assert config.as_dict() == {"backend": "vmm", "vmm_native_transport": True, "vmm_resident_weight_budget_gb": 4.0}
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="vmm_page_mb|component_buffer"):
+        ddo.build_config_from_args(parser.parse_args(["--ddo-vmm-component-buffer-limit-mb", "8"]))
+    b = ddo.resolve_dynamic_offload_backend("vmm", "auto")
+    assert b.requires_native_bootstrap is False
+    assert b.build_config_from_args(parser.parse_args([])).backend == "vmm"
+    with pytest.raises(TypeError, match="execution_mode is decided by the backend"):
+        b.build_config(execution_mode="linear_runtime")

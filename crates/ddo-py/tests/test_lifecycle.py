@@ -1,0 +1,467 @@
+"""Phase helpers, the execution timer, the metrics journal, offload state, the host CLI's
+lifecycle flags, the bootstrap module and capacity profiles, on the host backend (CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+import ddo
+import ddo_vmm_bootstrap
+from ddo import profiles
+from ddo.settings import resolve_settings
+
+from conftest import tiny_flux
+
+MIB = 1 << 20
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def streamed_linear(flux):
+    """The tiny Flux on the linear route with its four blocks streamed through two slots."""
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", use_environment=False, prefetch_depth=0)
+    return model, inputs, result
+
+
+def native(tmp_path, model, **config):
+    folder = tmp_path / "transformer"
+    model.save_pretrained(folder)
+    cfg = dict(backend="vmm", vmm_resident_weight_budget_gb=0.008)
+    cfg.update(config)
+    return ddo.from_pretrained_with_dynamic_offload(
+        folder, apply_dynamic=True, dynamic_offload_config=ddo.DynamicOffloadConfig(**cfg)
+    )
+
+
+def section(metrics, name):
+    metrics.validate()
+    assert name in metrics.format_profile()
+    return metrics.as_dict()["runtime"][name]
+
+
+# ---- phase helpers ------------------------------------------------------------------------------
+
+
+def test_host_cache_release_is_off_by_default_and_never_starts_cuda():
+    m = ddo.release_pytorch_host_cache(phase="after_text_encoder")
+    assert m.route == "pytorch_host_cache_release"
+    assert section(m, "host_cache_release") == {"phase": "after_text_encoder", "status": "disabled"}
+    m = ddo.release_pytorch_host_cache(enabled=True, phase="after_run")
+    assert section(m, "host_cache_release") == {"phase": "after_run", "status": "cuda_not_initialized"}
+    assert not torch.cuda.is_initialized()
+    cpu = section(ddo.release_pytorch_host_cache(enabled=True, device="cpu"), "host_cache_release")
+    assert cpu["status"] == "unsupported" and "CUDA" in cpu["reason"]
+
+
+def test_idle_cache_release_releases_every_idle_slot_of_the_device(flux):
+    model, inputs, result = streamed_linear(flux)
+    first = run(model, inputs)
+    assert section(ddo.release_native_vmm_idle_cache(phase="p"), "idle_cache_release")["status"] == "disabled"
+    assert section(ddo.release_native_vmm_idle_cache(enabled=True), "idle_cache_release")["status"] == "cuda_not_initialized"
+    m = ddo.release_native_vmm_idle_cache(enabled=True, device="cpu", phase="before_transformer")
+    got = section(m, "idle_cache_release")
+    assert got["status"] == "completed" and got["phase"] == "before_transformer"
+    assert got["sessions"] >= 1 and got["slots_released"] == 2 and got["bytes_released"] > 0
+    # The next pass uploads again and computes the same.
+    assert torch.equal(run(model, inputs), first)
+    assert result.metrics_snapshot().as_dict()["runtime"]["reclaim_cycles"] >= 1
+    result.unload()
+    got = section(ddo.release_native_vmm_idle_cache(enabled=True, device="cpu"), "idle_cache_release")
+    assert got["unloaded_sessions"] >= 1 and got["slots_released"] == 0
+    cublas = section(
+        ddo.release_native_vmm_idle_cache(enabled=True, device="cpu", clear_cublas_workspaces=True), "idle_cache_release"
+    )
+    assert cublas["cublas_workspaces_cleared"] is False and "CUDA" in cublas["reason"]
+    result.remove()
+
+
+def test_detachment_reports_nothing_when_the_module_holds_no_checkpoint_view(tmp_path, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result = native(tmp_path, model).offload
+    disabled = section(result.detach_auxiliary_cpu_sources(), "auxiliary_detachment")
+    assert disabled["status"] == "disabled"
+    got = section(result.detach_auxiliary_cpu_sources(enabled=True), "auxiliary_detachment")
+    # Built without weights: every parameter is an arena view, no buffer came from the file.
+    assert got["status"] == "nothing_to_detach"
+    assert got["copied_bytes"] == 0 and got["dropped_references"] == 0
+    assert got["gpu_placement_changed"] is False and got["commit_recovery_proven"] is False
+    assert torch.equal(run(result.module, inputs), reference)
+
+
+def test_detachment_copies_buffers_off_the_loaders_mapping_and_drops_unread_references(tmp_path, sd3):
+    model, inputs = sd3
+    reference = run(copy.deepcopy(model), inputs)
+    loaded = native(tmp_path, model, vmm_resident_weight_budget_gb=0.02)
+    result = loaded.offload
+    # Weak references and copies only: holding a buffer would hold the loader's mapping.
+    buffers = {n: (weakref.ref(b), b.clone()) for n, b in loaded.module.named_buffers()}
+    assert buffers, "SD3 has a persistent buffer: Diffusers loads it from the file"
+    with pytest.raises(ddo.DynamicOffloadCapacityError, match="max_copy_bytes"):
+        result.detach_auxiliary_cpu_sources(enabled=True, max_copy_bytes=16)
+    # Refused before anything changed.
+    assert all(loaded.module.get_buffer(n) is ref() for n, (ref, _) in buffers.items())
+    got = section(result.detach_auxiliary_cpu_sources(enabled=True), "auxiliary_detachment")
+    assert got["status"] == "detached"
+    assert got["copied_bytes"] >= sum(b.numel() * b.element_size() for _, b in buffers.values())
+    # ddo itself holds no tensor from before attach on the native route: nothing to drop.
+    assert got["copied_tensor_owners"] == len(buffers) and got["dropped_references"] == 0
+    assert not result.runtime.original_buffers
+    assert all(p.is_meta for p in result.runtime.originals.values())
+    assert got["mapped_module_tensors_after"] == 0
+    # Nothing holds the loader's private mapping of the checkpoint any more: it is unmapped.
+    assert got["loader_mapping_bytes_before"] > 0 and got["loader_mapping_bytes_after"] == 0
+    for n, (ref, values) in buffers.items():
+        assert ref() is None and torch.equal(loaded.module.get_buffer(n), values)
+    assert torch.equal(run(loaded.module, inputs), reference)
+    assert result.detach_auxiliary_cpu_sources(enabled=True) is result.detach_auxiliary_cpu_sources(enabled=True)
+    result.remove()
+
+
+def test_detachment_does_not_apply_to_the_linear_route(flux):
+    _, _, result = streamed_linear(flux)
+    got = section(result.detach_auxiliary_cpu_sources(enabled=True), "auxiliary_detachment")
+    assert got["status"] == "not_applicable" and "host tensors" in got["reason"]
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="max_copy_bytes"):
+        result.detach_auxiliary_cpu_sources(enabled=True, max_copy_bytes=-1)
+    result.remove()
+
+
+# ---- execution timer --------------------------------------------------------------------------
+
+
+def test_execution_timer_times_steps_on_the_host_clock(flux):
+    model, inputs, result = streamed_linear(flux)
+    disabled = result.execution_timer()
+    with disabled:
+        disabled.mark_step()
+    assert disabled.snapshot()["status"] == "disabled"
+    timer = result.execution_timer(enabled=True)
+    assert timer.snapshot()["status"] == "not_finished"
+    with timer:
+        for _ in range(3):
+            run(model, inputs)
+            timer.mark_step()
+        assert timer.snapshot()["status"] == "not_finished"
+    snap = timer.snapshot(wait=True)
+    assert snap["schema_version"] == 1 and snap["unit"] == "seconds"
+    assert snap["clock"] == "host_perf_counter" and snap["status"] == "complete" and snap["failed"] is False
+    assert snap["step_count"] == 3 and len(snap["step_seconds"]) == 3
+    steps = snap["step_seconds"]
+    assert snap["steady_state_seconds_per_step"] == pytest.approx(sum(steps[1:]) / 2)
+    assert snap["phase_seconds"] == pytest.approx(sum(steps) + snap["tail_seconds"])
+    assert snap["diagnostic_step_wait"]["benchmark_eligible"] is False
+    metrics = result.metrics_snapshot(execution_timing=timer)
+    metrics.validate()
+    assert metrics.as_dict()["runtime"]["execution_timing"] == snap
+    assert "execution_timing=status=complete clock=host_perf_counter" in metrics.format_profile()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="one run"):
+        timer.start()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="mark_step"):
+        timer.mark_step()
+    result.remove()
+
+
+def test_execution_timer_records_failure_and_diagnostic_waits(flux):
+    _, _, result = streamed_linear(flux)
+    timer = result.execution_timer(enabled=True, diagnostic_step_wait=True)
+    with pytest.raises(KeyError):
+        with timer:
+            timer.mark_step()
+            raise KeyError("interrupted")
+    snap = timer.snapshot()
+    assert snap["failed"] is True and snap["step_count"] == 1
+    assert snap["diagnostic_step_wait"]["enabled"] is True and snap["diagnostic_step_wait"]["calls"] == 1
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="native_units.*upload_seconds"):
+        result.execution_timer(enabled=True, native_units=True)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="native_capacity"):
+        result.execution_timer(native_capacity=0)
+    # Any route carries a timer's snapshot.
+    group = ddo.enable_offload(tiny_flux()[0], route="none", use_environment=False)
+    metrics = group.metrics_snapshot(execution_timing=group.execution_timer(enabled=True))
+    metrics.validate()
+    assert metrics.as_dict()["runtime"]["execution_timing"]["status"] == "not_finished"
+    result.remove()
+
+
+# ---- metrics journal --------------------------------------------------------------------------
+
+
+def test_metrics_journal_publishes_each_boundary_once(tmp_path, flux):
+    model, inputs, result = streamed_linear(flux)
+    off = result.metrics_journal(tmp_path / "off")
+    assert off.before_denoise() is None and off.step(0) is None
+    assert not (tmp_path / "off").exists()
+    journal = result.metrics_journal(tmp_path / "journal", enabled=True)
+    first = journal.before_denoise()
+    run(model, inputs)
+    step = journal.step(3)
+    assert os.path.basename(first) == "before_denoise.json" and os.path.basename(step) == "step_0003.json"
+    with open(step, encoding="utf-8") as f:
+        record = json.load(f)
+    assert record["schema_version"] == 1 and record["observation"] == "partial_host_step_boundary"
+    assert record["step_index"] == 3 and record["host_elapsed_seconds"] >= 0
+    assert record["gpu_completion_proven"] is False and record["completion_collection_requested"] is False
+    assert record["metrics"]["runtime"]["passes"] == 1
+    with open(first, encoding="utf-8") as f:
+        assert json.load(f)["metrics"]["runtime"]["passes"] == 0
+    with pytest.raises(FileExistsError):
+        journal.step(3)
+    with pytest.raises(FileExistsError):
+        journal.before_denoise()
+    # A refused record leaves the published one as it was and no temporary file behind.
+    assert sorted(os.listdir(tmp_path / "journal")) == ["before_denoise.json", "step_0003.json"]
+    with open(step, encoding="utf-8") as f:
+        assert json.load(f) == record
+    with pytest.raises(ddo.DynamicOffloadConfigError):
+        journal.step(-1)
+    result.remove()
+
+
+# ---- offload state ----------------------------------------------------------------------------
+
+
+def test_state_reports_units_and_bytes_by_placement(flux, capsys):
+    model, inputs, result = streamed_linear(flux)
+    assert ddo.get_dynamic_offload_state(torch.nn.Linear(2, 2)) is None
+    state = ddo.get_dynamic_offload_state(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert state.route == "linear_runtime" and state.total_bytes == total
+    assert sum(state.bytes_by_placement.values()) == total
+    assert state.unit_count == 5 and state.streamed_unit_count == 4 and state.resident_unit_count == 1
+    assert state.patched_module_count == 4
+    assert sum(u.bytes for u in state.units) == total
+    data = state.as_dict()
+    assert data["bytes_by_placement"]["streamed"] == sum(u["bytes"] for u in data["units"] if u["placement"] == "streamed")
+    json.dumps(data)
+    run(model, inputs)
+    result.print_profile_summary(top_n=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(line.startswith("[dynamic-offload-profile] ") for line in lines)
+    assert any("streamed units (top 2 of 4" in line for line in lines)
+    assert any("runtime passes=1" in line for line in lines)
+    result.unload()
+    unloaded = ddo.get_dynamic_offload_state(model)
+    assert unloaded.unloaded and unloaded.bytes_by_placement == {"unloaded": total}
+    result.reload()
+    result.remove()
+    assert ddo.get_dynamic_offload_state(model) is None
+
+
+def test_state_of_routes_without_the_arena(flux):
+    model, _ = flux
+    result = ddo.enable_offload(model, route="none", use_environment=False)
+    state = ddo.get_dynamic_offload_state(model)
+    assert state.unit_count == 0 and list(state.bytes_by_placement) == ["resident"]
+    result.remove()
+
+
+# ---- host CLI: lifecycle flags, Windows standby purge, bootstrap ---------------------------------
+
+
+def test_lifecycle_arguments_are_tri_state():
+    parser = ddo.add_dynamic_offload_lifecycle_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--purge-before-run", "--no-purge-after-run"])
+    assert args.purge_before_run is True and args.purge_after_run is False
+    assert args.purge_after_text_encoder is None and args.purge_before_transformer is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--purge-after-run", "--no-purge-after-run"])
+    only = ddo.add_dynamic_offload_lifecycle_arguments(argparse.ArgumentParser(), phases=("after_run",))
+    assert vars(only.parse_args([])) == {"purge_after_run": None}
+    with pytest.raises(ValueError, match="unknown lifecycle phase.*before_run"):
+        ddo.add_dynamic_offload_lifecycle_arguments(argparse.ArgumentParser(), phases=("after_vae",))
+
+
+def test_windows_standby_purge_is_a_no_op_on_linux(capsys):
+    expected = {"purged": False, "reason": "non_windows", "phase": "before_run"}
+    assert ddo.maybe_purge_windows_standby_cache("before_run") == expected
+    settings = resolve_settings("model", use_environment=False)
+    assert ddo.maybe_purge_windows_standby_cache(settings, "before_run", enabled=True) == expected
+    assert ddo.purge_windows_standby_cache()["reason"] == "non_windows"
+    events = []
+    got = ddo.purge_windows_standby_cache_event(lambda name, payload: events.append((name, payload)), "after_run")
+    assert got == {"purged": False, "reason": "non_windows", "phase": "after_run"} and events == [("after_run", got)]
+    assert "not purged (non_windows)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="phase"):
+        ddo.maybe_purge_windows_standby_cache(settings)
+
+
+def test_bootstrap_reads_both_flag_forms_and_never_reexecutes():
+    requested = ddo_vmm_bootstrap.vmm_fast_requested
+    assert requested(["--ddo-backend", "vmm", "--ddo-preset", "auto"])
+    assert requested(["--ddo-backend=vmm"])
+    assert requested([], default_backend="vmm")
+    assert not requested(["--ddo-backend", "vmm", "--ddo-preset=nvme_baseline"])
+    assert not requested(["--ddo-backend=linear"])
+    assert not requested(["script.py", "--", "--ddo-backend", "vmm"])
+    assert ddo_vmm_bootstrap.ensure_vmm_fast_process(argv=["--ddo-backend", "vmm"]) is None
+    with pytest.raises(ValueError, match="allocator_cache_mib"):
+        ddo_vmm_bootstrap.ensure_vmm_fast_process(allocator_cache_mib=-1)
+    # Hosts import it before CUDA: it imports no torch, and runs the host in this process.
+    code = "import sys, ddo_vmm_bootstrap as b; b.ensure_vmm_fast_process(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---- capacity profiles ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def profile_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "profiles"
+    monkeypatch.setenv("DDO_PROFILE_DIR", str(directory))
+    return directory
+
+
+def test_profile_key_path_and_directory(profile_dir, monkeypatch):
+    ctx = {"name": "flux", "model_class": "M", "identity_version": 1}
+    key = ddo.dynamic_offload_profile_key(ctx)
+    assert key.startswith("ddo-capacity-v1-") and len(key) == len("ddo-capacity-v1-") + 24
+    # Canonical: the order of keys does not matter, any value does.
+    assert key == ddo.dynamic_offload_profile_key(dict(reversed(list(ctx.items()))))
+    assert key != ddo.dynamic_offload_profile_key({**ctx, "name": "flux2"})
+    import hashlib
+
+    canonical = json.dumps(ctx, sort_keys=True, separators=(",", ":"))
+    assert key == "ddo-capacity-v1-" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
+    assert ddo.get_dynamic_offload_profile_dir() == str(profile_dir)
+    assert ddo.dynamic_offload_profile_path(ctx) == os.path.join(str(profile_dir), key + ".json")
+    monkeypatch.delenv("DDO_PROFILE_DIR")
+    assert ddo.get_dynamic_offload_profile_dir() == os.path.join(os.path.expanduser("~"), ".ddo", "profiles")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="JSON"):
+        ddo.dynamic_offload_profile_key({"name": object()})
+
+
+def test_profile_file_keeps_the_last_20_observations_and_is_replaced_atomically(profile_dir, monkeypatch):
+    ctx = {"name": "flux", "identity_version": 1}
+    assert ddo.load_dynamic_offload_profile(ctx) is None
+    assert ddo.get_dynamic_offload_profile_recommendation(ctx) is None
+    for i in range(25):
+        rec = {"setting": "vmm_resident_weight_budget_gb", "budget_gb": float(i)}
+        ddo.record_dynamic_offload_profile(ctx, {"run": i}, recommendation=rec)
+    data = ddo.load_dynamic_offload_profile(ctx)
+    assert data["schema_version"] == ddo.DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION == 1
+    assert data["key"] == ddo.dynamic_offload_profile_key(ctx) and data["context"] == ctx
+    assert [o["run"] for o in data["observations"]] == list(range(5, 25))
+    assert ddo.get_dynamic_offload_profile_recommendation(ctx)["budget_gb"] == 24.0
+    assert os.listdir(profile_dir) == [os.path.basename(ddo.dynamic_offload_profile_path(ctx))]
+    # A write that fails before the rename leaves the old profile whole and no temporary file.
+    path = ddo.dynamic_offload_profile_path(ctx)
+    before = open(path, encoding="utf-8").read()
+
+    def broken(_src, _dst):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(profiles.os, "replace", broken)
+        with pytest.raises(OSError, match="disk full"):
+            ddo.record_dynamic_offload_profile(ctx, {"run": 99})
+    assert open(path, encoding="utf-8").read() == before
+    assert len(os.listdir(profile_dir)) == 1
+    # A file that is not a profile is named, with what to do.
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("{not json")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="delete it"):
+        ddo.load_dynamic_offload_profile(ctx)
+    assert ddo.DynamicOffloadProfileSession.recommend_resident_budget(24, 20, 1) == 3
+
+
+def write_profile(module, route, budget_gb, name="flux"):
+    """A profile file written by hand, in the documented format, as a build on this device would."""
+    ctx = profiles.profile_context(module, "model", route, "cpu", name)
+    setting = {"linear_runtime": "resident_module_budget_gb", "vmm_fast_runtime": "vmm_resident_weight_budget_gb"}[route]
+    path = ddo.dynamic_offload_profile_path(ctx)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(
+            {
+                "schema_version": 1,
+                "key": ddo.dynamic_offload_profile_key(ctx),
+                "context": ctx,
+                "recommendation": {"setting": setting, "budget_gb": budget_gb},
+                "observations": [{"recorded_by": "test"}],
+            },
+            f,
+        )
+    return ctx
+
+
+def test_a_recorded_profile_sizes_the_linear_routes_resident_budget(profile_dir, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    write_profile(model, "linear_runtime", 0.25)
+    result = ddo.enable_offload(
+        model, config=ddo.DynamicOffloadConfig(route="dynamic_offload", profile_name="flux"), use_environment=False
+    )
+    assert result.settings.values["resident_module_budget_gb"] == 0.25
+    assert result.settings.values["profile_resident_module_budget_gb"] == 0.25
+    setup = result.metrics_snapshot().as_dict()["setup"]
+    assert setup["capacity_profile"]["status"] == "applied" and setup["capacity_profile"]["budget_gb"] == 0.25
+    result.metrics_snapshot().validate()
+    assert "capacity_profile=name=flux status=applied" in result.metrics_snapshot().format_profile()
+    with result.profile_run():  # not building: a null context
+        assert torch.equal(run(model, inputs), reference)
+    # Applying a profile records nothing.
+    ctx = profiles.profile_context(model, "model", "linear_runtime", "cpu", "flux")
+    assert len(ddo.load_dynamic_offload_profile(ctx)["observations"]) == 1
+    result.remove()
+    # An explicit budget wins over the profile.
+    result = ddo.enable_offload(
+        model,
+        config=ddo.DynamicOffloadConfig(route="dynamic_offload", profile_name="flux", resident_module_budget_gb=0.0),
+        use_environment=False,
+    )
+    assert result.settings.values["resident_module_budget_gb"] == 0.0
+    assert result.capacity_profile["status"] == "explicit_budget"
+    assert result.capacity_profile["recommended_budget_gb"] == 0.25
+    result.remove()
+
+
+def test_a_recorded_profile_sizes_the_native_routes_gpu_budget(profile_dir, tmp_path, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    write_profile(model, "vmm_fast_runtime", 0.03)
+    folder = tmp_path / "transformer"
+    model.save_pretrained(folder)
+    loaded = ddo.from_pretrained_with_dynamic_offload(
+        folder, apply_dynamic=True, profile_name="flux", dynamic_offload_config=ddo.DynamicOffloadConfig(backend="vmm")
+    )
+    result = loaded.offload
+    assert result.settings.values["vmm_resident_weight_budget_gb"] == 0.03
+    setup = result.metrics_snapshot().as_dict()["setup"]
+    assert setup["capacity_profile"]["status"] == "applied"
+    assert setup["gpu_budget_bytes"] == int(0.03 * (1 << 30))
+    with loaded.profile_run():
+        assert torch.equal(run(loaded.module, inputs), reference)
+    result.remove()
+
+
+def test_profile_names_without_a_recording_and_builds_off_the_gpu_are_reported(profile_dir, flux):
+    model, _ = flux
+    with pytest.warns(UserWarning, match="no recording"):
+        result = ddo.enable_offload(model, route="dynamic_offload", profile_name="new", use_environment=False)
+    assert result.capacity_profile["status"] == "not_found"
+    result.remove()
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="measures GPU memory.*cpu"):
+        ddo.enable_offload(model, route="dynamic_offload", profile_name="new", build_profile=True, use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="set profile_name"):
+        ddo.enable_offload(model, route="dynamic_offload", build_profile=True, use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="has none"):
+        ddo.enable_offload(model, route="none", profile_name="new", build_profile=True, use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="apply_dynamic=True"):
+        ddo.from_pretrained_with_dynamic_offload("unused", profile_name="new")
+    assert ddo.get_dynamic_offload_state(model) is None

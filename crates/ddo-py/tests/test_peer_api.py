@@ -1,0 +1,132 @@
+"""ddo against the published library's surface (``peer_api.py``), mechanically: every public name
+exists with the same parameters, kinds and defaults (ddo may add keyword-only parameters with
+defaults), or refuses with an error that says what ddo does instead."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+
+import pytest
+
+import ddo
+from ddo.errors import DynamicOffloadError
+
+import peer_api
+
+P = inspect.Parameter
+
+
+def _same_signature(peer, mine, where: str) -> None:
+    theirs, ours = inspect.signature(peer), inspect.signature(mine)
+    ours_params = ours.parameters
+    for name, p in theirs.parameters.items():
+        if p.kind is P.VAR_KEYWORD:
+            assert any(q.kind is P.VAR_KEYWORD for q in ours_params.values()), f"{where}: no **{name}"
+            continue
+        assert name in ours_params, f"{where}: parameter {name} is missing"
+        q = ours_params[name]
+        assert q.kind == p.kind, f"{where}: {name} is {q.kind.description}, published {p.kind.description}"
+        if p.default is P.empty:
+            assert q.default is P.empty, f"{where}: {name} has a default ({q.default!r}); published has none"
+        else:
+            assert q.default is not P.empty and q.default == p.default, (
+                f"{where}: {name} defaults to {q.default!r}, published {p.default!r}"
+            )
+    positional = [n for n, p in theirs.parameters.items() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    ours_positional = [n for n, p in ours_params.items() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    assert ours_positional[: len(positional)] == positional, f"{where}: positional order {ours_positional}"
+    for name, q in ours_params.items():
+        if name not in theirs.parameters and q.kind not in (P.VAR_KEYWORD, P.VAR_POSITIONAL):
+            assert q.default is not P.empty, f"{where}: ddo's own parameter {name} must have a default"
+
+
+@pytest.mark.parametrize("name", peer_api.FUNCTIONS)
+def test_every_published_function_has_the_published_signature(name):
+    assert hasattr(ddo, name), f"ddo.{name} is missing"
+    _same_signature(getattr(peer_api, name), getattr(ddo, name), f"ddo.{name}")
+
+
+@pytest.mark.parametrize("name", peer_api.CONSTANTS)
+def test_every_published_constant_exists(name):
+    assert hasattr(ddo, name), f"ddo.{name} is missing"
+
+
+@pytest.mark.parametrize("cls", peer_api.CLASSES, ids=lambda c: c.__name__)
+def test_every_published_type_has_its_attributes_and_methods(cls):
+    mine = getattr(ddo, cls.__name__)
+    fields = {f.name for f in dataclasses.fields(mine)} if dataclasses.is_dataclass(mine) else set()
+    for attr in cls.ATTRIBUTES:
+        assert attr in fields or hasattr(mine, attr), f"ddo.{cls.__name__}.{attr} is missing"
+    for name, stub in vars(cls).items():
+        if callable(stub) and not name.startswith("_"):
+            assert hasattr(mine, name), f"ddo.{cls.__name__}.{name}() is missing"
+            _same_signature(stub, getattr(mine, name), f"ddo.{cls.__name__}.{name}")
+
+
+@pytest.mark.parametrize("name", peer_api.OTHER_TYPES)
+def test_other_published_types_exist_or_say_what_instead(name):
+    cls = getattr(ddo, name)
+    try:
+        cls()
+    except DynamicOffloadError as e:
+        assert "ddo" in str(e) and len(str(e)) > 40, f"{name}: {e}"
+    except TypeError:
+        pass  # constructible with arguments
+
+
+def test_config_has_every_published_field():
+    fields = set(ddo.DynamicOffloadConfig.field_names())
+    missing = [f for f in peer_api.CONFIG_FIELDS if f not in fields]
+    assert not missing, f"DynamicOffloadConfig lacks {missing}"
+
+
+def test_cli_flags_and_defaults_are_the_published_ones():
+    parser = ddo.add_dynamic_offload_arguments(argparse.ArgumentParser())
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    for flag, default in peer_api.CLI_FLAGS.items():
+        assert flag in actions, f"{flag} is missing"
+        assert actions[flag].default == default, f"{flag} defaults to {actions[flag].default!r}, published {default!r}"
+    # Defaults are shown, not applied: a host that passes no flag gets the variables' and presets' values.
+    assert ddo.build_config_from_args(parser.parse_args([])).as_dict() == {}
+
+
+def test_metrics_route_is_a_string_as_published():
+    m = ddo.DynamicOffloadMetrics(route="x")
+    assert m.as_dict()["route"] == "x"
+    assert m.schema_version == 2
+
+
+def test_bootstrap_module_is_importable_with_the_published_functions():
+    boot = importlib.import_module("ddo_vmm_bootstrap")
+    for name in ("vmm_fast_requested", "ensure_vmm_fast_process"):
+        _same_signature(getattr(peer_api.ddo_vmm_bootstrap, name), getattr(boot, name), f"ddo_vmm_bootstrap.{name}")
+
+
+def test_refused_names_say_what_ddo_does_instead():
+    for name in ("VmmWeightStore", "VmmWeightLease", "VmmWeightStoreStats", "DynamicOffloadHook"):
+        with pytest.raises(DynamicOffloadError, match=rf"{name} is not part of ddo: .*(enable_offload|metrics_snapshot)"):
+            getattr(ddo, name)()
+
+
+def test_the_comparison_catches_each_kind_of_difference():
+    def published(module, *, a=1, b=None, **kw): ...
+
+    def renamed(mod, *, a=1, b=None, **kw): ...
+
+    def other_default(module, *, a=2, b=None, **kw): ...
+
+    def positional(module, a=1, *, b=None, **kw): ...
+
+    def no_var_keyword(module, *, a=1, b=None): ...
+
+    def required_extra(module, *, a=1, b=None, c, **kw): ...
+
+    def extra_with_default(module, *, a=1, b=None, c=3, **kw): ...
+
+    for wrong in (renamed, other_default, positional, no_var_keyword, required_extra):
+        with pytest.raises(AssertionError):
+            _same_signature(published, wrong, wrong.__name__)
+    _same_signature(published, extra_with_default, "extra_with_default")
