@@ -138,3 +138,20 @@ def test_shared_parameters_stay_resident_and_outputs_match():
         assert torch.equal(net(x), reference)
         assert torch.equal(net(x), reference)
     result.remove()
+
+
+def test_a_vae_s_encode_and_decode_are_passes_on_the_arena_route(vae):
+    model, inputs = vae
+    x = inputs["sample"]
+    with torch.no_grad():
+        want_latent = copy.deepcopy(model).encode(x).latent_dist.mode()
+        want = copy.deepcopy(model).decode(want_latent).sample
+    result = ddo.enable_offload(model, component="vae", route="dynamic_offload", execution_device="cpu", use_environment=False)
+    with torch.no_grad():
+        assert torch.equal(model.encode(x).latent_dist.mode(), want_latent)
+        assert torch.equal(model.decode(want_latent).sample, want)
+    assert result.metrics_snapshot().as_dict()["runtime"]["passes"] == 2
+    # Each entry point gets the pass's guards: an input that requires grad is refused.
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="an input requires grad"):
+        model.decode(want_latent.clone().requires_grad_())
+    result.remove()

@@ -29,8 +29,8 @@ _LAYER_CLASSES = (torch.nn.modules.conv._ConvNd, torch.nn.Linear)
 _LAYER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The small-tensor threshold that route brings (KiB): parameters up to it stay resident.
 _LAYER_RESIDENT_KB = 16
-# Methods of a module that run a pass of their own on that route (a VAE's entry points).
-_LAYER_ROUTE_ENTRIES = ("encode", "decode")
+# Methods of a module that run a pass of their own on every arena route (a VAE's entry points).
+_VAE_ENTRIES = ("encode", "decode")
 
 
 def describe_module(module: torch.nn.Module) -> Tuple[list, list]:
@@ -620,12 +620,10 @@ class SessionRuntime:
         """Wraps the module's forward in one pass: forwards of the module run one at a time
         (other threads wait), inputs move to the device, and the pass ends however the forward
         ends (an exception, ``KeyboardInterrupt`` included, aborts it: leases are given back and
-        the order seen is not learned). On route ``linear_convolution`` a VAE's ``encode`` and
-        ``decode`` (what pipelines call) are passes too; called from inside a pass (``forward``
-        calling ``encode``) they belong to it."""
-        names = ["forward"]
-        if self.route == "linear_convolution":
-            names += [n for n in _LAYER_ROUTE_ENTRIES if callable(getattr(type(self.module), n, None))]
+        the order seen is not learned). A VAE's ``encode`` and ``decode`` (what pipelines call)
+        are passes too; called from inside a pass (``forward`` calling ``encode``) they belong to
+        it."""
+        names = ["forward"] + [n for n in _VAE_ENTRIES if callable(getattr(type(self.module), n, None))]
         for name in names:
             setattr(self.module, name, self._entry(name, getattr(self.module, name)))
         self.entries = names
