@@ -225,8 +225,11 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
     let effective_pin_cpu_memory =
         settings.pin_cpu_memory && !(request.running_on_wsl && settings.disable_pin_on_wsl);
     let route = keys.route(choice, &settings, &mut origins)?;
-    // The layer route runs the linear runtime whatever backend the other components use.
-    let execution_mode = if route == Route::LinearConvolution {
+    // The layer route runs the linear runtime whatever backend the other components use, and
+    // a dynamic route asked for under a plan-only mode runs it too: the mode says what runs.
+    let execution_mode = if route == Route::LinearConvolution
+        || (route == Route::LinearRuntime && execution_mode == ExecutionMode::Plan)
+    {
         ExecutionMode::LinearRuntime
     } else {
         execution_mode
@@ -324,10 +327,13 @@ impl ComponentKeys<'_, '_> {
     }
 
     /// Whether the call asks for a runtime itself (a config, settings or a route choice), so
-    /// a preset's component default does not replace it. Where the component runs and the
-    /// published library's host keywords (device, target classes, patterns) are not such asks.
+    /// a preset's component default does not replace it. The preset, where the component runs
+    /// and the published library's host keywords (device, target classes, patterns) are not such
+    /// asks: a preset given as an argument routes components as the same preset from
+    /// `DDO_PRESET` does.
     fn explicit_runtime(&self) -> bool {
         let runtime_arguments = DynamicOffloadConfig {
+            preset: None,
             execution_device: None,
             offload_device: None,
             target_module_classes: None,

@@ -105,3 +105,27 @@ fn where_a_component_runs_is_not_a_request_for_a_runtime() {
         .expect("resolves");
     assert_eq!(asked.route.name(), "linear_runtime");
 }
+
+#[test]
+fn a_preset_argument_routes_components_as_the_variable_does() {
+    let argument = resolve(&with("vae", json!({ "preset": "warm_process" }))).expect("resolves");
+    let request = Request {
+        component: "vae",
+        environment: Environment::from_pairs([("DDO_PRESET", "warm_process")]),
+        ..Request::default()
+    };
+    let variable = resolve(&request).expect("resolves");
+    assert_eq!(argument.route, variable.route);
+    assert_eq!(argument.route.name(), "none");
+}
+
+#[test]
+fn a_dynamic_route_under_a_plan_only_mode_reports_the_mode_that_runs() {
+    let plan = resolve(&with(
+        "transformer",
+        json!({ "execution_mode": "plan", "route": "dynamic_offload" }),
+    ))
+    .expect("resolves");
+    assert_eq!(plan.route.name(), "linear_runtime");
+    assert_eq!(plan.execution_mode, ExecutionMode::LinearRuntime);
+}

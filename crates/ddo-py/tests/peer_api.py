@@ -87,6 +87,26 @@ FUNCTIONS = [
 # Names that are values, not callables.
 CONSTANTS = ["DDO_PRESETS", "DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION"]
 
+# Public callables whose full parameter lists the published description does not give: they must
+# exist and accept these leading parameters.
+PARTLY_DESCRIBED = {
+    "maybe_purge_windows_standby_cache": ("settings_or_phase", "phase"),
+}
+
+# The capacity-profile module's public names (``ddo.profiles``).
+PROFILE_FUNCTIONS = [
+    "get_dynamic_offload_profile_dir", "dynamic_offload_profile_key", "dynamic_offload_profile_path",
+    "load_dynamic_offload_profile", "record_dynamic_offload_profile", "get_dynamic_offload_profile_capacity",
+    "get_dynamic_offload_profile_recommendation", "normalize_dynamic_offload_profile_context",
+    "DynamicOffloadProfileSession",
+]
+
+
+# Constructors of published types: parameter names and kinds (defaults are not published).
+class constructors:  # noqa: N801 - a namespace
+    def DynamicOffloadExecutionTimer(enabled, device, native_factory, diagnostic_step_wait): ...
+    def DynamicOffloadProfileSession(execution_context, capacity_context, profile_dir): ...
+
 # Types and what hosts read from them: (attributes, {method: stub}).
 class DynamicOffloadApplyResult:
     ATTRIBUTES = ("module", "hook", "settings", "should_move_to_execution_device", "event_payload", "route")
@@ -97,6 +117,9 @@ class DynamicOffloadApplyResult:
     def execution_timer(self, *, enabled=False, native_units=False, native_capacity=4096,
                         diagnostic_step_wait=False): ...
     def metrics_journal(self, directory, *, enabled=False): ...
+    def allocation_diagnostics(self, *, enabled=False): ...
+    def operator_diagnostics(self, *, enabled=False, module_path=None, invocations=(0, 2), output_dir=None,
+                             use_cuda=True): ...
 
 
 class DynamicOffloadLoadResult:

@@ -114,8 +114,13 @@ def test_settings_keyword_resolves_once_and_serves_components(vae):
     assert result.route == "diffusers_group_offload"
     assert torch.equal(run(model, inputs), reference)
     result.remove()
-    with pytest.raises(TypeError, match="either settings="):
-        ddo.enable_offload(model, settings=settings, route="none")
+    # Keywords apply on top of the settings, as published.
+    on_top = ddo.enable_offload(model, component="vae", settings=settings, route="dynamic_offload", prefetch_depth=0)
+    assert on_top.runtime_route == "linear_runtime" and on_top.settings.values["prefetch_depth"] == 0
+    assert torch.equal(run(model, inputs), reference)
+    on_top.remove()
+    with pytest.raises(TypeError, match="settings must be ddo.DynamicOffloadSettings"):
+        ddo.enable_offload(model, settings="transformer")
 
 
 def test_enable_dynamic_offload_ignores_component_defaults(vae):
@@ -229,3 +234,127 @@ def test_cli_flags_set_only_what_was_given():
     assert b.build_config_from_args(parser.parse_args([])).backend == "vmm"
     with pytest.raises(TypeError, match="execution_mode is decided by the backend"):
         b.build_config(execution_mode="linear_runtime")
+
+
+def test_an_offload_is_all_or_nothing(flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+
+    def boom(_name, _payload):
+        raise RuntimeError("recorder down")
+
+    with pytest.raises(RuntimeError, match="recorder down"):
+        ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False, record_event=boom)
+    assert getattr(model, "_ddo_offload", None) is None
+    assert torch.equal(run(model, inputs), reference)
+    # An interrupt half way through attaching leaves the module as it was.
+    from ddo import runtime as rt
+
+    real = rt.SessionRuntime._guard_moves
+
+    def interrupted(self):
+        real(self)
+        raise KeyboardInterrupt
+
+    rt.SessionRuntime._guard_moves = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    finally:
+        rt.SessionRuntime._guard_moves = real
+    assert "forward" not in model.__dict__ and "_apply" not in model.__dict__
+    assert torch.equal(run(model, inputs), reference)
+    model.to(torch.float32)  # not guarded any more
+    again = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    assert torch.equal(run(model, inputs), reference)
+    again.remove()
+
+
+def test_one_offload_per_module_tree_also_between_threads(flux):
+    import threading
+
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    results, errors = [], []
+
+    def offload():
+        try:
+            results.append(ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False))
+        except ddo.DynamicOffloadError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=offload) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 1 and len(errors) == 3
+    assert torch.equal(run(model, inputs), reference)
+    with pytest.raises(ddo.DynamicOffloadError, match="inside FluxTransformer2DModel, which is already offloaded"):
+        ddo.enable_offload(model.transformer_blocks[0], execution_device="cpu", use_environment=False)
+    results[0].remove()
+    child = ddo.enable_offload(model.transformer_blocks[0], route="none", execution_device="cpu", use_environment=False)
+    with pytest.raises(ddo.DynamicOffloadError, match="submodule transformer_blocks.0 .* is already offloaded"):
+        ddo.enable_offload(model, execution_device="cpu", use_environment=False)
+    child.remove()
+    assert torch.equal(run(model, inputs), reference)
+
+
+def test_reclaim_and_reload_inside_a_forward_are_refused_not_hung(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False, prefetch_depth=0)
+    seen = []
+
+    def inside(*_args):
+        for call in (result.reclaim, result.runtime.reload):
+            try:
+                call()
+            except ddo.DynamicOffloadLifecycleError as e:
+                seen.append(str(e))
+
+    handle = model.transformer_blocks[0].register_forward_hook(inside)
+    run(model, inputs)
+    handle.remove()
+    assert len(seen) == 2 and all("inside the module's forward" in m for m in seen)
+    result.remove()
+
+
+def test_bad_argument_kinds_say_what_is_expected(flux):
+    model, _ = flux
+    for kwargs, match in (
+        (dict(config={"prefetch_depth": 1}), "config must be a ddo.DynamicOffloadConfig"),
+        (dict(environ=["DDO_PRESET=auto"]), "environ must be a mapping"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            ddo.enable_offload(model, execution_device="cpu", **kwargs)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        ddo.enable_offload(None)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        ddo.remove_dynamic_offload(None)
+    with pytest.raises(TypeError, match="components is a list of names"):
+        ddo.enable_pipeline_offload(object(), components="transformer")
+    assert getattr(model, "_ddo_offload", None) is None
+
+
+def test_published_key_forms_of_component_policies():
+    s = ddo.load_dynamic_offload_settings_from_env(
+        **HOST, environ={}, component="vae", component_policies={"VAE": {"ROUTE": "none", "offload-type": "leaf_level"}}
+    )
+    assert s.route_name == "none"
+
+
+def test_native_presets_give_the_default_and_both_name_forms_read_the_variable():
+    assert ddo.dynamic_offload_preset_env_value("DDO_PIN_CPU_MEMORY", "d", requested_preset="vmm_fast", environ={}) == "d"
+    assert ddo.dynamic_offload_preset_env_value("PIN_CPU_MEMORY", "d", requested_preset="auto", environ={"DDO_PIN_CPU_MEMORY": "0"}) == "0"
+
+
+def test_stored_snapshots_read_back(flux):
+    model, _ = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    d = result.metrics_snapshot().as_dict()
+    assert ddo.DynamicOffloadMetrics.from_dict(d).as_dict() == d
+    old = {"schema_version": 1, "route": {"name": "linear_runtime", "component": "transformer"}, "setup": {}, "runtime": {}}
+    assert ddo.DynamicOffloadMetrics.from_dict(old).runtime_route == "linear_runtime"
+    with pytest.raises(ValueError, match="schema_version 7"):
+        ddo.DynamicOffloadMetrics.from_dict({**d, "schema_version": 7})
+    result.remove()

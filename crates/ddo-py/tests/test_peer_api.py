@@ -19,7 +19,7 @@ import peer_api
 P = inspect.Parameter
 
 
-def _same_signature(peer, mine, where: str) -> None:
+def _same_signature(peer, mine, where: str, defaults: bool = True) -> None:
     theirs, ours = inspect.signature(peer), inspect.signature(mine)
     ours_params = ours.parameters
     for name, p in theirs.parameters.items():
@@ -29,6 +29,8 @@ def _same_signature(peer, mine, where: str) -> None:
         assert name in ours_params, f"{where}: parameter {name} is missing"
         q = ours_params[name]
         assert q.kind == p.kind, f"{where}: {name} is {q.kind.description}, published {p.kind.description}"
+        if not defaults:
+            continue
         if p.default is P.empty:
             assert q.default is P.empty, f"{where}: {name} has a default ({q.default!r}); published has none"
         else:
@@ -130,3 +132,35 @@ def test_the_comparison_catches_each_kind_of_difference():
         with pytest.raises(AssertionError):
             _same_signature(published, wrong, wrong.__name__)
     _same_signature(published, extra_with_default, "extra_with_default")
+
+
+@pytest.mark.parametrize("name", sorted(peer_api.PARTLY_DESCRIBED))
+def test_partly_described_functions_take_their_leading_parameters(name):
+    params = list(inspect.signature(getattr(ddo, name)).parameters)
+    lead = peer_api.PARTLY_DESCRIBED[name]
+    assert tuple(params[: len(lead)]) == lead, f"ddo.{name}{tuple(params)}"
+
+
+@pytest.mark.parametrize("name", peer_api.PROFILE_FUNCTIONS)
+def test_the_profile_module_has_the_published_names(name):
+    profiles = importlib.import_module("ddo.profiles")
+    assert hasattr(profiles, name), f"ddo.profiles.{name} is missing"
+
+
+@pytest.mark.parametrize("name", ["DynamicOffloadExecutionTimer", "DynamicOffloadProfileSession"])
+def test_published_constructors_take_the_published_parameters(name):
+    mine = getattr(ddo, name, None) or getattr(importlib.import_module("ddo.profiles"), name)
+    stub = getattr(peer_api.constructors, name)
+    _same_signature(stub, mine, f"ddo.{name}()", defaults=False)
+
+
+def test_diagnostics_are_null_when_disabled_and_say_what_instead_when_enabled(flux):
+    model, _ = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    with result.allocation_diagnostics(), result.operator_diagnostics():
+        pass
+    with pytest.raises(DynamicOffloadError, match="installs none"):
+        result.allocation_diagnostics(enabled=True)
+    with pytest.raises(DynamicOffloadError, match="torch.profiler"):
+        result.operator_diagnostics(enabled=True)
+    result.remove()

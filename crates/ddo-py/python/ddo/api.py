@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Union
 
@@ -34,6 +36,38 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_ddo_offload"
+# Modules ddo offloads or is attaching, and the lock that makes claiming one atomic.
+_OFFLOADED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_CLAIM = threading.Lock()
+
+
+def _offloaded_relative(module: torch.nn.Module) -> Optional[str]:
+    """What keeps ``module`` from being offloaded: itself, a submodule or a module containing it
+    already offloaded by ddo."""
+    if module in _OFFLOADED:
+        return f"{type(module).__name__} is already offloaded by ddo"
+    for path, m in module.named_modules():
+        if path and m in _OFFLOADED:
+            return f"its submodule {path} ({type(m).__name__}) is already offloaded by ddo"
+    for owner in list(_OFFLOADED):
+        if any(m is module for m in owner.modules()):
+            return f"it is inside {type(owner).__name__}, which is already offloaded by ddo"
+    return None
+
+
+def _claim(module: torch.nn.Module) -> None:
+    """Marks ``module`` as being offloaded, or refuses: one offload per module tree at a time,
+    also between threads."""
+    with _CLAIM:
+        why = _offloaded_relative(module)
+        if why is not None:
+            raise DynamicOffloadError(f"{why}; call remove_dynamic_offload on it first")
+        _OFFLOADED.add(module)
+
+
+def _release(module: torch.nn.Module) -> None:
+    with _CLAIM:
+        _OFFLOADED.discard(module)
 _log = get_logger(__name__)
 
 
@@ -119,10 +153,13 @@ class DynamicOffloadApplyResult:
             data = json.loads(
                 self.settings.native.host_route_metrics(json.dumps(self.setup), json.dumps(runtime), "snapshot")
             )
-        data.pop("schema_version", None)
+        if execution_timing is not None and not isinstance(execution_timing, _timing.DynamicOffloadExecutionTimer):
+            raise TypeError(
+                f"execution_timing must be a timer from result.execution_timer(), not {type(execution_timing).__name__}"
+            )
         if self.capacity_profile:
             data["setup"] = {**data.get("setup", {}), "capacity_profile": dict(self.capacity_profile)}
-        metrics = DynamicOffloadMetrics(**data)
+        metrics = DynamicOffloadMetrics.from_dict(data)
         return execution_timing.attach(metrics) if execution_timing is not None else metrics
 
     @contextlib.contextmanager
@@ -147,7 +184,7 @@ class DynamicOffloadApplyResult:
         placeholders. With ``show_profile`` the profile is printed to stderr first."""
         if self._removed:
             return
-        if self.settings.values.get("show_profile"):
+        if self.settings.values.get("show_profile") and self.applied and self.setup:
             info(_log, self.metrics_snapshot(collect_completed=True).format_profile().rstrip("\n"), shown=True)
         if self.runtime is not None:
             # Refused inside a forward: the offload stays in place, and a later remove() works.
@@ -160,8 +197,14 @@ class DynamicOffloadApplyResult:
         self.handles.clear()
         if getattr(self.module, _STATE_ATTR, None) is self:
             delattr(self.module, _STATE_ATTR)
+        _release(self.module)
 
     def _session(self, what: str) -> SessionRuntime:
+        if not self.applied:
+            raise DynamicOffloadError(
+                f"{what} needs an applied offload; this result was made with apply_hook=False: call enable_offload "
+                "without it"
+            )
         if self.runtime is None:
             raise DynamicOffloadError(
                 f"{what} needs a route that streams through ddo's arena (linear_runtime, vmm_fast_runtime); "
@@ -227,6 +270,37 @@ class DynamicOffloadApplyResult:
     def print_profile_summary(self, top_n: int = 8) -> None:
         """Prints ``[dynamic-offload-profile]`` lines (:func:`ddo.state.print_profile_summary`)."""
         _state.print_profile_summary(self, top_n)
+
+    def allocation_diagnostics(self, *, enabled: bool = False) -> Any:
+        """The published library's diagnostics of its own PyTorch allocator. ddo installs no
+        allocator, so there is nothing to diagnose: disabled it is a null context, enabled it is
+        refused with where the figures are instead."""
+        if enabled:
+            raise DynamicOffloadError(
+                "allocation diagnostics read the published library's PyTorch allocator; ddo installs none: PyTorch's "
+                "own allocator serves activations (torch.cuda.memory_stats()), and the arena's bytes are in "
+                "metrics_snapshot() (setup.gpu_budget_bytes, runtime.peak_bytes)"
+            )
+        return contextlib.nullcontext()
+
+    def operator_diagnostics(
+        self,
+        *,
+        enabled: bool = False,
+        module_path: Optional[str] = None,
+        invocations: Sequence[int] = (0, 2),
+        output_dir: Union[str, os.PathLike, None] = None,
+        use_cuda: bool = True,
+    ) -> Any:
+        """The published library's per-operator profile of chosen invocations. Disabled it is a
+        null context; enabled it is refused with what to use instead."""
+        if enabled:
+            raise DynamicOffloadError(
+                "ddo has no operator diagnostics of its own: wrap the call in torch.profiler.profile(activities=[CPU, "
+                "CUDA]) (ddo's uploads appear as copies on their own stream), and read upload and wait seconds in "
+                "metrics_snapshot().as_dict()['runtime']"
+            )
+        return contextlib.nullcontext()
 
     def profile_run(self) -> Any:
         """With ``build_profile``, a context manager measuring the run on CUDA and recording it
@@ -402,10 +476,10 @@ def enable_offload(
     cannot be offloaded raises :class:`DynamicOffloadError`; in both cases the module is left as
     it was.
     """
-    if getattr(module, _STATE_ATTR, None) is not None:
-        raise DynamicOffloadError(
-            f"{type(module).__name__} is already offloaded by ddo; call remove_dynamic_offload(module) first"
-        )
+    _check_types(module=module, config=config, settings=settings, environ=environ)
+    why = _offloaded_relative(module)
+    if why is not None:
+        raise DynamicOffloadError(f"{why}; call remove_dynamic_offload on it first")
     arguments: Dict[str, Any] = {k: v for k, v in config_overrides.items()}
     if "target_module_classes" in arguments:
         arguments["target_module_classes"] = [
@@ -416,7 +490,7 @@ def enable_offload(
             arguments[k] = v
     if _given(execution_device):
         arguments["execution_device"] = str(execution_device)
-    if str(offload_device) != "cpu":
+    if _device_type(offload_device) != "cpu":
         arguments["offload_device"] = str(offload_device)
     if group_low_cpu_mem_usage is None and not low_cpu_mem_usage:
         group_low_cpu_mem_usage = False
@@ -429,12 +503,11 @@ def enable_offload(
         "low_cpu_mem_usage": group_low_cpu_mem_usage,
         "num_blocks_per_group": num_blocks_per_group,
     }
-    if settings is not None and (arguments or config is not None or any(v is not None for v in group.values())):
-        raise TypeError(
-            "pass either settings= (already resolved) or the keywords and config that resolve them, not both"
-        )
     if settings is not None:
-        settings = settings.for_component(component)
+        # As published: keywords and overrides apply on top of the settings.
+        settings = settings.resolved_again(
+            component, arguments=arguments, group=group, config=config, environ=environ, use_environment=use_environment
+        )
     else:
         settings = resolve_settings(
             component,
@@ -466,8 +539,36 @@ def enable_offload(
         result.applied = False
         _record(record_event, result, dynamic_event_name, group_event_name)
         return result
+    _claim(module)
+    try:
+        t = time.perf_counter()
+        setup = _attach(result, module, settings, device, name)
+        setup["setup_seconds"] = time.perf_counter() - t
+        result.setup = setup
+        setattr(module, _STATE_ATTR, result)
+        verbose = bool(settings.values.get("verbose"))
+        info(_log, f"[ddo] {component}: route {name} on {device}", shown=verbose)
+        if verbose and result.runtime is not None:
+            info(_log, result.metrics_snapshot().format_profile().rstrip("\n"), shown=True)
+        _record(record_event, result, dynamic_event_name, group_event_name)
+    except BaseException:
+        # All or nothing: whatever was applied is removed again, and the module is free.
+        with contextlib.suppress(BaseException):
+            result.remove()
+        _release(module)
+        raise
+    return result
+
+
+def _attach(
+    result: DynamicOffloadApplyResult,
+    module: torch.nn.Module,
+    settings: DynamicOffloadSettings,
+    device: torch.device,
+    name: str,
+) -> Dict[str, Any]:
+    """Applies the resolved route to ``module``; returns the setup section."""
     setup: Dict[str, Any] = {}
-    t = time.perf_counter()
     if settings.runs_in_session:
         _refuse_training(module)
         source = getattr(module, "_ddo_source", None)
@@ -508,15 +609,31 @@ def enable_offload(
         setup["placement"] = placement
     else:
         raise DynamicOffloadError(f"route {name} (preset {settings.effective_preset}) is not built yet; use preset auto")
-    setup["setup_seconds"] = time.perf_counter() - t
-    result.setup = setup
-    setattr(module, _STATE_ATTR, result)
-    verbose = bool(settings.values.get("verbose"))
-    info(_log, f"[ddo] {component}: route {name} on {device}", shown=verbose)
-    if verbose and result.runtime is not None:
-        info(_log, result.metrics_snapshot().format_profile().rstrip("\n"), shown=True)
-    _record(record_event, result, dynamic_event_name, group_event_name)
-    return result
+    return setup
+
+
+def _device_type(device: Any) -> str:
+    """``cpu`` for any form of the host (``"cpu"``, ``"cpu:0"``, ``torch.device("cpu", 0)``)."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        return str(device)
+
+
+def _check_types(**values: Any) -> None:
+    """Arguments of the wrong kind, refused with what is expected (before anything happens)."""
+    expected = {
+        "module": (torch.nn.Module, "a torch.nn.Module"),
+        "config": (DynamicOffloadConfig, "a ddo.DynamicOffloadConfig (build one with ddo.DynamicOffloadConfig(**fields))"),
+        "settings": (DynamicOffloadSettings, "ddo.DynamicOffloadSettings (from load_dynamic_offload_settings_from_env)"),
+        "environ": (Mapping, "a mapping of variable names to values"),
+    }
+    for name, value in values.items():
+        kind, text = expected[name]
+        if value is None and name != "module":
+            continue
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be {text}, not {type(value).__name__}")
 
 
 def _published_route(runtime_route: str) -> str:
@@ -546,6 +663,7 @@ def _record(
 def remove_dynamic_offload(module: torch.nn.Module, recurse: bool = True) -> None:
     """Removes ddo from ``module`` (a no-op when it is not offloaded) and, with ``recurse``,
     from every submodule offloaded on its own."""
+    _check_types(module=module)
     targets = list(module.modules()) if recurse else [module]
     for m in targets:
         result = getattr(m, _STATE_ATTR, None)
@@ -580,6 +698,8 @@ def enable_pipeline_offload(
     Components that are not modules are skipped. A component left unmanaged by its route is
     moved to the execution device (``setup`` records ``unmanaged_module_moved_to_execution_device``).
     If one component fails, the ones already done are removed again and the error re-raised."""
+    if isinstance(components, (str, bytes)):
+        raise TypeError(f"components is a list of names or a mapping of names to modules, not the string {components!r}")
     if isinstance(components, Mapping):
         items: Mapping[str, Any] = dict(components)
         names = list(items)
@@ -598,23 +718,19 @@ def enable_pipeline_offload(
             raise DynamicOffloadError(f"the pipeline has no component(s) {', '.join(missing)}; it has {', '.join(items)}")
     modules = [n for n in names if isinstance(items.get(n), torch.nn.Module)]
     keywords: Dict[str, Any] = dict(
+        settings=settings,
         running_on_wsl=running_on_wsl,
         environ=environ,
         use_environment=use_environment,
         apply_hook=apply_hook,
         record_event=record_event,
+        preset=preset,
+        execution_device=execution_device,
+        offload_device=offload_device,
+        low_cpu_mem_usage=low_cpu_mem_usage,
+        config=config,
+        **config_overrides,
     )
-    if settings is None:
-        keywords.update(
-            preset=preset,
-            execution_device=execution_device,
-            offload_device=offload_device,
-            low_cpu_mem_usage=low_cpu_mem_usage,
-            config=config,
-            **config_overrides,
-        )
-    else:
-        keywords["settings"] = settings
     done: Dict[str, DynamicOffloadApplyResult] = {}
     try:
         with bar(modules, desc="ddo offload", unit="component") as progress:
@@ -682,6 +798,11 @@ def from_pretrained_with_dynamic_offload(
     gguf_tensors = _gguf_tensors(folder, gguf_path) if gguf_path else None
     if model_loader is None:
         model_loader = _loader_of(folder)
+    elif not (hasattr(model_loader, "from_pretrained") or hasattr(model_loader, "from_config")):
+        raise TypeError(
+            f"model_loader must be a model class with from_pretrained (a Diffusers or transformers class), not "
+            f"{type(model_loader).__name__}"
+        )
     if gguf_path and _is_transformers(model_loader):
         raise DynamicOffloadError(
             f"{gguf_path}: ddo loads GGUF files of Diffusers models; transformers models load GGUF through their own "
@@ -911,8 +1032,18 @@ def _local_path(path: Union[str, os.PathLike], revision: Optional[str]) -> str:
 def _loader_of(folder: str) -> Any:
     """The class a model folder's ``config.json`` names: a Diffusers ``_class_name``, else the
     first transformers ``architectures`` entry."""
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise DynamicOffloadError(
+            f"{folder} has no config.json: point at a model folder (or its subfolder=), or pass model_loader="
+        ) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise DynamicOffloadError(f"{path} cannot be read as JSON ({e}); fix the file or pass model_loader=") from None
+    if not isinstance(config, dict):
+        raise DynamicOffloadError(f"{path} holds {type(config).__name__}, not an object; fix the file or pass model_loader=")
     class_name = config.get("_class_name")
     if class_name is not None:
         import diffusers

@@ -113,9 +113,11 @@ def build_config_from_args(args: argparse.Namespace) -> DynamicOffloadConfig:
     checked now, as the flags' own error."""
     given = set(getattr(args, "_ddo_given", ()))
     values: dict[str, Any] = {}
+    flags: dict[str, str] = {}
     for flag, field, _kind, _default, _text in _FLAGS:
         dest = flag[2:].replace("-", "_")
         if dest in given:
+            flags[field] = flag
             value = getattr(args, dest)
             if flag == "--ddo-vmm-total-staging-gb":
                 # The published split: two slots on the disk route, the whole total otherwise.
@@ -130,6 +132,7 @@ def build_config_from_args(args: argparse.Namespace) -> DynamicOffloadConfig:
     try:
         resolve_settings("model", config=config, use_environment=False)
     except DynamicOffloadConfigError as e:
-        flags = ", ".join(f"--ddo-{k.replace('_', '-')}" for k in config.as_dict())
-        raise DynamicOffloadConfigError(f"{e} (set by the flags {flags})") from None
+        # Blame the flags whose setting the message names, else every flag given.
+        named = [flag for field, flag in flags.items() if field in str(e)] or list(flags.values())
+        raise DynamicOffloadConfigError(f"{e} (set by the flags {', '.join(named)})") from None
     return config

@@ -67,8 +67,8 @@ def enable_dynamic_offload(
     if always_resident_modules_pattern is not None:
         p = always_resident_modules_pattern
         overrides["always_resident_modules_pattern"] = [p] if isinstance(p, str) else list(p)
-    if settings is None:
-        overrides.update(route="dynamic_offload", preset=preset, execution_device=execution_device, config=config)
+    # No component route default applies here: the route is ddo's runtime, on top of settings too.
+    overrides.update(route="dynamic_offload", preset=preset, execution_device=execution_device, config=config)
     return enable_offload(
         module,
         component=component,

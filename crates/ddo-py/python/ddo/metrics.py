@@ -50,6 +50,21 @@ class DynamicOffloadMetrics:
         elif not isinstance(self.route, str):
             raise TypeError(f"route is a string such as 'dynamic_offload', not {type(self.route).__name__}")
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DynamicOffloadMetrics":
+        """A snapshot from its ``as_dict()`` form (this schema version or version 1), as stored
+        by a host or read back from a journal."""
+        fields = dict(data)
+        version = fields.pop("schema_version", DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION)
+        if version not in (1, DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION):
+            raise ValueError(
+                f"metrics schema_version {version!r} is not one ddo reads (1 or {DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION})"
+            )
+        unknown = sorted(set(fields) - {"route", "configuration", "setup", "runtime", "host_memory", "execution"})
+        if unknown:
+            raise ValueError(f"metrics have no section(s) {', '.join(unknown)}")
+        return cls(**fields)
+
     @property
     def schema_version(self) -> int:
         """The layout version."""

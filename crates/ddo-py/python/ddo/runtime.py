@@ -7,6 +7,7 @@ block runs and release it after, on PyTorch's current stream."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -523,6 +524,15 @@ class SessionRuntime:
             self.session = _native.Session(
                 self.plan, modules, params, storages=storages, tensors=rows, layers=layers
             )
+        try:
+            self._attach_module()
+        except BaseException:
+            # An error or an interrupt half way: hooks, guards and parameters go back as they were.
+            with contextlib.suppress(BaseException):
+                self._detach(restore=True)
+            raise
+
+    def _attach_module(self) -> None:
         kind, index = self.session.device()
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         self.stream = _stream_reader(self.device)
@@ -538,11 +548,6 @@ class SessionRuntime:
             owner, attr = _owner(self.module, name)
             self.buffer_places.append((owner, attr, name))
             setattr(owner, attr, b.to(self.device))
-        if self.checkpoint is not None:
-            # The native route never reads the tensors the module held before attach (a loader's
-            # private mapping of the checkpoint among them): keep none alive.
-            self.originals = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.originals.items()}
-            self.original_buffers = {}
         if "fuse_lora" not in self.module.__dict__ and hasattr(self.module, "fuse_lora"):
             self.module.fuse_lora = self._refuse_fuse
         _guard_adapter_merges()
@@ -560,6 +565,11 @@ class SessionRuntime:
             if owned:
                 self.handles.append(m._register_state_dict_hook(self._state_dict_hook(owned)))
         self.handles.append(self.module._register_load_state_dict_pre_hook(self._refuse_load, with_module=True))
+        if self.checkpoint is not None:
+            # The native route never reads the tensors the module held before attach (a loader's
+            # private mapping of the checkpoint among them): keep none alive.
+            self.originals = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.originals.items()}
+            self.original_buffers = {}
 
     def _publish(self, make) -> None:
         """Sets every managed parameter (aliases too) to ``make(name, old)``, one object per key."""
@@ -966,6 +976,7 @@ class SessionRuntime:
     def reclaim(self) -> tuple:
         """Releases idle slot memory. Streamed parameters are placeholders between passes (their
         views are in place only while their block runs); resident ones keep their memory."""
+        self._not_inside_forward("reclaim()")
         with self.forward_lock:
             self.synchronize()
             self._rest_all()
@@ -994,9 +1005,12 @@ class SessionRuntime:
             )
 
     def reload(self) -> None:
-        """Attaches again (new addresses) and publishes the new views."""
-        self.session.reload()
-        self._publish_views()
+        """Attaches again (new addresses) and publishes the new views, after a forward running in
+        another thread ends (a forward waits for the reload)."""
+        self._not_inside_forward("reload()")
+        with self.forward_lock:
+            self.session.reload()
+            self._publish_views()
 
     def is_unloaded(self) -> bool:
         return self.session.is_unloaded()
@@ -1010,7 +1024,9 @@ class SessionRuntime:
         with self.forward_lock:
             self._detach()
 
-    def _detach(self) -> None:
+    def _detach(self, restore: bool = False) -> None:
+        """``restore``: put the module's own tensors back on either route (an attach that did
+        not complete)."""
         self.detached = True
         _RUNTIMES.discard(self)
         for h in self.handles:
@@ -1029,11 +1045,13 @@ class SessionRuntime:
         if self.session is None:
             return
         self.synchronize()
-        if self.checkpoint is None:
+        if self.checkpoint is None or restore:
             for owner, attr, name in self.places:
-                setattr(owner, attr, self.originals[name])
+                if name in self.originals:
+                    setattr(owner, attr, self.originals[name])
             for owner, attr, name in self.buffer_places:
-                setattr(owner, attr, self.original_buffers[name])
+                if name in self.original_buffers:
+                    setattr(owner, attr, self.original_buffers[name])
         else:
             self._publish_meta()
         if not self.session.is_unloaded():

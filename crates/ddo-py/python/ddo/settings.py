@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from . import _native
-from .config import DynamicOffloadConfig, component_policy_dict
+from .config import DynamicOffloadConfig, _finite_or_text, component_policy_dict
+from .errors import DynamicOffloadConfigError
 
 __all__ = [
     "DDO_PRESETS",
@@ -22,6 +23,9 @@ __all__ = [
     "load_dynamic_offload_settings_from_env",
     "resolve_dynamic_offload_preset",
 ]
+
+# Presets of the native backend: they inherit no linear preset's values.
+_NATIVE_PRESETS = ("vmm_fast", "nvme_baseline")
 
 # Values that read as true in variables and preset tables.
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -137,10 +141,62 @@ class DynamicOffloadSettings:
             return self
         return resolve_settings(component, **self.inputs)
 
+    def resolved_again(
+        self,
+        component: str,
+        *,
+        arguments: Optional[Mapping[str, Any]] = None,
+        group: Optional[Mapping[str, Any]] = None,
+        config: Optional[DynamicOffloadConfig] = None,
+        environ: Optional[Mapping[str, str]] = None,
+        use_environment: bool = True,
+    ) -> "DynamicOffloadSettings":
+        """These settings for ``component`` with ``arguments`` and ``group`` values on top (and
+        ``config`` / ``environ`` in place of the ones they were resolved with, when given)."""
+        more_group = {k: v for k, v in (group or {}).items() if v is not None}
+        if not (arguments or more_group or config is not None or environ is not None):
+            return self.for_component(component)
+        if not self.inputs:
+            raise TypeError("these settings were not made by ddo's resolver; pass the keywords without settings=")
+        inputs = dict(self.inputs)
+        inputs["arguments"] = {**inputs.get("arguments", {}), **dict(arguments or {})}
+        inputs["group"] = {**inputs.get("group", {}), **more_group}
+        if config is not None:
+            inputs["config"] = config
+        if environ is not None or not use_environment:
+            inputs["environ"] = ddo_environment(environ, use_environment)
+        return resolve_settings(component, **inputs)
+
     @classmethod
     def from_env(cls, **kwargs: Any) -> "DynamicOffloadSettings":
         """:func:`load_dynamic_offload_settings_from_env`."""
         return load_dynamic_offload_settings_from_env(**kwargs)
+
+
+# The component keywords' kinds (the native resolver checks their values).
+_GROUP_KINDS = {
+    "group_offload": bool,
+    "dynamic_offload": bool,
+    "use_stream": bool,
+    "record_stream": bool,
+    "low_cpu_mem_usage": bool,
+    "num_blocks_per_group": int,
+    "offload_type": str,
+    "route": str,
+}
+
+
+def _checked_group(values: dict) -> dict:
+    """Component keywords of the wrong kind, refused naming the keyword."""
+    for name, value in values.items():
+        kind = _GROUP_KINDS.get(name)
+        wrong = kind is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
+        if wrong or (kind is int and value < 1):
+            raise DynamicOffloadConfigError(
+                f"{name} = {value!r} (argument) is not valid: expected "
+                + ("a whole number >= 1" if kind is int else "a boolean" if kind is bool else "a name")
+            )
+    return values
 
 
 def resolve_settings(
@@ -159,7 +215,7 @@ def resolve_settings(
     native = _native.resolve(
         component,
         args.to_json("argument"),
-        json.dumps(component_policy_dict(group or {})),
+        json.dumps(_finite_or_text(_checked_group(component_policy_dict(group or {})))),
         config.to_json() if config is not None else None,
         ddo_environment(environ, use_environment),
         running_on_wsl,
@@ -217,7 +273,7 @@ def load_dynamic_offload_settings_from_env(
     ``(Linear, Embedding)`` and a non-empty ``skip_modules_pattern`` are refused with what ddo
     does instead; ``component_policies`` maps component names to policies."""
     env = ddo_environment(environ, True)
-    if default_preset and "DDO_PRESET" not in env:
+    if default_preset and not env.get("DDO_PRESET", "").strip():
         env["DDO_PRESET"] = default_preset
     arguments: dict[str, Any] = {
         "execution_device": str(execution_device),
@@ -228,8 +284,26 @@ def load_dynamic_offload_settings_from_env(
     if always_resident_modules_pattern is not None:
         patterns = always_resident_modules_pattern
         arguments["always_resident_modules_pattern"] = [patterns] if isinstance(patterns, str) else list(patterns)
-    config = DynamicOffloadConfig(components=dict(component_policies)) if component_policies else None
+    config = DynamicOffloadConfig(components=_policies(component_policies)) if component_policies else None
     return resolve_settings(component, arguments=arguments, config=config, environ=env, running_on_wsl=running_on_wsl)
+
+
+def _policies(policies: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Component policies in the published library's key forms (``VAE``, ``DDO_VAE``;
+    ``ROUTE``, ``offload-type``) as ddo's (``vae``; ``route``, ``offload_type``)."""
+    out: dict = {}
+    for component, values in policies.items():
+        name = str(component).strip().lower()
+        name = name[len("ddo_"):] if name.startswith("ddo_") else name
+        if not isinstance(values, Mapping):
+            values = values.as_dict() if hasattr(values, "as_dict") else values
+        if not isinstance(values, Mapping):
+            raise TypeError(f"component_policies[{component!r}] must be a mapping of policy fields, not {type(values).__name__}")
+        fields = {str(k).strip().lower().replace("-", "_"): v for k, v in values.items()}
+        if name in out and out[name] != fields:
+            raise DynamicOffloadConfigError(f"component_policies has two different entries for {name}: {component!r} and another form of it")
+        out[name] = fields
+    return out
 
 
 def dynamic_offload_env_value(name: str, default: str = "", environ: Optional[Mapping[str, str]] = None) -> str:
@@ -263,12 +337,18 @@ def dynamic_offload_preset_env_value(
     ``requested_preset`` resolved); else ``default``. Native presets (``vmm_fast``,
     ``nvme_baseline``) inherit no linear preset values, so they give ``default``."""
     source = os.environ if environ is None else environ
-    if name in source:
-        return str(source[name])
-    preset = effective_preset if effective_preset is not None else resolve_dynamic_offload_preset(requested_preset)
-    if preset in ("vmm_fast", "nvme_baseline", ""):
-        return default
     key = name if name.startswith("DDO_") else f"DDO_{name}"
+    for form in (name, key):
+        if form in source:
+            return str(source[form])
+    if effective_preset is not None:
+        preset = effective_preset.strip().lower()
+    elif (requested_preset or "").strip().lower() in _NATIVE_PRESETS:
+        preset = requested_preset.strip().lower()
+    else:
+        preset = resolve_dynamic_offload_preset(requested_preset)
+    if preset in _NATIVE_PRESETS or not preset:
+        return default
     return get_dynamic_offload_presets().get(preset, {}).get(key, default)
 
 
