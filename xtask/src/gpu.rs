@@ -189,6 +189,7 @@ const BENCH_USAGE: &str =
   bash DIR/run.sh native          the native route's fidelity checks
   bash DIR/run.sh features        pipelines, text encoders, LoRA and conversion against resident runs
   bash DIR/run.sh pipeline [GIB]  a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
+  bash DIR/run.sh dropin          the host example, timer, phase helpers, profiles, doctor and bench
   bash DIR/run.sh bench [CONFIGS] [VARIANTS]  rows of the side-by-side table (one model size per
                                    call fits a 10-minute limit; rows accumulate under target/)
   bash DIR/run.sh table           the table of every row measured so far
@@ -257,6 +258,8 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_features.py",
         "gpu_boundaries.py",
         "gpu_pipeline.py",
+        "gpu_dropin.py",
+        "host.py",
         "tiny_pipelines.py",
     ] {
         copy(&Path::new("crates/ddo-py/examples").join(script), &dir.join(script))?;
@@ -286,6 +289,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh features          pipelines, text encoders, LoRA and conversion against resident runs
 #   bash run.sh boundaries        kept weights, reads between passes, refusals, interrupts, threads, rewrites
 #   bash run.sh pipeline [GIB]    a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
+#   bash run.sh dropin            the host example, timer, phase helpers, profiles, doctor and bench
 #   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
 #   bash run.sh table             the table of every row measured so far
 case "${1:-bench}" in
@@ -293,10 +297,11 @@ case "${1:-bench}" in
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
   boundaries) cmd=(python3 "$bundle/gpu_boundaries.py") ;;
   pipeline) cmd=(python3 "$bundle/gpu_pipeline.py" --dir "$work" --budget-gb "${2:-10}") ;;
+  dropin) cmd=(python3 "$bundle/gpu_dropin.py") ;;
   bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work")
          [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}
