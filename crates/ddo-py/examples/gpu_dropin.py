@@ -56,6 +56,13 @@ def check_timer(_work: str) -> str:
     assert snap["steady_state_seconds_per_step"] > 0, snap
     m = result.metrics_snapshot(execution_timing=timer)
     m.validate()
+    # The published constructor, positionally, as hosts call it.
+    direct = ddo.DynamicOffloadExecutionTimer(True, DEVICE, None, False)
+    with direct, torch.no_grad():
+        model(**inputs)
+        direct.mark_step()
+    attached = direct.attach(result.metrics_snapshot(), wait=True)
+    assert attached.runtime["execution_timing"]["status"] == "complete", attached.runtime
     result.remove()
     return f"steady {snap['steady_state_seconds_per_step'] * 1e3:.2f} ms/step"
 

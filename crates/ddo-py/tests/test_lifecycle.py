@@ -338,10 +338,11 @@ def test_profile_key_path_and_directory(profile_dir, monkeypatch):
 
     canonical = json.dumps(ctx, sort_keys=True, separators=(",", ":"))
     assert key == "ddo-capacity-v1-" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
-    assert ddo.get_dynamic_offload_profile_dir() == str(profile_dir)
-    assert ddo.dynamic_offload_profile_path(ctx) == os.path.join(str(profile_dir), key + ".json")
+    assert ddo.get_dynamic_offload_profile_dir() == profile_dir
+    assert ddo.get_dynamic_offload_profile_dir(profile_dir / "x") == profile_dir / "x"
+    assert ddo.dynamic_offload_profile_path(ctx) == profile_dir / (key + ".json")
     monkeypatch.delenv("DDO_PROFILE_DIR")
-    assert ddo.get_dynamic_offload_profile_dir() == os.path.join(os.path.expanduser("~"), ".ddo", "profiles")
+    assert str(ddo.get_dynamic_offload_profile_dir()) == os.path.join(os.path.expanduser("~"), ".ddo", "profiles")
     with pytest.raises(ddo.DynamicOffloadConfigError, match="JSON"):
         ddo.dynamic_offload_profile_key({"name": object()})
 
@@ -349,15 +350,17 @@ def test_profile_key_path_and_directory(profile_dir, monkeypatch):
 def test_profile_file_keeps_the_last_20_observations_and_is_replaced_atomically(profile_dir, monkeypatch):
     ctx = {"name": "flux", "identity_version": 1}
     assert ddo.load_dynamic_offload_profile(ctx) is None
-    assert ddo.get_dynamic_offload_profile_recommendation(ctx) is None
     for i in range(25):
         rec = {"setting": "vmm_resident_weight_budget_gb", "budget_gb": float(i)}
-        ddo.record_dynamic_offload_profile(ctx, {"run": i}, recommendation=rec)
+        assert ddo.record_dynamic_offload_profile(ctx, {"run": i}, recommendation=rec) == ddo.dynamic_offload_profile_path(ctx)
     data = ddo.load_dynamic_offload_profile(ctx)
     assert data["schema_version"] == ddo.DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION == 1
-    assert data["key"] == ddo.dynamic_offload_profile_key(ctx) and data["context"] == ctx
+    assert data["profile_key"] == ddo.dynamic_offload_profile_key(ctx) and data["context"] == ctx
     assert [o["run"] for o in data["observations"]] == list(range(5, 25))
-    assert ddo.get_dynamic_offload_profile_recommendation(ctx)["budget_gb"] == 24.0
+    assert ddo.get_dynamic_offload_profile_recommendation(data)["budget_gb"] == 24.0
+    # An observation without a recommendation keeps the last one.
+    ddo.record_dynamic_offload_profile(ctx, {"run": 25})
+    assert ddo.get_dynamic_offload_profile_recommendation(ddo.load_dynamic_offload_profile(ctx))["budget_gb"] == 24.0
     assert os.listdir(profile_dir) == [os.path.basename(ddo.dynamic_offload_profile_path(ctx))]
     # A write that fails before the rename leaves the old profile whole and no temporary file.
     path = ddo.dynamic_offload_profile_path(ctx)
@@ -372,12 +375,13 @@ def test_profile_file_keeps_the_last_20_observations_and_is_replaced_atomically(
             ddo.record_dynamic_offload_profile(ctx, {"run": 99})
     assert open(path, encoding="utf-8").read() == before
     assert len(os.listdir(profile_dir)) == 1
-    # A file that is not a profile is named, with what to do.
+    # A file that is not a profile is ignored with a warning naming it, with what to do.
     with open(path, "w", encoding="utf-8") as f:
         f.write("{not json")
-    with pytest.raises(ddo.DynamicOffloadConfigError, match="delete it"):
-        ddo.load_dynamic_offload_profile(ctx)
-    assert ddo.DynamicOffloadProfileSession.recommend_resident_budget(24, 20, 1) == 3
+    with pytest.warns(UserWarning, match="delete it"):
+        assert ddo.load_dynamic_offload_profile(ctx) is None
+    assert ddo.DynamicOffloadProfileSession.recommend_resident_budget(24, 20.5, 1) == 2.5
+    assert ddo.DynamicOffloadProfileSession.recommend_resident_budget(24, 30, 1) == 0
 
 
 def write_profile(module, route, budget_gb, name="flux"):
@@ -390,7 +394,7 @@ def write_profile(module, route, budget_gb, name="flux"):
         json.dump(
             {
                 "schema_version": 1,
-                "key": ddo.dynamic_offload_profile_key(ctx),
+                "profile_key": ddo.dynamic_offload_profile_key(ctx),
                 "context": ctx,
                 "recommendation": {"setting": setting, "budget_gb": budget_gb},
                 "observations": [{"recorded_by": "test"}],
@@ -465,3 +469,101 @@ def test_profile_names_without_a_recording_and_builds_off_the_gpu_are_reported(p
     with pytest.raises(ddo.DynamicOffloadConfigError, match="apply_dynamic=True"):
         ddo.from_pretrained_with_dynamic_offload("unused", profile_name="new")
     assert ddo.get_dynamic_offload_state(model) is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["not json", "a folder", "nested", "other route", "absurd budget", "negative budget", "other context"],
+)
+def test_a_profile_that_is_not_valid_is_not_applied_and_the_attach_says_why(profile_dir, flux, damage):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    ctx = write_profile(model, "linear_runtime", 0.25)
+    path = ddo.dynamic_offload_profile_path(ctx)
+    data = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{")
+    elif damage == "a folder":
+        path.unlink()
+        path.mkdir()
+    elif damage == "nested":
+        path.write_text("[" * 100000 + "]" * 100000)
+    elif damage == "other route":
+        data["recommendation"]["setting"] = "vmm_resident_weight_budget_gb"
+        path.write_text(json.dumps(data))
+    elif damage == "absurd budget":
+        data["recommendation"]["budget_gb"] = 1e300
+        path.write_text(json.dumps(data))
+    elif damage == "negative budget":
+        data["recommendation"]["budget_gb"] = -1
+        path.write_text(json.dumps(data))
+    else:
+        data["context"]["name"] = "other"
+        path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="capacity profile 'flux'"):
+        result = ddo.enable_offload(model, route="dynamic_offload", profile_name="flux", use_environment=False)
+    assert result.capacity_profile["status"] == "invalid"
+    assert result.settings.values["resident_module_budget_gb"] == 0.0
+    assert torch.equal(run(model, inputs), reference)
+    result.remove()
+
+
+def test_a_hosts_profile_session_records_both_profiles_and_merges_capacity_limits(profile_dir, flux):
+    execution = {"model": "flux", "resolution": 1024}
+    family = {"model": "flux"}
+    session = ddo.DynamicOffloadProfileSession(execution, family)
+    assert session.execution_profile is None and session.capacity_profile is None
+    for tokens, status in [(4096, "success"), (8192, "success"), (16384, "failure"), (12288, "failure"), (2048, "x")]:
+        paths = session.record_success(
+            {"status": status, "capacity": {"metric": "tokens", "value": tokens}},
+            {"profile_resident_module_budget_gb": 0.25},
+        )
+    assert paths == (ddo.dynamic_offload_profile_path(execution), ddo.dynamic_offload_profile_path(family))
+    limits = ddo.get_dynamic_offload_profile_capacity(session.capacity_profile, "tokens")
+    assert limits == {"max_success": 8192.0, "min_failure": 12288.0}
+    assert ddo.get_dynamic_offload_profile_capacity(session.capacity_profile, "frames") is None
+    assert ddo.get_dynamic_offload_profile_recommendation(session.capacity_profile) is None
+    assert len(session.execution_profile["observations"]) == 5
+    # A fresh session reads what the last one recorded.
+    again = ddo.DynamicOffloadProfileSession(execution, family, profile_dir)
+    assert again.execution_profile == session.execution_profile
+    # apply_settings sizes the budget from the execution profile, unless one was set explicitly.
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    host = dict(execution_device="cpu", offload_device="cpu", target_module_classes=(torch.nn.Linear, torch.nn.Embedding),
+                skip_modules_pattern=None, environ={})
+    settings = ddo.load_dynamic_offload_settings_from_env(**host)
+    assert settings.route_name == "linear_runtime"
+    applied, recommendation = again.apply_settings(settings)
+    assert recommendation == {"profile_resident_module_budget_gb": 0.25}
+    assert applied.values["resident_module_budget_gb"] == 0.25
+    assert applied.values["profile_resident_module_budget_gb"] == 0.25
+    assert again.apply_settings(settings, allow_recommendation=False) == (settings, recommendation)
+    explicit = ddo.load_dynamic_offload_settings_from_env(
+        **{**host, "environ": {"DDO_RESIDENT_MODULE_BUDGET_GB": "0.5"}}
+    )
+    assert again.apply_settings(explicit) == (explicit, None)
+    result = ddo.enable_offload(model, settings=applied, use_environment=False)
+    assert result.settings.values["resident_module_budget_gb"] == 0.25
+    assert torch.equal(run(model, inputs), reference)
+    result.remove()
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="not JSON"):
+        session.record_success({"status": "success", "value": float("nan")})
+
+
+def test_the_timer_takes_the_published_constructor_and_refuses_what_it_cannot_measure():
+    timer = ddo.DynamicOffloadExecutionTimer(True, "cpu", None, False)
+    with timer:
+        timer.mark_step()
+    assert timer.snapshot()["status"] == "complete" and timer.snapshot()["step_count"] == 1
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="per-unit"):
+        ddo.DynamicOffloadExecutionTimer(True, "cpu", native_factory=lambda: None)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="not a device"):
+        ddo.DynamicOffloadExecutionTimer(True, "bogus")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="not meta"):
+        ddo.DynamicOffloadExecutionTimer(True, "meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ddo.DynamicOffloadConfigError, match="no CUDA device"):
+            ddo.DynamicOffloadExecutionTimer(True, "cuda")
+    with pytest.raises(TypeError, match="DynamicOffloadMetrics"):
+        timer.attach({"route": "x"})

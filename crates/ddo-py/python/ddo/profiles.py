@@ -11,7 +11,15 @@ set explicitly (an argument, a config, a variable), takes the recommendation as 
 says so in ``setup.capacity_profile``. The file is ``<dir>/<key>.json`` with ``dir`` =
 ``DDO_PROFILE_DIR`` or ``~/.ddo/profiles`` and ``key`` derived from the profile's context (name,
 model class, component, route, execution device); it is replaced atomically and keeps the last
-20 observations, the newest one deciding the recommendation."""
+20 observations, the newest one deciding the recommendation. A profile file that cannot be read
+or is not valid is never applied: the attach warns and keeps its budget (``status: invalid``).
+
+Hosts keep their own profiles with the same files: ``DynamicOffloadProfileSession(execution_context,
+capacity_context)`` loads an exact workload's profile and a workload family's, ``record_success``
+records an observation in both, and an observation's ``capacity`` (``{"metric": "tokens",
+"value": 4096}`` with ``status`` ``success`` or ``failure``) is merged into the family's
+``capacity_limits`` (the largest success and the smallest failure per metric), which
+``get_dynamic_offload_profile_capacity(profile, metric)`` reads back."""
 
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import os
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
@@ -34,6 +43,7 @@ __all__ = [
     "DynamicOffloadProfileSession",
     "dynamic_offload_profile_key",
     "dynamic_offload_profile_path",
+    "get_dynamic_offload_profile_capacity",
     "get_dynamic_offload_profile_dir",
     "get_dynamic_offload_profile_recommendation",
     "load_dynamic_offload_profile",
@@ -51,11 +61,10 @@ _BUDGET_SETTING = {"vmm_fast_runtime": "vmm_resident_weight_budget_gb", "linear_
 PathLike = Union[str, os.PathLike]
 
 
-def get_dynamic_offload_profile_dir(*, environ: Optional[Mapping[str, str]] = None) -> str:
-    """``DDO_PROFILE_DIR`` when set, else ``~/.ddo/profiles``."""
-    env = os.environ if environ is None else environ
-    chosen = env.get("DDO_PROFILE_DIR")
-    return os.path.expanduser(chosen) if chosen else os.path.join(os.path.expanduser("~"), ".ddo", "profiles")
+def get_dynamic_offload_profile_dir(profile_dir: Optional[PathLike] = None) -> Path:
+    """``profile_dir`` when given, else ``DDO_PROFILE_DIR`` when set, else ``~/.ddo/profiles``."""
+    chosen = os.fspath(profile_dir) if profile_dir is not None else os.environ.get("DDO_PROFILE_DIR")
+    return Path(chosen).expanduser() if chosen else Path.home() / ".ddo" / "profiles"
 
 
 def normalize_dynamic_offload_profile_context(context: Mapping[str, Any]) -> Dict[str, Any]:
@@ -63,12 +72,15 @@ def normalize_dynamic_offload_profile_context(context: Mapping[str, Any]) -> Dic
     ``DynamicOffloadConfigError``."""
     if not isinstance(context, Mapping) or not context:
         raise _native.DynamicOffloadConfigError("a capacity profile context is a non-empty mapping of names to JSON values")
+    return _json_data(context, "capacity profile context")
+
+
+def _json_data(value: Any, what: str) -> Any:
     try:
-        return json.loads(json.dumps(dict(context), sort_keys=True, allow_nan=False))
-    except (TypeError, ValueError) as e:
+        return json.loads(json.dumps(value if not isinstance(value, Mapping) else dict(value), sort_keys=True, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
         raise _native.DynamicOffloadConfigError(
-            f"capacity profile context {context!r} is not JSON data ({e}); use strings, numbers, booleans, lists "
-            "and mappings"
+            f"{what} {value!r:.200} is not JSON data ({e}); use strings, finite numbers, booleans, lists and mappings"
         ) from None
 
 
@@ -82,83 +94,133 @@ def dynamic_offload_profile_key(context: Mapping[str, Any]) -> str:
     return _KEY_PREFIX + hashlib.sha256(_canonical(context).encode("utf-8")).hexdigest()[:24]
 
 
-def dynamic_offload_profile_path(context: Mapping[str, Any], profile_dir: Optional[PathLike] = None) -> str:
-    """Where the profile of ``context`` is stored."""
-    directory = os.fspath(profile_dir) if profile_dir is not None else get_dynamic_offload_profile_dir()
-    return os.path.join(directory, dynamic_offload_profile_key(context) + ".json")
+def dynamic_offload_profile_path(context: Mapping[str, Any], profile_dir: Optional[PathLike] = None) -> Path:
+    """Where the profile of ``context`` is stored (nothing is created)."""
+    return get_dynamic_offload_profile_dir(profile_dir) / (dynamic_offload_profile_key(context) + ".json")
 
 
-def _invalid(path: str, why: str) -> Exception:
+def _invalid(path: Path, why: str) -> Exception:
     return _native.DynamicOffloadConfigError(
         f"capacity profile {path} is not valid ({why}): delete it, or build it again with build_profile=True"
     )
 
 
-def _check(path: str, data: Any, context: Mapping[str, Any]) -> Dict[str, Any]:
+def _check(path: Path, data: Any, context: Mapping[str, Any]) -> Dict[str, Any]:
     if not isinstance(data, dict):
         raise _invalid(path, "not a JSON object")
     if data.get("schema_version") != DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION:
         version = data.get("schema_version")
         raise _invalid(path, f"schema_version {version!r}, this ddo reads {DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION}")
-    if data.get("key") != dynamic_offload_profile_key(context):
-        raise _invalid(path, f"key {data.get('key')!r} is not this context's")
-    if not isinstance(data.get("observations"), list):
+    key = data.get("profile_key", data.get("key"))
+    if key != dynamic_offload_profile_key(context):
+        raise _invalid(path, f"profile_key {key!r} is not this context's")
+    if "context" in data and data["context"] != normalize_dynamic_offload_profile_context(context):
+        raise _invalid(path, "its context is not this context")
+    if not isinstance(data.get("observations", []), list):
         raise _invalid(path, "observations is not a list")
+    limits = data.get("capacity_limits")
+    if limits is not None and not isinstance(limits, dict):
+        raise _invalid(path, "capacity_limits is not a mapping")
     rec = data.get("recommendation")
-    if rec is not None:
-        budget = rec.get("budget_gb") if isinstance(rec, dict) else None
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget < 0:
-            raise _invalid(path, f"recommendation budget_gb {budget!r} is not a finite number >= 0")
-        if rec.get("setting") not in _BUDGET_SETTING.values():
-            allowed = sorted(_BUDGET_SETTING.values())
-            raise _invalid(path, f"recommendation setting {rec.get('setting')!r} is not one of {allowed}")
+    if rec is not None and not isinstance(rec, dict):
+        raise _invalid(path, "recommendation is not a mapping")
     return data
+
+
+def _read_profile(context: Mapping[str, Any], profile_dir: Optional[PathLike]) -> Optional[Dict[str, Any]]:
+    """The stored profile, ``None`` when there is none; raises ``DynamicOffloadConfigError``
+    naming the file when it cannot be read or is not a valid profile of ``context``."""
+    path = dynamic_offload_profile_path(context, profile_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _invalid(path, f"cannot be read: {e}") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise _invalid(path, f"not JSON: {e}") from None
+    return _check(path, data, context)
 
 
 def load_dynamic_offload_profile(
     context: Mapping[str, Any], profile_dir: Optional[PathLike] = None
 ) -> Optional[Dict[str, Any]]:
-    """The stored profile of ``context``, or ``None`` when there is none. A file that is not a
-    valid profile raises ``DynamicOffloadConfigError`` naming it."""
-    path = dynamic_offload_profile_path(context, profile_dir)
+    """The stored profile of ``context``, or ``None`` when there is none. A file that cannot be
+    read or is not a valid profile of this context is ignored with a warning naming it and what
+    to do."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
+        return _read_profile(context, profile_dir)
+    except _native.DynamicOffloadConfigError as e:
+        warnings.warn(f"ddo: {e}; it is ignored", stacklevel=2)
         return None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise _invalid(path, f"not JSON: {e}") from None
-    return _check(path, data, context)
+
+
+def _merge_capacity_limits(limits: Mapping[str, Any], observation: Mapping[str, Any]) -> Dict[str, Any]:
+    """``capacity_limits`` with ``observation``'s ``capacity`` ({metric, value}) merged: the
+    largest value that succeeded and the smallest that failed, per metric."""
+    merged = {k: dict(v) for k, v in limits.items() if isinstance(v, Mapping)}
+    capacity = observation.get("capacity")
+    status = observation.get("status")
+    if not isinstance(capacity, Mapping) or status not in ("success", "failure"):
+        return merged
+    metric, value = capacity.get("metric"), capacity.get("value")
+    if not isinstance(metric, str) or not metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return merged
+    entry = merged.setdefault(metric, {})
+    if status == "success":
+        entry["max_success"] = max(float(value), float(entry.get("max_success", value)))
+    else:
+        entry["min_failure"] = min(float(value), float(entry.get("min_failure", value)))
+    return merged
 
 
 def record_dynamic_offload_profile(
     context: Mapping[str, Any],
     observation: Mapping[str, Any],
-    *,
-    recommendation: Optional[Mapping[str, Any]] = None,
     profile_dir: Optional[PathLike] = None,
-) -> Dict[str, Any]:
-    """Appends ``observation`` to the profile of ``context`` (the last 20 are kept) and, when
-    given, replaces its recommendation (``{"budget_gb": ..., "setting": ...}``). The file is
-    written to a temporary file in the same folder, flushed to disk and renamed over the old one,
-    so a reader sees the old profile or the new one, never a part. Returns the stored profile."""
-    path = dynamic_offload_profile_path(context, profile_dir)
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    data = load_dynamic_offload_profile(context, profile_dir) or {
-        "schema_version": DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION,
-        "key": dynamic_offload_profile_key(context),
-        "context": normalize_dynamic_offload_profile_context(context),
-        "recommendation": None,
-        "observations": [],
-    }
-    data["observations"] = (data["observations"] + [dict(observation)])[-MAX_PROFILE_OBSERVATIONS:]
+    recommendation: Optional[Mapping[str, Any]] = None,
+) -> Path:
+    """Appends ``observation`` to the profile of ``context`` (the last 20 are kept), merges its
+    ``capacity`` ({"metric": ..., "value": ...} with ``status`` ``success`` or ``failure``) into
+    ``capacity_limits`` and, when given, replaces the recommendation. The file is written to a
+    temporary file in the same folder, flushed to disk and renamed over the old one, so a reader
+    sees the old profile or the new one, never a part. An existing file that is not a valid
+    profile is replaced, with a warning. Returns the profile's path."""
+    normalized = normalize_dynamic_offload_profile_context(context)
+    observation = _json_data(observation, "capacity profile observation")
+    if not isinstance(observation, dict):
+        raise _native.DynamicOffloadConfigError(f"a capacity profile observation is a mapping, not {observation!r:.100}")
     if recommendation is not None:
-        data["recommendation"] = dict(recommendation)
-    _check(path, json.loads(json.dumps(data, allow_nan=False)), context)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        recommendation = _json_data(recommendation, "capacity profile recommendation")
+        if not isinstance(recommendation, dict):
+            raise _native.DynamicOffloadConfigError(
+                f"a capacity profile recommendation is a mapping, not {recommendation!r:.100}"
+            )
+    path = dynamic_offload_profile_path(normalized, profile_dir)
+    directory = path.parent
+    prior = load_dynamic_offload_profile(normalized, profile_dir) or {}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _native.DynamicOffloadConfigError(
+            f"capacity profile folder {directory} cannot be created ({e}): set DDO_PROFILE_DIR or profile_dir to a "
+            "writable folder"
+        ) from None
+    data = {
+        "schema_version": DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION,
+        "profile_key": dynamic_offload_profile_key(normalized),
+        "updated_at": _seconds_now(),
+        "context": normalized,
+        "capacity_limits": _merge_capacity_limits(prior.get("capacity_limits") or {}, observation),
+        "observations": (list(prior.get("observations") or []) + [observation])[-MAX_PROFILE_OBSERVATIONS:],
+    }
+    if recommendation is not None:
+        data["recommendation"] = recommendation
+    elif isinstance(prior.get("recommendation"), dict):
+        data["recommendation"] = prior["recommendation"]
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
@@ -175,16 +237,28 @@ def record_dynamic_offload_profile(
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    return data
+    return path
 
 
-def get_dynamic_offload_profile_recommendation(
-    context: Mapping[str, Any], profile_dir: Optional[PathLike] = None
-) -> Optional[Dict[str, Any]]:
-    """The stored recommendation of ``context`` (``budget_gb``, ``setting``, how it was
-    measured), or ``None``."""
-    data = load_dynamic_offload_profile(context, profile_dir)
-    return None if data is None else data.get("recommendation")
+def get_dynamic_offload_profile_capacity(profile: Mapping[str, Any], metric: str) -> Optional[Dict[str, float]]:
+    """The limits recorded for a capacity ``metric`` of a loaded profile (``max_success``,
+    ``min_failure``), or ``None``."""
+    limits = profile.get("capacity_limits") if isinstance(profile, Mapping) else None
+    entry = limits.get(metric) if isinstance(limits, Mapping) else None
+    if not isinstance(entry, Mapping):
+        return None
+    out = {}
+    for key in ("max_success", "min_failure"):
+        value = entry.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = float(value)
+    return out or None
+
+
+def get_dynamic_offload_profile_recommendation(profile: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """The recommendation stored in a loaded profile, or ``None``."""
+    rec = profile.get("recommendation") if isinstance(profile, Mapping) else None
+    return dict(rec) if isinstance(rec, Mapping) else None
 
 
 def profile_context(module: torch.nn.Module, component: str, route: str, device: str, name: str) -> Dict[str, Any]:
@@ -207,28 +281,90 @@ def recommend_budget_gb(build_budget_gb: float, total: int, peak: int, headroom:
     return math.floor((float(build_budget_gb) + margin / _GIB) * 1e4) / 1e4, margin
 
 
-class DynamicOffloadProfileSession:
-    """One component's capacity profile: its context, where it lives, and the recording of a
-    measured run."""
+def _recommended_budget(recommendation: Mapping[str, Any]) -> Optional[float]:
+    """The GiB a recommendation names: ddo's ``budget_gb``, or the published
+    ``profile_resident_module_budget_gb`` (``auto_full_pin_resident_budget_gb`` in older files)."""
+    for key in ("budget_gb", "profile_resident_module_budget_gb", "auto_full_pin_resident_budget_gb"):
+        value = recommendation.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value) if math.isfinite(value) and value >= 0 else None
+    return None
 
-    def __init__(self, context: Mapping[str, Any], profile_dir: Optional[PathLike] = None) -> None:
-        self.context = normalize_dynamic_offload_profile_context(context)
-        self.profile_dir = os.fspath(profile_dir) if profile_dir is not None else get_dynamic_offload_profile_dir()
-        self.key = dynamic_offload_profile_key(self.context)
-        self.path = dynamic_offload_profile_path(self.context, self.profile_dir)
+
+class DynamicOffloadProfileSession:
+    """A host's profile pair: ``execution_context`` names one exact workload (its
+    recommendation sizes the budget), ``capacity_context`` a family of workloads (its
+    ``capacity_limits`` say which sizes succeeded and failed). Both are loaded at construction."""
+
+    def __init__(
+        self,
+        execution_context: Mapping[str, Any],
+        capacity_context: Optional[Mapping[str, Any]] = None,
+        profile_dir: Optional[PathLike] = None,
+    ) -> None:
+        self.execution_context = normalize_dynamic_offload_profile_context(execution_context)
+        self.capacity_context = (
+            normalize_dynamic_offload_profile_context(capacity_context) if capacity_context is not None else None
+        )
+        self.profile_dir = profile_dir
+        self.key = dynamic_offload_profile_key(self.execution_context)
+        self.path = dynamic_offload_profile_path(self.execution_context, profile_dir)
+        self._reload()
+
+    def _reload(self) -> None:
+        self.execution_profile = load_dynamic_offload_profile(self.execution_context, self.profile_dir)
+        self.capacity_profile = (
+            load_dynamic_offload_profile(self.capacity_context, self.profile_dir)
+            if self.capacity_context is not None
+            else None
+        )
+
+    def apply_settings(self, settings: Any, *, allow_recommendation: bool = True) -> Tuple[Any, Optional[Dict[str, Any]]]:
+        """``(settings, recommendation)``: ``settings`` with the execution profile's recommended
+        budget as its GPU weight budget (``vmm_resident_weight_budget_gb`` on the native route,
+        ``resident_module_budget_gb`` on the linear route, and ``profile_resident_module_budget_gb``)
+        unless that budget was set explicitly; ``(settings, None)`` when it was."""
+        recommendation = get_dynamic_offload_profile_recommendation(self.execution_profile or {})
+        if not allow_recommendation or not recommendation:
+            return settings, recommendation
+        budget = _recommended_budget(recommendation)
+        if budget is None:
+            return settings, recommendation
+        setting = _BUDGET_SETTING.get(settings.route_name)
+        values, origins = settings.values, settings.origins
+        if float(values.get("resident_module_budget_gb") or 0) > 0 or (
+            setting is not None and _explicit(str(origins.get(setting, "default")))
+        ):
+            return settings, None
+        extra: Dict[str, Any] = {"profile_resident_module_budget_gb": budget}
+        if setting is not None:
+            extra[setting] = budget
+        return _resolve_with(settings, extra), recommendation
 
     @staticmethod
-    def recommend_resident_budget(total: float, peak: float, headroom: float) -> float:
-        """The published rule: ``max(0, total - peak - headroom)`` (any one unit)."""
-        return max(0.0, float(total) - float(peak) - float(headroom))
+    def recommend_resident_budget(total_vram_gb: float, peak_vram_gb: float, headroom_gb: float) -> float:
+        """The published rule: ``max(0, total - peak - headroom)``, rounded to 4 digits."""
+        return round(max(0.0, float(total_vram_gb) - float(peak_vram_gb) - float(headroom_gb)), 4)
 
     def recommendation(self) -> Optional[Dict[str, Any]]:
-        return get_dynamic_offload_profile_recommendation(self.context, self.profile_dir)
+        """The execution profile's recommendation, or ``None``."""
+        return get_dynamic_offload_profile_recommendation(self.execution_profile or {})
 
-    def record_success(self, observation: Mapping[str, Any], recommendation: Mapping[str, Any]) -> Dict[str, Any]:
-        return record_dynamic_offload_profile(
-            self.context, observation, recommendation=recommendation, profile_dir=self.profile_dir
+    def record_success(
+        self, observation: Mapping[str, Any], recommendation: Optional[Mapping[str, Any]] = None
+    ) -> Tuple[Path, Optional[Path]]:
+        """Records ``observation`` (with ``recommendation``) in the execution profile and in the
+        capacity profile; returns both paths (the second ``None`` without a capacity context)."""
+        execution_path = record_dynamic_offload_profile(
+            self.execution_context, observation, self.profile_dir, recommendation=recommendation
         )
+        capacity_path = (
+            record_dynamic_offload_profile(self.capacity_context, observation, self.profile_dir)
+            if self.capacity_context is not None
+            else None
+        )
+        self._reload()
+        return execution_path, capacity_path
 
 
 def _explicit(origin: str) -> bool:
@@ -273,8 +409,14 @@ def apply_capacity_profile(module: torch.nn.Module, settings: Any) -> Tuple[Any,
         return settings, {"name": name, "status": "not_applicable"}
     setting = _BUDGET_SETTING[route]
     device = torch.device(settings.device)
-    session = DynamicOffloadProfileSession(profile_context(module, settings.component, route, str(device), name))
-    info: Dict[str, Any] = {"name": name, "key": session.key, "path": session.path, "setting": setting}
+    context = profile_context(module, settings.component, route, str(device), name)
+    path = dynamic_offload_profile_path(context)
+    info: Dict[str, Any] = {
+        "name": name,
+        "key": dynamic_offload_profile_key(context),
+        "path": str(path),
+        "setting": setting,
+    }
     if build:
         if device.type != "cuda":
             raise _native.DynamicOffloadConfigError(
@@ -284,39 +426,62 @@ def apply_capacity_profile(module: torch.nn.Module, settings: Any) -> Tuple[Any,
             )
         info.update(status="building", budget_gb=float(values[setting]))
         return settings, info
-    recommendation = session.recommendation()
-    if recommendation is None:
-        warnings.warn(
-            f"ddo: capacity profile {name!r} has no recording at {session.path}; the budget stays "
-            f"{setting} = {values[setting]} (build one with build_profile=True and result.profile_run())",
-            stacklevel=3,
-        )
-        info.update(status="not_found", budget_gb=float(values[setting]))
+
+    def not_applied(status: str, why: str) -> Tuple[Any, Dict[str, Any]]:
+        warnings.warn(f"ddo: capacity profile {name!r}: {why}; the budget stays {setting} = {values[setting]}", stacklevel=4)
+        info.update(status=status, budget_gb=float(values[setting]))
         return settings, info
-    budget = float(recommendation["budget_gb"])
+
+    try:
+        recommendation = get_dynamic_offload_profile_recommendation(_read_profile(context, None) or {})
+    except _native.DynamicOffloadConfigError as e:
+        return not_applied("invalid", str(e))
+    if recommendation is None:
+        return not_applied(
+            "not_found", f"no recording at {path} (build one with build_profile=True and result.profile_run())"
+        )
+    budget = _recommended_budget(recommendation)
+    if budget is None:
+        return not_applied("invalid", f"{path} recommends no finite budget >= 0: delete it or build it again")
+    if recommendation.get("setting", setting) != setting:
+        return not_applied(
+            "invalid",
+            f"{path} recommends {recommendation.get('setting')!r}, and route {route} sizes {setting}: delete it or "
+            "build it again",
+        )
     info["recommended_budget_gb"] = budget
     if _explicit(str(settings.origins.get(setting, "default"))):
         info.update(status="explicit_budget", budget_gb=float(values[setting]))
         return settings, info
+    total = _device_total_bytes(device)
     recorded_total = recommendation.get("device_total_bytes")
-    if recorded_total is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        if int(recorded_total) != int(total):
-            warnings.warn(
-                f"ddo: capacity profile {name!r} was measured on a GPU of {recorded_total} bytes, {device} has {total}: "
-                f"not applied; build it again on this GPU",
-                stacklevel=3,
-            )
-            info.update(status="device_changed", budget_gb=float(values[setting]))
-            return settings, info
+    if recorded_total is not None and device.type == "cuda" and int(recorded_total) != int(total):
+        return not_applied(
+            "device_changed",
+            f"measured on a GPU of {recorded_total} bytes, {device} has {total}: build it again on this GPU",
+        )
+    if budget * _GIB > total:
+        return not_applied(
+            "invalid", f"{path} recommends {budget} GiB, more than {device}'s {total / _GIB:.1f} GiB: build it again"
+        )
     if setting == "vmm_resident_weight_budget_gb" and budget <= 0:
         raise _native.DynamicOffloadCapacityError(
-            f"capacity profile {name!r} ({session.path}) leaves no GPU memory for weights (recommended {budget} GiB): "
+            f"capacity profile {name!r} ({path}) leaves no GPU memory for weights (recommended {budget} GiB): "
             "build it again with a lighter run or a lower profile_vram_headroom_gb, or set vmm_resident_weight_budget_gb"
         )
-    settings = _resolve_with(settings, {setting: budget, "profile_resident_module_budget_gb": budget})
+    try:
+        settings = _resolve_with(settings, {setting: budget, "profile_resident_module_budget_gb": budget})
+    except _native.DynamicOffloadConfigError as e:
+        return not_applied("invalid", f"{path} recommends {budget} GiB, which the settings refuse ({e})")
     info.update(status="applied", budget_gb=budget)
     return settings, info
+
+
+def _device_total_bytes(device: torch.device) -> int:
+    """The memory of ``device``: the GPU's, or the host's for the host backend."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
 
 def _seconds_now() -> str:
@@ -334,8 +499,8 @@ def profile_run(result: Any) -> Iterator[None]:
     device = result.execution_device
     values = result.settings.values
     setting = info["setting"]
-    session = DynamicOffloadProfileSession(
-        profile_context(result.module, result.settings.component, result.settings.route_name, str(device), info["name"])
+    context = profile_context(
+        result.module, result.settings.component, result.settings.route_name, str(device), info["name"]
     )
     torch.cuda.synchronize(device)
     free_before, total = torch.cuda.mem_get_info(device)
@@ -356,6 +521,7 @@ def profile_run(result: Any) -> Iterator[None]:
     build_budget = float(values[setting])
     budget, margin = recommend_budget_gb(build_budget, total, peak, headroom)
     observation = {
+        "status": "success",
         "recorded_at": _seconds_now(),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device),
@@ -376,9 +542,10 @@ def profile_run(result: Any) -> Iterator[None]:
     recommendation = {
         "setting": setting,
         "budget_gb": budget,
+        "profile_resident_module_budget_gb": budget,
         "free_margin_gb": round(margin / _GIB, 4),
         "device_total_bytes": int(total),
         "recorded_at": observation["recorded_at"],
     }
-    session.record_success(observation, recommendation)
+    record_dynamic_offload_profile(context, observation, recommendation=recommendation)
     info.update(status="recorded", recommended_budget_gb=budget, peak_bytes=int(peak), free_margin_bytes=int(margin))

@@ -20,6 +20,13 @@ __all__ = ["DYNAMIC_OFFLOAD_TIMING_SCHEMA_VERSION", "DynamicOffloadExecutionTime
 
 DYNAMIC_OFFLOAD_TIMING_SCHEMA_VERSION = 1
 
+_NATIVE_UNITS_REFUSED = (
+    "{what} asks for per-unit upload and compute windows, and ddo records no CUDA events around each unit, so it has "
+    "none to report: leave it unset. ddo offers the timer's phase, step and tail times on the compute stream, and per "
+    "component in metrics_snapshot().as_dict()['runtime']: upload_seconds (host time enqueuing uploads), "
+    "wait_seconds (time compute waited for uploads), prefetch_hits / prefetch_misses"
+)
+
 
 class DynamicOffloadExecutionTimer:
     """Times one run: the whole phase, each step between :meth:`mark_step` calls and the tail
@@ -34,11 +41,27 @@ class DynamicOffloadExecutionTimer:
         self,
         enabled: bool = False,
         device: Union[str, torch.device, None] = None,
-        *,
+        native_factory: Any = None,
         diagnostic_step_wait: bool = False,
     ) -> None:
+        if native_factory is not None:
+            raise _native.DynamicOffloadConfigError(_NATIVE_UNITS_REFUSED.format(what="native_factory"))
         self.enabled = bool(enabled)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        try:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError) as e:
+            raise _native.DynamicOffloadConfigError(
+                f"the execution timer's device {device!r} is not a device ({e}): pass 'cuda', 'cuda:N' or 'cpu'"
+            ) from None
+        if self.device.type not in ("cuda", "cpu"):
+            raise _native.DynamicOffloadConfigError(
+                f"the execution timer times CUDA streams or the host thread, not {self.device}: pass 'cuda:N' or 'cpu'"
+            )
+        if self.enabled and self.device.type == "cuda" and not torch.cuda.is_available():
+            raise _native.DynamicOffloadConfigError(
+                f"the execution timer uses CUDA events on {self.device}, and PyTorch sees no CUDA device: pass "
+                "device='cpu' to time the host thread"
+            )
         if self.device.type == "cuda" and self.device.index is None and self.enabled:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.diagnostic_step_wait = bool(diagnostic_step_wait)
@@ -166,11 +189,14 @@ class DynamicOffloadExecutionTimer:
         )
         return out
 
-    def attach(self, metrics: DynamicOffloadMetrics, *, wait: bool = False) -> DynamicOffloadMetrics:
-        """``metrics`` with this timer's snapshot under ``runtime.execution_timing``."""
-        runtime = dict(metrics.runtime)
+    def attach(self, report: DynamicOffloadMetrics, *, wait: bool = False) -> DynamicOffloadMetrics:
+        """``report`` (a metrics snapshot) with this timer's snapshot under
+        ``runtime.execution_timing``."""
+        if not isinstance(report, DynamicOffloadMetrics):
+            raise TypeError(f"attach() takes a DynamicOffloadMetrics (result.metrics_snapshot()), not {type(report).__name__}")
+        runtime = dict(report.runtime)
         runtime["execution_timing"] = self.snapshot(wait=wait)
-        return dataclasses.replace(metrics, runtime=runtime)
+        return dataclasses.replace(report, runtime=runtime)
 
 
 def execution_timer(
@@ -187,11 +213,5 @@ def execution_timer(
     if isinstance(native_capacity, bool) or not isinstance(native_capacity, int) or not 1 <= native_capacity <= 8192:
         raise _native.DynamicOffloadConfigError(f"native_capacity = {native_capacity!r} must be an int in 1..8192")
     if native_units:
-        raise _native.DynamicOffloadConfigError(
-            "native_units = true asks for per-unit upload and compute windows, and ddo records no CUDA events around "
-            "each unit, so it has none to report: leave native_units off. ddo offers the timer's phase, step and tail "
-            "times on the compute stream, and per component in metrics_snapshot().as_dict()['runtime']: "
-            "upload_seconds (host time enqueuing uploads), wait_seconds (time compute waited for uploads), "
-            "prefetch_hits / prefetch_misses"
-        )
+        raise _native.DynamicOffloadConfigError(_NATIVE_UNITS_REFUSED.format(what="native_units = true"))
     return DynamicOffloadExecutionTimer(enabled, result.execution_device, diagnostic_step_wait=diagnostic_step_wait)
