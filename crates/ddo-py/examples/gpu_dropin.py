@@ -100,19 +100,26 @@ def check_profile(work: str) -> str:
             return "refused off CUDA, as it must be"
         raise AssertionError("build_profile on the host backend was not refused")
     built = ddo.from_pretrained_with_dynamic_offload(
-        folder, apply_dynamic=True, dynamic_offload_config=config, profile_name="tiny", build_profile=True
+        folder, apply_dynamic=True, dynamic_offload_config=config, profile_name="tiny", build_profile=True,
+        torch_dtype=torch.bfloat16,
     )
+    from diffusers import FluxTransformer2DModel
+
+    with torch.no_grad():
+        reference = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(DEVICE)(**inputs)[0]
     with built.profile_run(), torch.no_grad():
-        built.module(**inputs)
+        assert torch.equal(built.module(**inputs)[0], reference), "the profiled run differs from the resident run"
     recorded = built.offload.metrics_snapshot().as_dict()["setup"]["capacity_profile"]
     assert recorded["status"] == "recorded", recorded
     built.offload.remove()
     again = ddo.from_pretrained_with_dynamic_offload(
-        folder, apply_dynamic=True, profile_name="tiny",
+        folder, apply_dynamic=True, profile_name="tiny", torch_dtype=torch.bfloat16,
         dynamic_offload_config=ddo.DynamicOffloadConfig(backend="vmm", execution_device=DEVICE),
     )
     applied = again.offload.metrics_snapshot().as_dict()["setup"]["capacity_profile"]
     assert applied["status"] == "applied", applied
+    with torch.no_grad():
+        assert torch.equal(again.module(**inputs)[0], reference), "the run under the profile's budget differs"
     again.offload.remove()
     return f"recommended {recorded['recommended_budget_gb']:.3f} GiB, applied {applied['budget_gb']:.3f} GiB"
 
@@ -127,8 +134,9 @@ def check_tools(work: str) -> str:
     report_ = json.loads(doctor.stdout)
     bench = subprocess.run(
         [sys.executable, "-m", "ddo", "bench", folder, "--device", DEVICE, "--steps", "3", "--json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True,
     )
+    assert bench.returncode == 0, f"bench exited {bench.returncode}: {bench.stdout[-3000:]} {bench.stderr[-3000:]}"
     rows = json.loads(bench.stdout)
     return f"doctor {json.dumps(report_)[:300]}; bench {json.dumps(rows)[:300]}"
 

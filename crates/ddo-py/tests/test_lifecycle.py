@@ -247,6 +247,11 @@ def test_state_reports_units_and_bytes_by_placement(flux, capsys):
     assert sum(u.bytes for u in state.units) == total
     data = state.as_dict()
     assert data["bytes_by_placement"]["streamed"] == sum(u["bytes"] for u in data["units"] if u["placement"] == "streamed")
+    # The published names: entries, selected_resident_modules.
+    assert state.entries == state.units and len(data["entries"]) == 5
+    assert sum(e["bytes"] for e in data["entries"]) == total
+    assert state.selected_resident_modules == tuple(u.path for u in state.units if u.placement != "streamed")
+    assert len(state.selected_resident_modules) == 1 and data["selected_resident_modules"] == ["resident"]
     json.dumps(data)
     run(model, inputs)
     result.print_profile_summary(top_n=2)
@@ -567,3 +572,9 @@ def test_the_timer_takes_the_published_constructor_and_refuses_what_it_cannot_me
             ddo.DynamicOffloadExecutionTimer(True, "cuda")
     with pytest.raises(TypeError, match="DynamicOffloadMetrics"):
         timer.attach({"route": "x"})
+
+
+def test_phase_helpers_refuse_a_device_that_is_not_one():
+    for helper in (ddo.release_pytorch_host_cache, ddo.release_native_vmm_idle_cache):
+        with pytest.raises(ddo.DynamicOffloadConfigError, match="is not a device"):
+            helper(enabled=True, device="bogus")

@@ -234,3 +234,25 @@ def test_bench_refuses_a_class_it_has_no_inputs_for(tmp_path, capsys):
     assert "names UNet2DModel" in err and "AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel" in err
     assert main(["bench", str(tmp_path), "--routes", "resident,fast"]) == 1
     assert "unknown route(s) fast; choose among resident, linear, vmm, diffusers_leaf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--device", "bogus"], "is not a device"),
+        (["--device", "meta"], "runs on cuda, cuda:N or cpu"),
+        (["--resolution", "-5"], "multiple of 16"),
+        (["--resolution", "1000"], "multiple of 16"),
+        (["--budget-gb", "nan"], "finite number"),
+    ],
+)
+def test_bench_refuses_bad_arguments_with_what_to_pass(flux_folder, capsys, extra, says):
+    assert main(["bench", str(flux_folder), *extra]) == 1
+    assert says in capsys.readouterr().err
+
+
+def test_bench_refuses_a_config_that_is_not_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"_class_name": "FluxTransformer2DModel", ')
+    assert main(["bench", str(tmp_path), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import math
 import os
 import statistics
 import time
@@ -237,7 +238,30 @@ def _model_folder(folder: str) -> Tuple[Any, Dict[str, Any]]:
             f"{folder}/config.json names {loader.__name__}; ddo bench builds inputs for {', '.join(sorted(BUILDERS))}: "
             "benchmark a folder of one of those classes"
         )
-    return loader, dict(loader.load_config(folder))
+    try:
+        return loader, dict(loader.load_config(folder))
+    except (ValueError, OSError) as e:
+        raise DynamicOffloadError(f"{folder}/config.json cannot be read as a Diffusers config ({e}): fix or replace it") from None
+
+
+def _bench_device(device: Optional[str]) -> torch.device:
+    """The device to run on: ``device``, else the first GPU, else the CPU; refused with what to
+    pass when it is not one this process can use."""
+    try:
+        dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as e:
+        raise DynamicOffloadError(f"--device {device!r} is not a device ({e}): pass cuda, cuda:N or cpu") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise DynamicOffloadError(f"--device {dev}: ddo bench runs on cuda, cuda:N or cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DynamicOffloadError(f"device {dev} is not available: PyTorch sees no CUDA device; pass --device cpu")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise DynamicOffloadError(f"--device {dev}: PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
+        dev = torch.device("cuda", index)
+        torch.empty(0, device=dev)  # the allocator's statistics exist once the device is initialized
+    return dev
 
 
 def run_bench(
@@ -260,10 +284,12 @@ def run_bench(
         raise DynamicOffloadError(f"unknown route(s) {', '.join(unknown) or '(none given)'}; choose among {', '.join(ROUTES)}")
     if steps < 1:
         raise DynamicOffloadError(f"--steps {steps}: time at least one forward")
+    if not 16 <= resolution <= 16384 or resolution % 16:
+        raise DynamicOffloadError(f"--resolution {resolution}: pass a multiple of 16 from 16 to 16384 pixels")
+    if not math.isfinite(budget_gb) or budget_gb < 0:
+        raise DynamicOffloadError(f"--budget-gb {budget_gb}: pass a finite number of GiB >= 0")
     loader, config = _model_folder(folder)
-    dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DynamicOffloadError(f"device {dev} is not available: PyTorch sees no CUDA device; pass --device cpu")
+    dev = _bench_device(device)
     method, host_inputs = BUILDERS[loader.__name__](config, resolution, torch.Generator().manual_seed(0))
     host_inputs = {
         k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith("_ids") else v

@@ -46,7 +46,12 @@ def _cuda_device(device: Union[str, int, torch.device, None]) -> Optional[torch.
     not a CUDA device. Never initializes CUDA."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cuda")
-    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    try:
+        d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    except (RuntimeError, TypeError) as e:
+        raise _native.DynamicOffloadConfigError(
+            f"device {device!r} is not a device ({e}): pass 'cuda', 'cuda:N', an index or 'cpu'"
+        ) from None
     if d.type != "cuda":
         return None
     if d.index is None and torch.cuda.is_initialized():

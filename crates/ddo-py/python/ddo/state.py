@@ -56,8 +56,20 @@ class DynamicOffloadState:
     unloaded: bool = False
     units: Tuple[DynamicOffloadUnitState, ...] = field(default_factory=tuple)
 
+    @property
+    def entries(self) -> Tuple[DynamicOffloadUnitState, ...]:
+        """The units, under the published name."""
+        return self.units
+
+    @property
+    def selected_resident_modules(self) -> Tuple[str, ...]:
+        """The paths of the units kept on the device (``resident`` and ``pinned``)."""
+        return tuple(u.path for u in self.units if u.placement != "streamed")
+
     def as_dict(self) -> Dict[str, Any]:
-        """Plain data: bytes as they are, and ``total_gb`` / ``gb_by_placement`` in GiB (4 decimals)."""
+        """Plain data: bytes as they are, ``total_gb`` / ``gb_by_placement`` in GiB (4 decimals),
+        and the published ``entries`` (``name``, ``placement``, ``bytes``, ``gb`` to 6 decimals)
+        and ``selected_resident_modules``."""
         return {
             "component": self.component,
             "route": self.route,
@@ -78,6 +90,11 @@ class DynamicOffloadState:
                 {"path": u.path, "placement": u.placement, "parameter_count": u.parameter_count, "bytes": u.bytes}
                 for u in self.units
             ],
+            "entries": [
+                {"name": u.path, "placement": u.placement, "bytes": u.bytes, "gb": round(u.bytes / float(1 << 30), 6)}
+                for u in self.units
+            ],
+            "selected_resident_modules": list(self.selected_resident_modules),
         }
 
 
