@@ -12,8 +12,8 @@ mod profile;
 mod snapshot;
 
 pub use phases::{
-    AuxiliaryDetachment, CapacityProfileSetup, DiagnosticStepWait, ExecutionTiming,
-    HostCacheRelease, IdleCacheRelease,
+    AutoBudgetSetup, AuxiliaryDetachment, CapacityProfileSetup, DiagnosticStepWait,
+    ExecutionTiming, HostCacheRelease, IdleCacheRelease,
 };
 pub use profile::format_profile;
 pub use snapshot::{

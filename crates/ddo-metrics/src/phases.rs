@@ -195,3 +195,26 @@ pub struct CapacityProfileSetup {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub free_margin_bytes: Option<u64>,
 }
+
+/// What the automatic GPU budget did (`setup.auto_budget`, `auto_budget_policy = balanced`): the
+/// arena's budget is the device's free memory plus the arena's own, less the headroom, measured
+/// after a pass (the working set PyTorch keeps is not free), and planned again after the first
+/// pass and whenever free memory falls below half the headroom.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AutoBudgetSetup {
+    /// The policy (`balanced`).
+    pub policy: String,
+    /// Device memory kept free beyond the working set, bytes.
+    pub headroom_bytes: u64,
+    /// Times the arena was planned again under a new budget.
+    pub replans: u64,
+    /// The arena's budget now, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_bytes: Option<u64>,
+    /// Free device memory measured after the last deciding pass, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub free_bytes: Option<u64>,
+    /// The last decision: why the budget changed, or why it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
+}

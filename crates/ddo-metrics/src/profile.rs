@@ -94,6 +94,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .seconds("copy_floor_seconds", s.expected_copy_floor_seconds)
         .render(&mut out, "");
     capacity_profile_line(m, &mut out);
+    auto_budget_line(m, &mut out);
     if let Some(g) = &s.group_offload {
         Line::new("group_offload")
             .text("offload_type", Some(&g.offload_type))
@@ -192,6 +193,20 @@ fn capacity_profile_line(m: &DynamicOffloadMetrics, out: &mut String) {
             .text("recommended_gib", p.recommended_budget_gb.map(|g| format!("{g:.4}")))
             .gib("peak_gib", p.peak_bytes)
             .gib("free_margin_gib", p.free_margin_bytes)
+            .render(out, "");
+    }
+}
+
+/// What the automatic GPU budget did.
+fn auto_budget_line(m: &DynamicOffloadMetrics, out: &mut String) {
+    if let Some(a) = &m.setup.auto_budget {
+        Line::new("auto_budget")
+            .text("policy", Some(&a.policy))
+            .gib("headroom_gib", Some(a.headroom_bytes))
+            .text("replans", Some(a.replans.to_string()))
+            .gib("budget_gib", a.budget_bytes)
+            .gib("free_gib", a.free_bytes)
+            .text("decision", a.decision.as_ref())
             .render(out, "");
     }
 }

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use ddo_core::HostMemoryObservation;
 
 use crate::phases::{
-    AuxiliaryDetachment, CapacityProfileSetup, ExecutionTiming, HostCacheRelease, IdleCacheRelease,
+    AutoBudgetSetup, AuxiliaryDetachment, CapacityProfileSetup, ExecutionTiming, HostCacheRelease,
+    IdleCacheRelease,
 };
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -165,6 +166,8 @@ optional_section! {
         placement: String,
         /// What a named capacity profile did at attach.
         capacity_profile: CapacityProfileSetup,
+        /// What the automatic GPU budget did.
+        auto_budget: AutoBudgetSetup,
     }
 }
 

@@ -293,16 +293,18 @@ settings! {
     resident_module_budget_gb: f64 = 0.0, "RESIDENT_MODULE_BUDGET_GB";
     /// Cap on the peer library's automatic resident-module budget (GiB; 0 = no cap).
     max_resident_module_budget_gb: f64 = 6.0, "MAX_RESIDENT_MODULE_BUDGET_GB",
-        unsupported = "it only caps the automatic (balanced) budget, which ddo does not build; ddo's arena plans residency itself under the GPU budget (vmm_resident_weight_budget_gb / resident_module_budget_gb)";
+        unsupported = "it caps the published library's heuristic resident budget; ddo's automatic budget (auto_budget_policy = balanced) follows the GPU's free memory less auto_vram_headroom_gb, and fixed budgets are vmm_resident_weight_budget_gb / resident_module_budget_gb";
     /// GPU memory (GiB) of the arena budget kept free for activations: the arena plans its units
     /// and slots under the budget minus this headroom (0 = none).
     auto_vram_headroom_gb: f64 = 0.0, "AUTO_VRAM_HEADROOM_GB";
-    /// The peer library's automatic budget policy (`off` or `balanced`).
-    auto_budget_policy: AutoBudgetPolicy = AutoBudgetPolicy::Off, "AUTO_BUDGET_POLICY",
-        unsupported = "ddo's arena plans residency itself under the GPU budget (vmm_resident_weight_budget_gb / resident_module_budget_gb); an automatic budget from the card is not built yet";
+    /// The GPU budget from the card (`off` or `balanced`). `balanced`, on the native route: after
+    /// the first pass, and whenever free device memory falls below half of the headroom, the
+    /// arena is planned again under the device's free memory plus its own, less
+    /// `auto_vram_headroom_gb` (1 GiB when 0): what PyTorch keeps for the working set is not free.
+    auto_budget_policy: AutoBudgetPolicy = AutoBudgetPolicy::Off, "AUTO_BUDGET_POLICY";
     /// Model-to-VRAM ratio from which the peer library's balanced policy pins everything.
     auto_full_pin_min_model_to_vram_ratio: f64 = 4.0, "AUTO_FULL_PIN_MIN_MODEL_TO_VRAM_RATIO",
-        unsupported = "it only tunes the automatic (balanced) budget, which ddo does not build; ddo's arena plans residency itself under the GPU budget (vmm_resident_weight_budget_gb / resident_module_budget_gb)";
+        unsupported = "it tunes the published library's heuristic budget; ddo's automatic budget (auto_budget_policy = balanced) follows the GPU's free memory less auto_vram_headroom_gb, and fixed budgets are vmm_resident_weight_budget_gb / resident_module_budget_gb";
     /// On the linear route, register (page-lock) the module's host tensors in place so copies
     /// run at full speed; the plan's `effective_pin_cpu_memory` applies `disable_pin_on_wsl`.
     pin_cpu_memory: bool = false, "PIN_CPU_MEMORY";

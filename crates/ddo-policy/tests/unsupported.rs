@@ -30,14 +30,6 @@ fn cases() -> Vec<Case> {
     };
     vec![
         case("offload_device", json!("cuda:0"), "cuda:0", "\"cuda:0\"", json!("cpu"), "\"cpu\""),
-        case(
-            "auto_budget_policy",
-            json!("balanced"),
-            "balanced",
-            "\"balanced\"",
-            json!("off"),
-            "\"off\"",
-        ),
         case("max_resident_module_budget_gb", json!(0.0), "0", "0", json!(6.0), "6"),
         case("auto_full_pin_min_model_to_vram_ratio", json!(2.5), "2.5", "2.5", json!(4.0), "4"),
         case("cache_pinned_weights", json!(true), "1", "true", json!(false), "false"),
@@ -183,12 +175,12 @@ fn a_refused_setting_at_its_default_is_accepted_from_every_layer() {
 fn the_message_names_setting_value_origin_and_what_ddo_does() {
     let request = Request {
         component: "transformer",
-        environment: Environment::from_pairs([("DDO_AUTO_BUDGET_POLICY", "balanced")]),
+        environment: Environment::from_pairs([("DDO_MAX_RESIDENT_MODULE_BUDGET_GB", "8")]),
         ..Request::default()
     };
     assert_eq!(
         resolve(&request).unwrap_err().to_string(),
-        "auto_budget_policy = \"balanced\" (from DDO_AUTO_BUDGET_POLICY) is not supported by ddo: ddo's arena plans residency itself under the GPU budget (vmm_resident_weight_budget_gb / resident_module_budget_gb); an automatic budget from the card is not built yet; leave it unset or at its default \"off\""
+        "max_resident_module_budget_gb = 8 (from DDO_MAX_RESIDENT_MODULE_BUDGET_GB) is not supported by ddo: it caps the published library's heuristic resident budget; ddo's automatic budget (auto_budget_policy = balanced) follows the GPU's free memory less auto_vram_headroom_gb, and fixed budgets are vmm_resident_weight_budget_gb / resident_module_budget_gb; leave it unset or at its default 6"
     );
     let request = Request {
         component: "vae",

@@ -67,8 +67,11 @@ VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "v
 # Also measurable with --variants: vmm_fast_runtime fed from retained host windows holding the
 # whole model (vmm_source_cache_gb) instead of the checkpoint's mapping.
 OPTIONAL = ["vmm_retained"]
-# `vmm@GIB` (a weight budget of GIB), `vmm+dN` (prefetch depth N), or both: `vmm@6+d5`.
-VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+))?(?:\+d([0-9]+))?$")
+# `vmm@GIB` (a weight budget of GIB), `vmm+dN` (prefetch depth N), or both: `vmm@6+d5`;
+# `vmm@auto` is auto_budget_policy = balanced (the budget from the card's free memory), and a
+# `%GIB` suffix simulates a smaller card: everything but GIB of the GPU's free memory is held by
+# another allocation before the model loads (`vmm@auto%16`, `vmm@6%16`).
+VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+|auto))?(?:\+d([0-9]+))?(?:%([0-9.]+))?$")
 # The budget of `vmm`: every unit streamed for the 5 B model.
 STREAMING_BUDGET_GB = 3.0
 
@@ -196,6 +199,12 @@ def child(a: argparse.Namespace) -> int:
     warm_up(dev, resolutions, "flux" if quantized else fam)
     # What the process holds before any weight: the interpreter, torch, the CUDA context and
     # the kernels every variant loads.
+    card = VMM_VARIANT.match(a.variant)
+    card = float(card.group(3)) if card and card.group(3) else None
+    held = None
+    if card is not None:
+        free, _ = torch.cuda.mem_get_info(dev)
+        held = torch.empty(max(0, free - int(card * 2**30)), dtype=torch.uint8, device=dev)
     rss_base, gpu_context = rss_now(), sampler.used() - sampler.base
     parts_base = rss_parts()
     sampler.peak = sampler.used()
@@ -227,9 +236,13 @@ def child(a: argparse.Namespace) -> int:
             )
         else:
             m = VMM_VARIANT.match(a.variant)
-            budget = float(m.group(1)) if m.group(1) else STREAMING_BUDGET_GB
-            depth = {"prefetch_depth": int(m.group(2))} if m.group(2) else {}
-            config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget, **depth)
+            extra_config = {"prefetch_depth": int(m.group(2))} if m.group(2) else {}
+            if m.group(1) == "auto":
+                extra_config["auto_budget_policy"] = "balanced"
+                budget = STREAMING_BUDGET_GB
+            else:
+                budget = float(m.group(1)) if m.group(1) else STREAMING_BUDGET_GB
+            config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget, **extra_config)
         extra = {"gguf_file": gguf_file(a.path)} if quantized else {}
         model = ddo.from_pretrained_with_dynamic_offload(
             a.path, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config,
@@ -254,13 +267,23 @@ def child(a: argparse.Namespace) -> int:
             times, out = timed(lambda: model(**x)[0], a.steps)
         digest = hashlib.sha256(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
-            arena = native.metrics_snapshot().as_dict()["runtime"]["peak_bytes"]
+            after = native.metrics_snapshot().as_dict()
+            arena = after["runtime"]["peak_bytes"]
+            # An automatic budget plans again after the first pass: the steps stream this much.
+            streamed = after["setup"]["streamed_bytes_per_pass"]
         row = dict(
             variant=a.variant, resolution=res, first=times[0], step=statistics.median(times[1:]), setup=setup,
             peak_gpu=sampler.peak - sampler.base, gpu_context=gpu_context, arena=arena, streamed=streamed,
             rss=peak_rss(), rss_base=rss_base, digest=digest,
             rss_parts_above_base={k: v - parts_base.get(k, 0) for k, v in rss_parts().items()},
         )
+        if held is not None:
+            row["card_gib"], row["held_bytes"] = card, held.numel()
+            row["peak_gpu"] -= held.numel()
+            row["gpu_context"] -= held.numel()
+        if native is not None and "auto_budget" in after["setup"]:
+            row["auto_budget"] = after["setup"]["auto_budget"]
+            row["gpu_budget_bytes"] = after["setup"]["gpu_budget_bytes"]
         if copying:
             row["variant"] = a.variant + "+copy"
             row["background_copy_gbps"] = copy_gbps

@@ -272,6 +272,12 @@ impl Session {
         py.detach(|| self.inner.reload()).map_err(session_error)
     }
 
+    /// Plans the arena again under a GPU budget of `total` bytes between passes, keeping the
+    /// source and registrations; `False` (nothing changed) while tensors view its memory.
+    fn set_budget(&self, py: Python<'_>, total: u64) -> PyResult<bool> {
+        py.detach(|| self.inner.set_budget(total)).map_err(session_error)
+    }
+
     /// Whether the weights are unloaded.
     fn is_unloaded(&self) -> bool {
         self.inner.is_unloaded()

@@ -83,8 +83,8 @@ def test_packing_and_pinning_settings_show_in_the_profile(flux):
 
 def test_peer_settings_ddo_does_not_implement_are_refused(flux):
     model, _ = flux
-    with pytest.raises(ddo.DynamicOffloadConfigError, match="auto_budget_policy = \"balanced\" .* is not supported by ddo"):
-        ddo.enable_offload(model, route="dynamic_offload", use_environment=False, auto_budget_policy="balanced")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="max_resident_module_budget_gb = 8 .* is not supported by ddo"):
+        ddo.enable_offload(model, route="dynamic_offload", use_environment=False, max_resident_module_budget_gb=8)
     with pytest.raises(ddo.DynamicOffloadConfigError, match="offload_device"):
         ddo.enable_offload(model, route="dynamic_offload", environ={"DDO_OFFLOAD_DEVICE": "cuda:1"})
     # At their defaults they are accepted.

@@ -219,6 +219,9 @@ pub struct ComponentSession {
     device: ExecutionDevice,
     platform: DevicePlatform,
     state: Mutex<Option<Attached>>,
+    /// A GPU budget set after opening ([`set_budget`](ComponentSession::set_budget)): the
+    /// arena's whole budget, no headroom inside it. Later attaches keep it.
+    budget_override: Mutex<Option<u64>>,
     link_bytes_per_second: Option<f64>,
     warnings: Vec<String>,
 }
@@ -326,6 +329,7 @@ impl ComponentSession {
             device,
             platform,
             state: Mutex::new(None),
+            budget_override: Mutex::new(None),
             link_bytes_per_second,
             warnings,
         };
@@ -404,12 +408,21 @@ impl ComponentSession {
         let slices = self.bind(source.slices(), &host.device_conversions)?;
         let specs = self.unit_specs(&*source);
         let granularity = p.residency.granularity()?;
-        let headroom = gib("auto_vram_headroom_gb", s.auto_vram_headroom_gb)?;
-        let total = match self.route {
-            SessionRoute::Native => {
+        let budget_override = *self.budget_override.lock().unwrap_or_else(|p| p.into_inner());
+        // With the automatic budget the headroom is kept outside the arena, not inside it.
+        let mut headroom = match s.auto_budget_policy {
+            ddo_policy::AutoBudgetPolicy::Balanced => 0,
+            _ => gib("auto_vram_headroom_gb", s.auto_vram_headroom_gb)?,
+        };
+        let total = match (budget_override, self.route) {
+            (Some(total), _) => {
+                headroom = 0;
+                total
+            }
+            (None, SessionRoute::Native) => {
                 gib("vmm_resident_weight_budget_gb", s.vmm_resident_weight_budget_gb)?
             }
-            SessionRoute::Linear => {
+            (None, SessionRoute::Linear) => {
                 let layout = Layout::build(source.slices(), &specs, granularity)?;
                 let largest =
                     layout.units.iter().filter(|u| !u.pinned).map(|u| u.len).max().unwrap_or(0);
@@ -1023,6 +1036,70 @@ impl ComponentSession {
             .ok_or_else(|| SessionError::Lifecycle(format!("lease {} is not live", lease.0)))?;
         a.memory.arena.release(l, stream)?;
         Ok(())
+    }
+
+    /// Plans the arena again under a GPU budget of `total` bytes (the whole arena: resident
+    /// units, slots and staging; no headroom inside it), keeping the source and the host
+    /// registrations: the old arena is closed first, so the two never hold device memory
+    /// together. Later reloads keep this budget. Refused during a pass. Returns `false`, changing
+    /// nothing, while views handed out ([`TensorView::owner`]) still hold the arena's memory.
+    /// When the new budget cannot be planned the arena is planned again under its old budget and
+    /// the error returned; if even that fails the component is left unloaded.
+    pub fn set_budget(&self, total: u64) -> Result<bool, SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        if !a.leases.is_empty() || !a.pass.is_empty() {
+            return Err(SessionError::Lifecycle(format!(
+                "the budget changes between passes ({} lease(s) live): end the pass first",
+                a.leases.len() + a.pass.len()
+            )));
+        }
+        let mut attached = g.take().expect("attached");
+        let mut memory = match Arc::try_unwrap(attached.memory) {
+            Ok(m) => m,
+            Err(held) => {
+                attached.memory = held;
+                *g = Some(attached);
+                return Ok(false);
+            }
+        };
+        let old = memory.arena.plan().budget;
+        if let Err(e) = memory.arena.close() {
+            attached.memory = Arc::new(memory);
+            *g = Some(attached);
+            return Err(e.into());
+        }
+        let p = &self.platform.platform;
+        let specs = self.unit_specs(&*attached.source);
+        let conversions = &attached.host.device_conversions;
+        let build = |budget: Budget| -> Result<Arena, SessionError> {
+            let arena =
+                Arena::with_conversions(p, attached.source.clone(), &specs, budget, conversions)
+                    .map_err(|e| self.arena_error(e))?;
+            arena.prime().and_then(|_| arena.settle_resident())?;
+            Ok(arena)
+        };
+        let wanted = Budget { total, headroom: 0, prefetch_depth: old.prefetch_depth };
+        let (arena, result) = match build(wanted) {
+            Ok(arena) => (arena, Ok(true)),
+            Err(e) => match build(old) {
+                Ok(arena) => (arena, Err(e)),
+                // Nothing fits any more: the component ends unloaded (dropping the memory
+                // unregisters the host ranges).
+                Err(_) => return Err(e),
+            },
+        };
+        memory.arena = arena;
+        if result.is_ok() {
+            *self.budget_override.lock().unwrap_or_else(|p| p.into_inner()) = Some(total);
+        }
+        let plan = memory.arena.plan();
+        for (unit, resident) in attached.units.iter_mut().zip(&plan.resident) {
+            unit.resident = *resident;
+        }
+        attached.memory = Arc::new(memory);
+        *g = Some(attached);
+        result
     }
 
     /// Releases the memory of idle execution slots (addresses kept; the next use uploads again).

@@ -583,6 +583,47 @@ fn a_view_handed_out_keeps_its_memory_after_unload() {
     assert!(session.unload().unwrap());
 }
 
+#[test]
+fn the_budget_changes_between_passes_keeping_the_source_and_registrations() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 8);
+    let session = native(&path, &[]).unwrap();
+    let before = setup(&session);
+    run_and_check(&session, 1, &checkpoint_bytes(8));
+    // Everything fits in 1 GiB: nothing streams any more, the bytes are the same.
+    assert!(session.set_budget(1 << 30).unwrap());
+    let large = setup(&session);
+    assert_eq!((large.gpu_budget_bytes, large.headroom_bytes), (Some(1 << 30), Some(0)));
+    assert_eq!(large.streamed_units, Some(0));
+    assert_eq!(large.registered_bytes, before.registered_bytes, "registrations are kept");
+    assert_eq!(session.units().unwrap().iter().filter(|u| u.resident).count(), 9);
+    run_and_check(&session, 2, &checkpoint_bytes(8));
+    // A budget below two slots is refused, and the arena is planned again under the last one.
+    let err = session.set_budget(1 << 20).unwrap_err();
+    assert!(matches!(err, SessionError::Capacity { .. }), "{err}");
+    assert_eq!(setup(&session).gpu_budget_bytes, Some(1 << 30));
+    run_and_check(&session, 1, &checkpoint_bytes(8));
+    // Refused inside a pass; a no-op while a view holds the arena's memory.
+    session.begin_pass(S).unwrap();
+    let err = session.set_budget(before.gpu_budget_bytes.unwrap()).unwrap_err();
+    assert!(err.to_string().contains("between passes"), "{err}");
+    session.end_pass(S).unwrap();
+    let view = session.tensor("embed.weight").unwrap();
+    assert!(!session.set_budget(before.gpu_budget_bytes.unwrap()).unwrap());
+    drop(view);
+    // Back to the first budget: blocks stream again, and a reload keeps the budget set.
+    assert!(session.set_budget(before.gpu_budget_bytes.unwrap()).unwrap());
+    assert_eq!(setup(&session).streamed_units, before.streamed_units);
+    session.unload().unwrap();
+    session.reload().unwrap();
+    assert_eq!(setup(&session).gpu_budget_bytes, before.gpu_budget_bytes);
+    assert_eq!(setup(&session).headroom_bytes, Some(0));
+    run_and_check(&session, 2, &checkpoint_bytes(8));
+    session.unload().unwrap();
+    let err = session.set_budget(1 << 30).unwrap_err();
+    assert!(err.to_string().contains("unloaded"), "{err}");
+}
+
 // ---- dtype conversion at load ----------------------------------------------------------------
 
 /// The tree of [`testing::write_blocks`]'s tensors with every parameter declared `dtype`.

@@ -159,6 +159,9 @@ class DynamicOffloadApplyResult:
             )
         if self.capacity_profile:
             data["setup"] = {**data.get("setup", {}), "capacity_profile": dict(self.capacity_profile)}
+        auto = getattr(self.runtime, "auto_budget", None)
+        if auto is not None:
+            data["setup"] = {**data.get("setup", {}), "auto_budget": auto.setup()}
         metrics = DynamicOffloadMetrics.from_dict(data)
         return execution_timing.attach(metrics) if execution_timing is not None else metrics
 

@@ -12,10 +12,11 @@ import functools
 import importlib.util
 import sys
 import json
+import os
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.dlpack
@@ -468,6 +469,97 @@ class StreamedWeight(torch.Tensor):
         return type(result)(wrap(m, i) for i, m in enumerate(result))
 
 
+_AUTO_HEADROOM_BYTES = 1 << 30
+# A larger budget is planned only when it exceeds the current one by more than this share (or
+# 256 MiB): rebuilding the arena re-uploads its resident units.
+_AUTO_REPLAN_SHARE = 0.05
+_AUTO_REPLAN_BYTES = 256 << 20
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: the GPU's (the driver's count), or the host's available memory
+    for the host backend."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_AVPHYS_PAGES"))
+
+
+class AutoBudget:
+    """``auto_budget_policy = balanced``: the arena's budget is the device's free memory plus
+    the arena's own, less the headroom, measured after a pass, so the working set PyTorch keeps
+    (activations, its cache) is never counted as free. Planned again after the first pass, and
+    after any pass that leaves less than half the headroom free (the working set grew)."""
+
+    def __init__(self, runtime: "SessionRuntime", headroom: int, free: Callable[[torch.device], int]) -> None:
+        self.runtime = runtime
+        self.headroom = headroom
+        self.free = free
+        self.passes = 0
+        self.replans = 0
+        self.free_bytes: Optional[int] = None
+        self.budget_bytes: Optional[int] = None
+        self.decision: Optional[str] = None
+        # The largest budget refused as too small.
+        self.refused: Optional[int] = None
+
+    def _arena(self) -> Tuple[int, int]:
+        """(budget, device bytes the arena holds now)."""
+        data = self.runtime.metrics()
+        setup, runtime = data.get("setup", {}), data.get("runtime", {})
+        held = int(runtime.get("resident_bytes") or 0) + int(runtime.get("slot_bytes") or 0)
+        return int(setup.get("gpu_budget_bytes") or 0), held
+
+    def after_pass(self) -> None:
+        self.passes += 1
+        free = self.free(self.runtime.device)
+        self.free_bytes = free
+        if self.passes > 1 and free >= self.headroom // 2:
+            return
+        budget, held = self._arena()
+        target = max(0, free + held - self.headroom)
+        self.budget_bytes = budget
+        # Shrinking is never skipped (the device is short); growing only pays past a margin.
+        if target == budget or 0 < target - budget <= max(_AUTO_REPLAN_BYTES, int(budget * _AUTO_REPLAN_SHARE)):
+            self.decision = "kept_close_enough"
+            return
+        if self.refused is not None and target <= self.refused:
+            self.decision = "kept_too_small"
+            return
+        try:
+            changed = self.runtime.set_budget(target)
+        except _native.DynamicOffloadCapacityError as e:
+            # Said once: a later pass tries again only when more memory is free.
+            self.refused = target
+            self.decision = "kept_too_small"
+            warnings.warn(
+                f"ddo: the automatic GPU budget would be {target / (1 << 30):.2f} GiB ({free / (1 << 30):.2f} GiB free, "
+                f"{self.headroom / (1 << 30):.2f} GiB headroom), which the component cannot run in ({e}); it keeps "
+                f"{budget / (1 << 30):.2f} GiB. Free GPU memory or lower auto_vram_headroom_gb",
+                stacklevel=4,
+            )
+            return
+        if not changed:
+            self.decision = "kept_views_held"
+            return
+        self.replans += 1
+        self.refused = None
+        self.budget_bytes = self._arena()[0]
+        self.decision = "first_pass" if self.passes == 1 else "working_set_grew"
+
+    def setup(self) -> Dict[str, Any]:
+        """The metrics' ``setup.auto_budget``."""
+        out: Dict[str, Any] = {"policy": "balanced", "headroom_bytes": self.headroom, "replans": self.replans}
+        for key in ("budget_bytes", "free_bytes", "decision"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
 class SessionRuntime:
     """One module attached to a session (routes ``linear_runtime`` and ``vmm_fast_runtime``)."""
 
@@ -506,6 +598,8 @@ class SessionRuntime:
         self.forward_lock = threading.Lock()
         self.in_forward: Dict[int, bool] = {}
         self.route = str(json.loads(plan.json())["route"]["name"]) if plan is not None else ""
+        # The automatic GPU budget (auto_budget_policy = balanced), set at attach.
+        self.auto_budget: Optional[AutoBudget] = None
         # Methods wrapped in a pass (``forward``; a VAE's ``encode``/``decode`` on the layer route).
         self.entries: List[str] = []
         # Per streamed unit: the address ranges its views cover, ``(start, end, name)``.
@@ -513,6 +607,12 @@ class SessionRuntime:
 
     def attach(self) -> None:
         """Opens the session and publishes the views. On any error the module is left as it was."""
+        settings = json.loads(self.plan.json())["settings"]
+        if settings.get("auto_budget_policy") == "balanced" and self.route != "vmm_fast_runtime":
+            raise _native.DynamicOffloadConfigError(
+                f"auto_budget_policy = balanced sizes the native arena's GPU budget from the card, and this component "
+                f"takes route {self.route}: use backend vmm (the native route), or leave auto_budget_policy off"
+            )
         modules, params = describe_module(self.module)
         layers = layer_paths(self.module)
         if self.route == "linear_convolution":
@@ -524,6 +624,9 @@ class SessionRuntime:
             self.session = _native.Session(
                 self.plan, modules, params, storages=storages, tensors=rows, layers=layers
             )
+        if settings.get("auto_budget_policy") == "balanced":
+            headroom = int(float(settings.get("auto_vram_headroom_gb") or 0) * (1 << 30)) or _AUTO_HEADROOM_BYTES
+            self.auto_budget = AutoBudget(self, headroom, device_free_bytes)
         try:
             self._attach_module()
         except BaseException:
@@ -849,7 +952,23 @@ class SessionRuntime:
             raise
         self.leases.clear()
         self.session.end_pass(stream)
+        if self.auto_budget is not None:
+            self.auto_budget.after_pass()
         return out
+
+    def set_budget(self, total: int) -> bool:
+        """Plans the arena again under ``total`` bytes between passes (the caller holds the
+        forward lock or is at the end of a pass): the views go, the arena is rebuilt, the new
+        views are published. ``False`` when tensors kept by the host still view the arena."""
+        self.synchronize()
+        self._publish_meta()
+        try:
+            changed = self.session.set_budget(int(total))
+        finally:
+            if not self.session.is_unloaded():
+                self.streamed = dict(self.session.streamed_units())
+                self._publish_views()
+        return changed
 
     def _state_dict_hook(self, owned: Dict[str, str]):
         """A hook for one module: outside a forward a streamed parameter's view shows whatever
