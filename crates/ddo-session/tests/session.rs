@@ -585,9 +585,19 @@ fn a_view_handed_out_keeps_its_memory_after_unload() {
 
 #[test]
 fn the_budget_changes_between_passes_keeping_the_source_and_registrations() {
+    budget_changes("cpu");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn on_cuda_the_budget_changes_between_passes_keeping_the_source_and_registrations() {
+    budget_changes("cuda:0");
+}
+
+fn budget_changes(device: &str) {
     let dir = tempfile::tempdir().unwrap();
     let path = checkpoint(dir.path(), 8);
-    let session = native(&path, &[]).unwrap();
+    let session = native(&path, &[("execution_device", device)]).unwrap();
     let before = setup(&session);
     run_and_check(&session, 1, &checkpoint_bytes(8));
     // Everything fits in 1 GiB: nothing streams any more, the bytes are the same.
