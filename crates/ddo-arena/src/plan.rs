@@ -49,7 +49,9 @@ impl ResidencyPlan {
 
     /// Plans `layout` under `budget`: streams through `prefetch_depth + 1` slots (at least two,
     /// fewer extra ones when the budget is tight), sized to the largest streamed unit, and keeps
-    /// as many whole units resident as fit in what is left. Pinned units are always resident.
+    /// whole units resident in what is left, spread through the execution order. Of the slot
+    /// sizes that fit, the one whose pass simulates shortest is chosen (see `simulated_pass`),
+    /// then the one keeping the most bytes resident. Pinned units are always resident.
     pub fn new(layout: &Layout, budget: Budget) -> Result<ResidencyPlan, ArenaError> {
         // The staging buffer of device conversions is mapped for the arena's life.
         let usable =
@@ -69,7 +71,12 @@ impl ResidencyPlan {
         let mut sizes: Vec<u64> = candidates.iter().map(|&i| units[i].len).collect();
         sizes.sort_unstable();
         sizes.dedup();
-        let mut best: Option<(u64, u32, Vec<bool>, u64)> = None;
+        // One candidate per slot size: units larger than the slot stay resident, then as many
+        // of the others as fit, spread through the execution order. The candidate whose pass
+        // simulates shortest wins (a plan that keeps the most bytes resident may bunch its
+        // streamed units into one stretch the link cannot cover), then the most resident bytes,
+        // then the most slots.
+        let mut best: Option<(f64, u64, u32, Vec<bool>, u64)> = None;
         let mut needed = u64::MAX;
         for &slot in sizes.iter().rev() {
             let mut resident: Vec<bool> = units.iter().map(|u| u.pinned).collect();
@@ -99,17 +106,21 @@ impl ResidencyPlan {
             }
             let resident_bytes: u64 =
                 units.iter().zip(&resident).filter(|(_, r)| **r).map(|(u, _)| u.len).sum();
+            let pass = simulated_pass(layout, &resident, slots as usize);
             let better = match &best {
                 None => true,
-                Some((bytes, s, _, _)) => {
-                    resident_bytes > *bytes || (resident_bytes == *bytes && slots > *s)
+                Some((t, bytes, s, _, _)) => {
+                    pass < t * (1.0 - SIMULATION_TOLERANCE)
+                        || (pass <= t * (1.0 + SIMULATION_TOLERANCE)
+                            && (resident_bytes > *bytes
+                                || (resident_bytes == *bytes && slots > *s)))
                 }
             };
             if better {
-                best = Some((resident_bytes, slots, resident, slot));
+                best = Some((pass, resident_bytes, slots, resident, slot));
             }
         }
-        let Some((_, slots, resident, slot)) = best else {
+        let Some((_, _, slots, resident, slot)) = best else {
             return Err(ArenaError::BudgetTooSmall {
                 budget: budget.total,
                 headroom: budget.headroom,
@@ -233,6 +244,51 @@ fn assign_slots(lens: &[u64], resident: &[bool], k: usize) -> Vec<Option<SlotId>
         .iter()
         .map(|&r| (!r).then(|| SlotId(seq.next().expect("one slot per streamed unit"))))
         .collect()
+}
+
+/// Compute time per byte of a unit, in units of link time per byte, that planning assumes: a
+/// unit computes in half the time its bytes take on the link (a streamed model near its copy
+/// floor, where the placement of resident units decides whether the link stays busy).
+const COMPUTE_PER_LINK_BYTE: f64 = 0.5;
+
+/// Simulated passes within this share of each other are equal; resident bytes decide.
+const SIMULATION_TOLERANCE: f64 = 0.005;
+
+/// The steady-state pass time of a plan, in link time per byte: one copy stream uploads the
+/// streamed units in execution order, each once its slot's previous occupant has run; a unit
+/// runs after the one before it and after its upload (resident units at once). A unit alone in
+/// its slot uploads in the first pass only.
+fn simulated_pass(layout: &Layout, resident: &[bool], slots: usize) -> f64 {
+    let units = &layout.units;
+    let lens: Vec<u64> = units.iter().map(|u| u.len).collect();
+    let slot_of = assign_slots(&lens, resident, slots);
+    let mut sharing = vec![0u32; slots.max(1)];
+    for s in slot_of.iter().flatten() {
+        sharing[s.0 as usize] += 1;
+    }
+    let mut slot_free = vec![0f64; slots.max(1)];
+    let (mut link_free, mut compute_free) = (0f64, 0f64);
+    let mut ends = [0f64; 3];
+    for (pass, end) in ends.iter_mut().enumerate() {
+        for (u, slot) in units.iter().zip(&slot_of) {
+            let compute = u.len as f64 * COMPUTE_PER_LINK_BYTE;
+            let mut ready = compute_free;
+            if let Some(s) = slot {
+                let s = s.0 as usize;
+                if sharing[s] > 1 || pass == 0 {
+                    let done = link_free.max(slot_free[s]) + u.link_bytes() as f64;
+                    link_free = done;
+                    ready = ready.max(done);
+                }
+                compute_free = ready + compute;
+                slot_free[s] = compute_free;
+            } else {
+                compute_free = ready + compute;
+            }
+        }
+        *end = compute_free;
+    }
+    ends[2] - ends[1]
 }
 
 /// Keeps at least one unit streamed when slots exist (a plan with slots and nothing to stream
@@ -403,6 +459,38 @@ mod tests {
         let slots: Vec<u32> =
             assign_slots(&lens, &resident, 4).into_iter().flatten().map(|s| s.0).collect();
         assert_eq!(slots, [0, 1, 2, 3, 0, 1]);
+    }
+
+    #[test]
+    fn resident_units_do_not_bunch_the_streamed_ones_into_one_stretch() {
+        // Flux-shaped: 19 large double blocks, then 38 small single blocks. Keeping every large
+        // block resident (slots the size of a small one) keeps the most bytes, but streams only
+        // the singles, back to back at the end of the pass, where the link cannot keep up.
+        let mut lens = vec![650; 19];
+        lens.extend([270; 38]);
+        let l = layout(&lens, &[false; 57]);
+        let p = ResidencyPlan::new(&l, budget(14_190, 4)).unwrap();
+        assert!(p.device_bytes() <= 14_190);
+        assert!(p.resident[..19].iter().any(|r| !r), "some double blocks stream");
+        assert!(p.resident[19..].iter().any(|r| *r), "some single blocks stay resident");
+        let mut bunched: Vec<bool> = (0..57).map(|i| i < 19).collect();
+        bunched[38] = true;
+        let chosen = simulated_pass(&l, &p.resident, p.slots as usize);
+        let most_bytes = simulated_pass(&l, &bunched, 5);
+        assert!(chosen < most_bytes * 0.9, "chosen {chosen}, bunched {most_bytes}");
+    }
+
+    #[test]
+    fn the_simulated_pass_follows_the_link_and_the_compute() {
+        let l = layout(&[10; 4], &[false; 4]);
+        // Everything streamed over two slots: link-bound, 40 per pass.
+        assert_eq!(simulated_pass(&l, &[false; 4], 2), 40.0);
+        // Two resident: 20 on the link, 20 of compute at half a link-byte per byte: 25 with the
+        // waits for the two uploads.
+        let t = simulated_pass(&l, &[true, false, true, false], 2);
+        assert!((20.0..=30.0).contains(&t), "{t}");
+        // A unit alone in its slot uploads once: only compute remains.
+        assert_eq!(simulated_pass(&l, &[true, true, true, false], 2), 20.0);
     }
 
     #[test]
