@@ -366,7 +366,7 @@ def test_profile_file_keeps_the_last_20_observations_and_is_replaced_atomically(
     # An observation without a recommendation keeps the last one.
     ddo.record_dynamic_offload_profile(ctx, {"run": 25})
     assert ddo.get_dynamic_offload_profile_recommendation(ddo.load_dynamic_offload_profile(ctx))["budget_gb"] == 24.0
-    assert os.listdir(profile_dir) == [os.path.basename(ddo.dynamic_offload_profile_path(ctx))]
+    assert [n for n in os.listdir(profile_dir) if not n.startswith(".")] == [ddo.dynamic_offload_profile_path(ctx).name]
     # A write that fails before the rename leaves the old profile whole and no temporary file.
     path = ddo.dynamic_offload_profile_path(ctx)
     before = open(path, encoding="utf-8").read()
@@ -379,7 +379,7 @@ def test_profile_file_keeps_the_last_20_observations_and_is_replaced_atomically(
         with pytest.raises(OSError, match="disk full"):
             ddo.record_dynamic_offload_profile(ctx, {"run": 99})
     assert open(path, encoding="utf-8").read() == before
-    assert len(os.listdir(profile_dir)) == 1
+    assert len([n for n in os.listdir(profile_dir) if not n.endswith(".tmp")]) == 2  # the profile and its lock
     # A file that is not a profile is ignored with a warning naming it, with what to do.
     with open(path, "w", encoding="utf-8") as f:
         f.write("{not json")
@@ -578,3 +578,107 @@ def test_phase_helpers_refuse_a_device_that_is_not_one():
     for helper in (ddo.release_pytorch_host_cache, ddo.release_native_vmm_idle_cache):
         with pytest.raises(ddo.DynamicOffloadConfigError, match="is not a device"):
             helper(enabled=True, device="bogus")
+
+
+
+def test_profile_records_from_several_threads_are_all_kept(profile_dir):
+    import threading
+
+    ctx = {"name": "threads"}
+
+    def record(base):
+        for i in range(5):
+            ddo.record_dynamic_offload_profile(ctx, {"status": "success", "capacity": {"metric": "t", "value": base + i}})
+
+    threads = [threading.Thread(target=record, args=(10 * k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    data = ddo.load_dynamic_offload_profile(ctx)
+    assert len(data["observations"]) == 20
+    assert ddo.get_dynamic_offload_profile_capacity(data, "t") == {"max_success": 34.0}
+
+
+def test_profile_values_of_any_shape_never_crash(profile_dir, flux):
+    model, _ = flux
+    ctx = write_profile(model, "linear_runtime", 0.25)
+    path = ddo.dynamic_offload_profile_path(ctx)
+    data = json.loads(path.read_text())
+    data["recommendation"]["budget_gb"] = 10**400
+    data["recommendation"]["device_total_bytes"] = "abc"
+    data["capacity_limits"] = {"t": {"max_success": "abc", "min_failure": 10**400}}
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="no finite budget"):
+        result = ddo.enable_offload(model, route="dynamic_offload", profile_name="flux", use_environment=False)
+    assert result.capacity_profile["status"] == "invalid"
+    result.remove()
+    # Limits that are not numbers are replaced by the next record; huge numbers read as none.
+    assert ddo.get_dynamic_offload_profile_capacity(data, "t") is None
+    ddo.record_dynamic_offload_profile(ctx, {"status": "success", "capacity": {"metric": "t", "value": 10**400}})
+    ddo.record_dynamic_offload_profile(ctx, {"status": "success", "capacity": {"metric": "t", "value": 3}})
+    assert ddo.get_dynamic_offload_profile_capacity(ddo.load_dynamic_offload_profile(ctx), "t") == {"max_success": 3.0}
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="a capacity metric is a name"):
+        ddo.get_dynamic_offload_profile_capacity(data, ["t"])
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="not JSON data"):
+        ddo.dynamic_offload_profile_key({"a": 10**5000})
+    deep: list = []
+    for _ in range(100000):
+        deep = [deep]
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="not JSON data"):
+        ddo.dynamic_offload_profile_key({"a": deep})
+
+
+def test_profile_folders_paths_and_modes(profile_dir, tmp_path):
+    ctx = {"name": "paths"}
+    path = ddo.record_dynamic_offload_profile(ctx, {"run": 1}, os.fsencode(tmp_path / "bytes"))
+    assert path == tmp_path / "bytes" / path.name
+    old = os.umask(0o022)
+    try:
+        mode = os.stat(ddo.record_dynamic_offload_profile(ctx, {"run": 2}, tmp_path / "mode")).st_mode & 0o777
+    finally:
+        os.umask(old)
+    assert mode == 0o644
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="str or Path"):
+        ddo.load_dynamic_offload_profile(ctx, 5)
+    ddo.dynamic_offload_profile_path(ctx).mkdir(parents=True)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="is a folder"):
+        ddo.record_dynamic_offload_profile(ctx, {"run": 3})
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    with pytest.warns(UserWarning, match="set DDO_PROFILE_DIR or profile_dir to a folder"):
+        assert ddo.load_dynamic_offload_profile(ctx, a_file) is None
+
+
+def test_a_hosts_profile_session_applies_only_what_attach_would(profile_dir):
+    host = dict(execution_device="cpu", offload_device="cpu", target_module_classes=(torch.nn.Linear, torch.nn.Embedding),
+                skip_modules_pattern=None, environ={})
+    settings = ddo.load_dynamic_offload_settings_from_env(**host)
+    same = {"model": "same"}
+    session = ddo.DynamicOffloadProfileSession(same, same)
+    session.record_success({"run": 1}, {"setting": "vmm_resident_weight_budget_gb", "budget_gb": 0.25})
+    assert len(session.execution_profile["observations"]) == 1  # one profile: recorded once
+    with pytest.warns(UserWarning, match="sizes resident_module_budget_gb"):
+        assert session.apply_settings(settings) == (settings, None)
+    session.record_success({"run": 2}, {"budget_gb": 1e300})
+    with pytest.warns(UserWarning, match="more than cpu"):
+        assert session.apply_settings(settings) == (settings, None)
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="takes DynamicOffloadSettings"):
+        session.apply_settings(None)
+
+
+def test_published_shapes_of_state_timer_and_phase_helpers(flux):
+    model, inputs, result = streamed_linear(flux)
+    state = ddo.get_dynamic_offload_state(model)
+    assert state.entries[0].name == state.entries[0].path
+    run(model, inputs)
+    released = ddo.release_native_vmm_idle_cache(enabled=True, device="cpu:0").as_dict()["runtime"]
+    assert released["idle_cache_release"]["sessions"] == 1
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="not meta"):
+        ddo.release_native_vmm_idle_cache(enabled=True, device="meta")
+    result.remove()
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="True or False"):
+        ddo.DynamicOffloadExecutionTimer("false", "cpu")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="True or False"):
+        ddo.DynamicOffloadExecutionTimer(True, "cpu", None, "no")
+    assert ddo.DynamicOffloadExecutionTimer(True, "cpu", False, False).enabled

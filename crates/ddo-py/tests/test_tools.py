@@ -244,6 +244,8 @@ def test_bench_refuses_a_class_it_has_no_inputs_for(tmp_path, capsys):
         (["--resolution", "-5"], "multiple of 16"),
         (["--resolution", "1000"], "multiple of 16"),
         (["--budget-gb", "nan"], "finite number"),
+        (["--budget-gb", "0"], "above 0"),
+        (["--device", ""], "--device is empty"),
     ],
 )
 def test_bench_refuses_bad_arguments_with_what_to_pass(flux_folder, capsys, extra, says):
@@ -256,3 +258,22 @@ def test_bench_refuses_a_config_that_is_not_json(tmp_path, capsys):
     assert main(["bench", str(tmp_path), "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert "config.json" in err and "Traceback" not in err
+
+
+
+@pytest.mark.parametrize("edit", [{"in_channels": None}, {"in_channels": "4"}, {"in_channels": -1}, {"_class_name": "__version__"}])
+def test_bench_refuses_a_config_it_cannot_build_inputs_for(flux_folder, tmp_path, capsys, edit):
+    import shutil
+
+    folder = tmp_path / "edited"
+    shutil.copytree(flux_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for k, v in edit.items():
+        if v is None:
+            del config[k]
+        else:
+            config[k] = v
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["bench", str(folder), "--device", "cpu", "--resolution", "16"]) == 1
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err, err

@@ -1052,7 +1052,7 @@ def _loader_of(folder: str) -> Any:
         import diffusers
 
         loader = getattr(diffusers, str(class_name), None)
-        if loader is None:
+        if not isinstance(loader, type):
             raise DynamicOffloadError(f"{folder}/config.json names class {class_name!r}, which diffusers does not have; pass model_loader=")
         return loader
     architectures = config.get("architectures") or []

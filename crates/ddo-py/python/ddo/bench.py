@@ -247,6 +247,8 @@ def _model_folder(folder: str) -> Tuple[Any, Dict[str, Any]]:
 def _bench_device(device: Optional[str]) -> torch.device:
     """The device to run on: ``device``, else the first GPU, else the CPU; refused with what to
     pass when it is not one this process can use."""
+    if device is not None and not device.strip():
+        raise DynamicOffloadError("--device is empty: pass cuda, cuda:N or cpu, or leave it out for the first GPU")
     try:
         dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError) as e:
@@ -286,11 +288,17 @@ def run_bench(
         raise DynamicOffloadError(f"--steps {steps}: time at least one forward")
     if not 16 <= resolution <= 16384 or resolution % 16:
         raise DynamicOffloadError(f"--resolution {resolution}: pass a multiple of 16 from 16 to 16384 pixels")
-    if not math.isfinite(budget_gb) or budget_gb < 0:
-        raise DynamicOffloadError(f"--budget-gb {budget_gb}: pass a finite number of GiB >= 0")
+    if not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise DynamicOffloadError(f"--budget-gb {budget_gb}: pass a finite number of GiB above 0")
     loader, config = _model_folder(folder)
     dev = _bench_device(device)
-    method, host_inputs = BUILDERS[loader.__name__](config, resolution, torch.Generator().manual_seed(0))
+    try:
+        method, host_inputs = BUILDERS[loader.__name__](config, resolution, torch.Generator().manual_seed(0))
+    except (KeyError, TypeError, ValueError, RuntimeError, ZeroDivisionError) as e:
+        raise DynamicOffloadError(
+            f"{folder}/config.json does not describe a {loader.__name__} ddo bench can build inputs for "
+            f"({type(e).__name__}: {str(e)[:200]}): fix the config (it is the one Diffusers saves)"
+        ) from None
     host_inputs = {
         k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith("_ids") else v
         for k, v in host_inputs.items()

@@ -52,6 +52,10 @@ def _cuda_device(device: Union[str, int, torch.device, None]) -> Optional[torch.
         raise _native.DynamicOffloadConfigError(
             f"device {device!r} is not a device ({e}): pass 'cuda', 'cuda:N', an index or 'cpu'"
         ) from None
+    if d.type not in ("cuda", "cpu"):
+        raise _native.DynamicOffloadConfigError(
+            f"device {device!r}: ddo runs components on CUDA devices or on the host backend ('cpu'), not {d.type}"
+        )
     if d.type != "cuda":
         return None
     if d.index is None and torch.cuda.is_initialized():
@@ -138,7 +142,7 @@ def release_native_vmm_idle_cache(
     if cuda is not None and not torch.cuda.is_initialized():
         section["status"] = "cuda_not_initialized"
         return _metrics(route, "idle_cache_release", section)
-    target = cuda if cuda is not None else torch.device(device)  # type: ignore[arg-type]
+    target = cuda if cuda is not None else torch.device("cpu")  # the host backend ("cpu", "cpu:0")
     runtimes = [r for r in _live_runtimes() if r.device == target]
     me = threading.get_ident()
     for r in runtimes:

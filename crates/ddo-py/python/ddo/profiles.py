@@ -24,11 +24,14 @@ records an observation in both, and an observation's ``capacity`` (``{"metric": 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
+import reprlib
 import os
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -54,6 +57,7 @@ __all__ = [
 DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION = 1
 MAX_PROFILE_OBSERVATIONS = 20
 _KEY_PREFIX = "ddo-capacity-v1-"
+_THREAD_LOCK = threading.Lock()
 _GIB = float(1 << 30)
 # The budget a recommendation sets, per route.
 _BUDGET_SETTING = {"vmm_fast_runtime": "vmm_resident_weight_budget_gb", "linear_runtime": "resident_module_budget_gb"}
@@ -63,7 +67,11 @@ PathLike = Union[str, os.PathLike]
 
 def get_dynamic_offload_profile_dir(profile_dir: Optional[PathLike] = None) -> Path:
     """``profile_dir`` when given, else ``DDO_PROFILE_DIR`` when set, else ``~/.ddo/profiles``."""
-    chosen = os.fspath(profile_dir) if profile_dir is not None else os.environ.get("DDO_PROFILE_DIR")
+    if profile_dir is not None and not isinstance(profile_dir, (str, bytes, os.PathLike)):
+        raise _native.DynamicOffloadConfigError(
+            f"profile_dir is a folder (str or Path), not {type(profile_dir).__name__} {_shown(profile_dir)}"
+        )
+    chosen = os.fsdecode(profile_dir) if profile_dir is not None else os.environ.get("DDO_PROFILE_DIR")
     return Path(chosen).expanduser() if chosen else Path.home() / ".ddo" / "profiles"
 
 
@@ -75,12 +83,34 @@ def normalize_dynamic_offload_profile_context(context: Mapping[str, Any]) -> Dic
     return _json_data(context, "capacity profile context")
 
 
+def _number(value: Any) -> Optional[float]:
+    """``value`` as a finite float, or ``None`` when it is not a finite real number (a bool, a
+    string, an integer too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _shown(value: Any) -> str:
+    """A short repr of ``value`` (its type when even that cannot be made)."""
+    try:
+        return reprlib.repr(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
+
+
 def _json_data(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value if not isinstance(value, Mapping) else dict(value), sort_keys=True, allow_nan=False))
     except (TypeError, ValueError, RecursionError) as e:
+        shown = _shown(value) if not isinstance(e, RecursionError) else type(value).__name__
         raise _native.DynamicOffloadConfigError(
-            f"{what} {value!r:.200} is not JSON data ({e}); use strings, finite numbers, booleans, lists and mappings"
+            f"{what} {shown} is not JSON data ({str(e)[:200]}); use strings, finite numbers, booleans, lists and "
+            "mappings"
         ) from None
 
 
@@ -131,6 +161,10 @@ def _read_profile(context: Mapping[str, Any], profile_dir: Optional[PathLike]) -
     """The stored profile, ``None`` when there is none; raises ``DynamicOffloadConfigError``
     naming the file when it cannot be read or is not a valid profile of ``context``."""
     path = dynamic_offload_profile_path(context, profile_dir)
+    if path.parent.exists() and not path.parent.is_dir():
+        raise _native.DynamicOffloadConfigError(
+            f"capacity profile folder {path.parent} is a file: set DDO_PROFILE_DIR or profile_dir to a folder"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -150,6 +184,9 @@ def load_dynamic_offload_profile(
     """The stored profile of ``context``, or ``None`` when there is none. A file that cannot be
     read or is not a valid profile of this context is ignored with a warning naming it and what
     to do."""
+    # A context or profile_dir of the wrong kind is the caller's error, raised.
+    normalize_dynamic_offload_profile_context(context)
+    get_dynamic_offload_profile_dir(profile_dir)
     try:
         return _read_profile(context, profile_dir)
     except _native.DynamicOffloadConfigError as e:
@@ -165,14 +202,14 @@ def _merge_capacity_limits(limits: Mapping[str, Any], observation: Mapping[str, 
     status = observation.get("status")
     if not isinstance(capacity, Mapping) or status not in ("success", "failure"):
         return merged
-    metric, value = capacity.get("metric"), capacity.get("value")
-    if not isinstance(metric, str) or not metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+    metric, value = capacity.get("metric"), _number(capacity.get("value"))
+    if not isinstance(metric, str) or not metric or value is None:
         return merged
     entry = merged.setdefault(metric, {})
-    if status == "success":
-        entry["max_success"] = max(float(value), float(entry.get("max_success", value)))
-    else:
-        entry["min_failure"] = min(float(value), float(entry.get("min_failure", value)))
+    key, pick = ("max_success", max) if status == "success" else ("min_failure", min)
+    # A recorded limit that is not a finite number (a file edited by hand) is replaced.
+    recorded = _number(entry.get(key))
+    entry[key] = value if recorded is None else pick(value, recorded)
     return merged
 
 
@@ -200,7 +237,6 @@ def record_dynamic_offload_profile(
             )
     path = dynamic_offload_profile_path(normalized, profile_dir)
     directory = path.parent
-    prior = load_dynamic_offload_profile(normalized, profile_dir) or {}
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -208,6 +244,35 @@ def record_dynamic_offload_profile(
             f"capacity profile folder {directory} cannot be created ({e}): set DDO_PROFILE_DIR or profile_dir to a "
             "writable folder"
         ) from None
+    if path.is_dir():
+        raise _native.DynamicOffloadConfigError(
+            f"capacity profile {path} is a folder, not a file: remove it, or set DDO_PROFILE_DIR or profile_dir elsewhere"
+        )
+    # Records of one context from several threads or processes take turns: none is lost.
+    with _locked(directory / f".{path.name}.lock"):
+        return _record_locked(path, normalized, observation, recommendation, profile_dir)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with _THREAD_LOCK:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _record_locked(
+    path: Path,
+    normalized: Dict[str, Any],
+    observation: Dict[str, Any],
+    recommendation: Optional[Dict[str, Any]],
+    profile_dir: Optional[PathLike],
+) -> Path:
+    directory = path.parent
+    prior = load_dynamic_offload_profile(normalized, profile_dir) or {}
     data = {
         "schema_version": DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION,
         "profile_key": dynamic_offload_profile_key(normalized),
@@ -222,6 +287,10 @@ def record_dynamic_offload_profile(
         data["recommendation"] = prior["recommendation"]
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
+        # Readable as any file the user writes (mkstemp makes it private).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -243,15 +312,17 @@ def record_dynamic_offload_profile(
 def get_dynamic_offload_profile_capacity(profile: Mapping[str, Any], metric: str) -> Optional[Dict[str, float]]:
     """The limits recorded for a capacity ``metric`` of a loaded profile (``max_success``,
     ``min_failure``), or ``None``."""
+    if not isinstance(metric, str):
+        raise _native.DynamicOffloadConfigError(f"a capacity metric is a name (str), not {_shown(metric)}")
     limits = profile.get("capacity_limits") if isinstance(profile, Mapping) else None
     entry = limits.get(metric) if isinstance(limits, Mapping) else None
     if not isinstance(entry, Mapping):
         return None
     out = {}
     for key in ("max_success", "min_failure"):
-        value = entry.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[key] = float(value)
+        value = _number(entry.get(key))
+        if value is not None:
+            out[key] = value
     return out or None
 
 
@@ -285,9 +356,9 @@ def _recommended_budget(recommendation: Mapping[str, Any]) -> Optional[float]:
     """The GiB a recommendation names: ddo's ``budget_gb``, or the published
     ``profile_resident_module_budget_gb`` (``auto_full_pin_resident_budget_gb`` in older files)."""
     for key in ("budget_gb", "profile_resident_module_budget_gb", "auto_full_pin_resident_budget_gb"):
-        value = recommendation.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value) if math.isfinite(value) and value >= 0 else None
+        if key in recommendation:
+            value = _number(recommendation[key])
+            return value if value is not None and value >= 0 else None
     return None
 
 
@@ -324,11 +395,15 @@ class DynamicOffloadProfileSession:
         budget as its GPU weight budget (``vmm_resident_weight_budget_gb`` on the native route,
         ``resident_module_budget_gb`` on the linear route, and ``profile_resident_module_budget_gb``)
         unless that budget was set explicitly; ``(settings, None)`` when it was."""
+        from .settings import DynamicOffloadSettings
+
+        if not isinstance(settings, DynamicOffloadSettings):
+            raise _native.DynamicOffloadConfigError(
+                f"apply_settings() takes DynamicOffloadSettings (load_dynamic_offload_settings_from_env(), "
+                f"result.settings), not {type(settings).__name__}"
+            )
         recommendation = get_dynamic_offload_profile_recommendation(self.execution_profile or {})
         if not allow_recommendation or not recommendation:
-            return settings, recommendation
-        budget = _recommended_budget(recommendation)
-        if budget is None:
             return settings, recommendation
         setting = _BUDGET_SETTING.get(settings.route_name)
         values, origins = settings.values, settings.origins
@@ -336,10 +411,27 @@ class DynamicOffloadProfileSession:
             setting is not None and _explicit(str(origins.get(setting, "default")))
         ):
             return settings, None
-        extra: Dict[str, Any] = {"profile_resident_module_budget_gb": budget}
-        if setting is not None:
-            extra[setting] = budget
-        return _resolve_with(settings, extra), recommendation
+
+        def refused(why: str) -> Tuple[Any, None]:
+            warnings.warn(f"ddo: capacity profile {self.path}: {why}; the settings are not changed", stacklevel=3)
+            return settings, None
+
+        if setting is None:
+            return refused(f"route {settings.route_name} has no GPU weight budget to size")
+        budget = _recommended_budget(recommendation)
+        if budget is None:
+            return refused("its recommendation names no finite budget >= 0 (delete it or record it again)")
+        if recommendation.get("setting", setting) != setting:
+            return refused(f"it recommends {recommendation.get('setting')!r}, and route {settings.route_name} sizes {setting}")
+        if setting == "vmm_resident_weight_budget_gb" and budget <= 0:
+            return refused("it recommends no GPU memory for weights (0 GiB)")
+        total = _device_total_bytes(torch.device(settings.device))
+        if budget * _GIB > total:
+            return refused(f"it recommends {budget} GiB, more than {settings.device}'s {total / _GIB:.1f} GiB")
+        try:
+            return _resolve_with(settings, {setting: budget, "profile_resident_module_budget_gb": budget}), recommendation
+        except _native.DynamicOffloadConfigError as e:
+            return refused(f"its {budget} GiB is refused by the settings ({e})")
 
     @staticmethod
     def recommend_resident_budget(total_vram_gb: float, peak_vram_gb: float, headroom_gb: float) -> float:
@@ -358,11 +450,12 @@ class DynamicOffloadProfileSession:
         execution_path = record_dynamic_offload_profile(
             self.execution_context, observation, self.profile_dir, recommendation=recommendation
         )
-        capacity_path = (
-            record_dynamic_offload_profile(self.capacity_context, observation, self.profile_dir)
-            if self.capacity_context is not None
-            else None
-        )
+        if self.capacity_context is None:
+            capacity_path = None
+        elif self.capacity_context == self.execution_context:
+            capacity_path = execution_path  # one profile: the observation is recorded once
+        else:
+            capacity_path = record_dynamic_offload_profile(self.capacity_context, observation, self.profile_dir)
         self._reload()
         return execution_path, capacity_path
 
@@ -455,7 +548,7 @@ def apply_capacity_profile(module: torch.nn.Module, settings: Any) -> Tuple[Any,
         return settings, info
     total = _device_total_bytes(device)
     recorded_total = recommendation.get("device_total_bytes")
-    if recorded_total is not None and device.type == "cuda" and int(recorded_total) != int(total):
+    if recorded_total is not None and device.type == "cuda" and _number(recorded_total) != float(total):
         return not_applied(
             "device_changed",
             f"measured on a GPU of {recorded_total} bytes, {device} has {total}: build it again on this GPU",

@@ -31,6 +31,11 @@ class DynamicOffloadUnitState:
     parameter_count: int
     bytes: int
 
+    @property
+    def name(self) -> str:
+        """The unit's path, under the published entries' name."""
+        return self.path
+
 
 @dataclass(frozen=True)
 class DynamicOffloadState:

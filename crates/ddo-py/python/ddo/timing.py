@@ -28,6 +28,13 @@ _NATIVE_UNITS_REFUSED = (
 )
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A switch given as a bool (or 0 / 1); anything else is refused rather than read as true."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise _native.DynamicOffloadConfigError(f"{name} is True or False, not {value!r:.80}")
+
+
 class DynamicOffloadExecutionTimer:
     """Times one run: the whole phase, each step between :meth:`mark_step` calls and the tail
     after the last one. Single use: enter it once (``with result.execution_timer(enabled=True) as
@@ -44,9 +51,9 @@ class DynamicOffloadExecutionTimer:
         native_factory: Any = None,
         diagnostic_step_wait: bool = False,
     ) -> None:
-        if native_factory is not None:
+        if native_factory is not None and native_factory is not False:
             raise _native.DynamicOffloadConfigError(_NATIVE_UNITS_REFUSED.format(what="native_factory"))
-        self.enabled = bool(enabled)
+        self.enabled = _flag("enabled", enabled)
         try:
             self.device = torch.device(device) if device is not None else torch.device("cpu")
         except (RuntimeError, TypeError) as e:
@@ -64,7 +71,7 @@ class DynamicOffloadExecutionTimer:
             )
         if self.device.type == "cuda" and self.device.index is None and self.enabled:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.diagnostic_step_wait = bool(diagnostic_step_wait)
+        self.diagnostic_step_wait = _flag("diagnostic_step_wait", diagnostic_step_wait)
         self._cuda = self.device.type == "cuda"
         self._state = "idle"
         self._failed = False
