@@ -79,25 +79,28 @@ fn is_component_form(body: &str) -> bool {
 /// The known key closest to `body` (case ignored), when it is close enough to be a misspelling:
 /// at most two edits, or a third of the name's length for long names. For `<COMPONENT>_<KEY>`
 /// forms only the key part is compared (the component name is free). Exact keys win ties.
+const MAX_COMPONENT_LEN: usize = 40;
+
 fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
     let upper = body.to_ascii_uppercase();
     // Within a third of the real name's length; names further apart in length are not
     // compared (a long garbage name costs nothing).
     let near = |written: &str, candidate: &str| {
         let limit = (candidate.len() / 3).max(2);
-        if written.len().abs_diff(candidate.len()) > limit {
-            return None;
-        }
-        let d = edit_distance(written, candidate);
-        (d <= limit).then_some(d)
+        edit_distance_within(written, candidate, limit)
     };
     let exact_matches =
         exact.iter().filter_map(|key| near(&upper, key).map(|d| (d, (*key).to_owned())));
-    let component_matches = upper.match_indices('_').filter(|(i, _)| *i > 0).flat_map(|(i, _)| {
-        let (component, written) = (&upper[..i], &upper[i + 1..]);
-        per_component_keys()
-            .filter_map(move |key| near(written, key).map(|d| (d, format!("{component}_{key}"))))
-    });
+    // A component name is short (`TRANSFORMER`, `TEXT_ENCODER_2`): a split further in is not one.
+    let component_matches = upper
+        .match_indices('_')
+        .filter(|(i, _)| (1..=MAX_COMPONENT_LEN).contains(i))
+        .flat_map(|(i, _)| {
+            let (component, written) = (&upper[..i], &upper[i + 1..]);
+            per_component_keys().filter_map(move |key| {
+                near(written, key).map(|d| (d, format!("{component}_{key}")))
+            })
+        });
     let mut best: Option<(usize, String)> = None;
     for (d, candidate) in exact_matches.chain(component_matches) {
         if best.as_ref().is_none_or(|(bd, _)| d < *bd) {
@@ -108,19 +111,47 @@ fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
 }
 
 /// Levenshtein distance over bytes (names are ASCII).
+#[cfg(test)]
 fn edit_distance(a: &str, b: &str) -> usize {
+    edit_distance_within(a, b, a.len().max(b.len())).expect("within the longer length")
+}
+
+/// The Levenshtein distance of `a` and `b` when it is at most `limit`, else `None`: only the
+/// band of cells within `limit` of the diagonal is computed, and a row whose every cell exceeds
+/// `limit` ends the search.
+fn edit_distance_within(a: &str, b: &str, limit: usize) -> Option<usize> {
     let (a, b) = (a.as_bytes(), b.as_bytes());
-    let mut row: Vec<usize> = (0..=b.len()).collect();
+    if a.len().abs_diff(b.len()) > limit {
+        return None;
+    }
+    let far = limit + 1;
+    let mut row: Vec<usize> = (0..=b.len()).map(|j| j.min(far)).collect();
     for (i, ca) in a.iter().enumerate() {
-        let mut diagonal = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let above = row[j + 1];
-            row[j + 1] = (diagonal + usize::from(ca != cb)).min(above + 1).min(row[j] + 1);
+        let (lo, hi) = ((i + 1).saturating_sub(limit), (i + 1 + limit).min(b.len()));
+        let mut diagonal = row[lo.saturating_sub(1).min(row.len() - 1)];
+        if lo == 0 {
+            diagonal = row[0];
+            row[0] = (i + 1).min(far);
+        } else {
+            row[lo - 1] = far;
+        }
+        let mut best = if lo == 0 { row[0] } else { far };
+        for j in lo.max(1)..=hi {
+            let above = row[j];
+            let cost = diagonal + usize::from(*ca != b[j - 1]);
+            row[j] = cost.min(above + 1).min(row[j - 1] + 1).min(far);
             diagonal = above;
+            best = best.min(row[j]);
+        }
+        if hi < b.len() {
+            row[hi + 1] = far;
+        }
+        if best > limit {
+            return None;
         }
     }
-    row[b.len()]
+    let d = row[b.len()];
+    (d <= limit).then_some(d)
 }
 
 #[cfg(test)]
@@ -146,6 +177,30 @@ mod tests {
         assert_eq!(edit_distance("kitten", "sitting"), 3);
         assert_eq!(edit_distance("PREFETCH_DEPT", "PREFETCH_DEPTH"), 1);
         assert_eq!(edit_distance("AB", ""), 2);
+        // The banded search agrees with the full one, within and beyond its limit.
+        let words = [
+            "",
+            "A",
+            "AB",
+            "KITTEN",
+            "SITTING",
+            "PREFETCH_DEPTH",
+            "PREFETCH_DEPT",
+            "DEPTH_PREFETCH",
+            "XYZ",
+        ];
+        for a in words {
+            for b in words {
+                let full = edit_distance(a, b);
+                for limit in 0..8 {
+                    assert_eq!(
+                        edit_distance_within(a, b, limit),
+                        (full <= limit).then_some(full),
+                        "{a} {b} {limit}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
