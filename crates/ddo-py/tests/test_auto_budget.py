@@ -116,3 +116,33 @@ def test_balanced_is_refused_off_the_native_route(flux):
 def test_free_memory_is_read_from_the_host_for_the_host_backend():
     free = ddo_runtime.device_free_bytes(torch.device("cpu"))
     assert 0 < free < 1 << 50
+
+
+class _FailingBudget:
+    """The session, with a budget change that fails so badly the component ends unloaded (what
+    the device running out of memory for both the new and the last budget does)."""
+
+    def __init__(self, session):
+        self._session = session
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def set_budget(self, _total):
+        self._session.unload()
+        raise ddo.DynamicOffloadError("out of device memory")
+
+
+def test_a_budget_change_that_fails_leaves_the_component_unloaded_and_reloadable(tmp_path, flux):
+    loaded, inputs, reference = load(tmp_path, flux, auto_budget_policy="balanced")
+    runtime = loaded.offload.runtime
+    runtime.session = _FailingBudget(runtime.session)
+    with pytest.warns(UserWarning, match="the component is unloaded: free GPU memory and call reload"):
+        assert torch.equal(run(loaded.module, inputs), reference)
+    assert auto(loaded)["auto_budget"]["decision"] == "unloaded"
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="reload"):
+        run(loaded.module, inputs)
+    runtime.session = runtime.session._session
+    loaded.offload.reload()
+    assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()

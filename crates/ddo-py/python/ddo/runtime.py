@@ -531,10 +531,18 @@ class AutoBudget:
             return
         try:
             changed = self.runtime.set_budget(target)
-        except _native.DynamicOffloadCapacityError as e:
+        except _native.DynamicOffloadError as e:
             # Said once: a later pass tries again only when more memory is free.
             self.refused = target
             self.decision = "kept_too_small"
+            if self.runtime.session.is_unloaded():
+                self.decision = "unloaded"
+                warnings.warn(
+                    f"ddo: the automatic GPU budget could plan the arena under neither {target} bytes nor its last "
+                    f"budget {budget} ({e}); the component is unloaded: free GPU memory and call reload()",
+                    stacklevel=4,
+                )
+                return
             warnings.warn(
                 f"ddo: the automatic GPU budget would be {target / (1 << 30):.2f} GiB ({free / (1 << 30):.2f} GiB free, "
                 f"{self.headroom / (1 << 30):.2f} GiB headroom), which the component cannot run in ({e}); it keeps "
