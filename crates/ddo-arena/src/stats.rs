@@ -54,6 +54,36 @@ pub struct ArenaStats {
 }
 
 impl ArenaStats {
+    /// The counters of `self` (an earlier arena of the same component) followed by `later`'s:
+    /// counts and times add up, the peak is the higher one, and the bytes held now are `later`'s.
+    pub fn then(&self, later: &ArenaStats) -> ArenaStats {
+        ArenaStats {
+            acquires: self.acquires + later.acquires,
+            acquire_seconds: self.acquire_seconds + later.acquire_seconds,
+            releases: self.releases + later.releases,
+            release_seconds: self.release_seconds + later.release_seconds,
+            uploads: self.uploads + later.uploads,
+            upload_bytes: self.upload_bytes + later.upload_bytes,
+            upload_copies: self.upload_copies + later.upload_copies,
+            device_conversions: self.device_conversions + later.device_conversions,
+            upload_seconds: self.upload_seconds + later.upload_seconds,
+            wait_seconds: self.wait_seconds + later.wait_seconds,
+            prefetch_hits: self.prefetch_hits + later.prefetch_hits,
+            prefetch_misses: self.prefetch_misses + later.prefetch_misses,
+            prefetch_cancels: self.prefetch_cancels + later.prefetch_cancels,
+            prefetch_issued: self.prefetch_issued + later.prefetch_issued,
+            evictions: self.evictions + later.evictions,
+            reclaim_cycles: self.reclaim_cycles + later.reclaim_cycles,
+            backing_restores: self.backing_restores + later.backing_restores,
+            passes: self.passes + later.passes,
+            order_mismatches: self.order_mismatches + later.order_mismatches,
+            resident_bytes: later.resident_bytes,
+            slot_bytes: later.slot_bytes,
+            peak_bytes: self.peak_bytes.max(later.peak_bytes),
+            unsafe_retained_bytes: self.unsafe_retained_bytes + later.unsafe_retained_bytes,
+        }
+    }
+
     /// The runtime section of metrics for a native route.
     pub fn runtime_section(&self) -> RuntimeSection {
         RuntimeSection {

@@ -201,6 +201,8 @@ struct Attached {
     setup_seconds: f64,
     total_bytes: u64,
     tensor_count: u64,
+    /// Counters of the arenas this attach closed when its budget changed.
+    earlier: ddo_arena::ArenaStats,
 }
 
 /// One component streamed through the GPU weight arena: plan, sources, registration, arena,
@@ -516,6 +518,7 @@ impl ComponentSession {
             setup_seconds: t.elapsed().as_secs_f64(),
             total_bytes,
             tensor_count: self.assignment.parameters.len() as u64,
+            earlier: ddo_arena::ArenaStats::default(),
         })
     }
 
@@ -1069,6 +1072,8 @@ impl ComponentSession {
             *g = Some(attached);
             return Err(e.into());
         }
+        // The attach's counters go on across the new arena.
+        attached.earlier = attached.earlier.then(&memory.arena.stats());
         let p = &self.platform.platform;
         let specs = self.unit_specs(&*attached.source);
         let conversions = &attached.host.device_conversions;
@@ -1161,7 +1166,7 @@ impl ComponentSession {
             Some(a) => {
                 let plan = a.memory.arena.plan();
                 let view = AttachedView {
-                    stats: a.memory.arena.stats(),
+                    stats: a.earlier.then(&a.memory.arena.stats()),
                     plan,
                     units: &a.units,
                     registered: a.host.registered,

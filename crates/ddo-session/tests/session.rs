@@ -600,14 +600,22 @@ fn budget_changes(device: &str) {
     let session = native(&path, &[("execution_device", device)]).unwrap();
     let before = setup(&session);
     run_and_check(&session, 1, &checkpoint_bytes(8));
+    let first = session.metrics(None).runtime;
     // Everything fits in 1 GiB: nothing streams any more, the bytes are the same.
     assert!(session.set_budget(1 << 30).unwrap());
+    // The attach's counters go on across the new arena.
+    let carried = session.metrics(None).runtime;
+    assert_eq!(carried.passes, first.passes);
+    // The new arena uploaded its resident units on top of the first pass's uploads.
+    assert!(carried.uploads > first.uploads && carried.upload_bytes > first.upload_bytes);
+    assert!(carried.peak_bytes >= first.peak_bytes);
     let large = setup(&session);
     assert_eq!((large.gpu_budget_bytes, large.headroom_bytes), (Some(1 << 30), Some(0)));
     assert_eq!(large.streamed_units, Some(0));
     assert_eq!(large.registered_bytes, before.registered_bytes, "registrations are kept");
     assert_eq!(session.units().unwrap().iter().filter(|u| u.resident).count(), 9);
     run_and_check(&session, 2, &checkpoint_bytes(8));
+    assert_eq!(session.metrics(None).runtime.passes, first.passes.map(|p| p + 2));
     // A budget below two slots is refused, and the arena is planned again under the last one.
     let err = session.set_budget(1 << 20).unwrap_err();
     assert!(matches!(err, SessionError::Capacity { .. }), "{err}");
