@@ -34,6 +34,10 @@ def load(tmp_path, flux, **config):
     return loaded, inputs, reference
 
 
+def reference_keys(flux):
+    return flux[0].state_dict().keys()
+
+
 def auto(loaded):
     return loaded.offload.metrics_snapshot().as_dict()["setup"]
 
@@ -145,4 +149,59 @@ def test_a_budget_change_that_fails_leaves_the_component_unloaded_and_reloadable
     runtime.session = runtime.session._session
     loaded.offload.reload()
     assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()
+
+
+def test_a_first_pass_under_inference_mode_plans_again_and_keeps_the_write_guard(tmp_path, flux):
+    loaded, inputs, reference = load(tmp_path, flux, auto_budget_policy="balanced")
+    with torch.inference_mode():
+        assert torch.equal(loaded.module(**inputs)[0], reference)
+        assert auto(loaded)["auto_budget"]["decision"] == "first_pass"
+        assert torch.equal(loaded.module(**inputs)[0], reference)
+    runtime = loaded.offload.runtime
+    assert runtime.watched and not any(p.is_inference() for _, _, p, _, _ in runtime.watched)
+    # A write into a weight published by the re-plan is still refused at the next forward.
+    weight = next(p for p in loaded.module.parameters() if not p.is_meta)
+    with torch.no_grad():
+        weight.add_(1)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="written in place"):
+        run(loaded.module, inputs)
+    loaded.offload.remove()
+
+
+@pytest.mark.parametrize("where", ["_publish_meta", "_publish_views_now"])
+def test_an_interrupt_while_the_budget_is_planned_again_leaves_the_module_usable(tmp_path, flux, where):
+    loaded, inputs, reference = load(tmp_path, flux, auto_budget_policy="balanced")
+    runtime = loaded.offload.runtime
+    real = getattr(runtime, where)
+    calls = {"n": 0}
+
+    def interrupted():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            # Half the parameters changed, then Ctrl-C.
+            half = runtime.places[: len(runtime.places) // 2]
+            for owner, attr, _ in half:
+                p = owner._parameters[attr]
+                owner._parameters[attr] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), False)
+            raise KeyboardInterrupt
+        return real()
+
+    setattr(runtime, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(loaded.module, inputs)
+    for _ in range(2):
+        assert torch.equal(run(loaded.module, inputs), reference)
+    assert runtime.views_whole and not any(p.is_meta for _, _, p, _, _ in runtime.watched)
+    assert loaded.module.state_dict().keys() == reference_keys(flux)
+    loaded.offload.remove()
+
+
+def test_counters_go_on_across_a_budget_change(tmp_path, flux):
+    loaded, inputs, reference = load(tmp_path, flux, auto_budget_policy="balanced")
+    for _ in range(3):
+        assert torch.equal(run(loaded.module, inputs), reference)
+    assert auto(loaded)["auto_budget"]["replans"] == 1
+    runtime = loaded.offload.metrics_snapshot().as_dict()["runtime"]
+    assert runtime["passes"] == 3 and runtime["uploads"] > 0
     loaded.offload.remove()

@@ -612,6 +612,9 @@ class SessionRuntime:
         self.entries: List[str] = []
         # Per streamed unit: the address ranges its views cover, ``(start, end, name)``.
         self.ranges: Dict[int, List[Tuple[int, int, str]]] = {}
+        # Whether every parameter views the session's arena (a publish ran to its end); a pass
+        # publishes again first when an interrupt left it half done.
+        self.views_whole = False
 
     def attach(self) -> None:
         """Opens the session and publishes the views. On any error the module is left as it was."""
@@ -692,6 +695,22 @@ class SessionRuntime:
             setattr(owner, attr, new[id(p)])
 
     def _publish_views(self) -> None:
+        # Views made under inference mode would be inference tensors, which have no version
+        # counter for the write guard: a re-plan or reload inside ``torch.inference_mode()``
+        # publishes ordinary tensors.
+        with torch.inference_mode(False):
+            self._publish_views_now()
+
+    def _republish(self) -> None:
+        """Publishes the session's views again from whatever state an interrupted publish left
+        (an exception or ``KeyboardInterrupt`` half way): the streamed units' views back in their
+        places first, so every parameter has its published class again, then fresh views."""
+        for places in self.swaps.values():
+            for owner, attr, view, _ in places:
+                owner._parameters[attr] = view
+        self._publish_views()
+
+    def _publish_views_now(self) -> None:
         views: Dict[str, torch.Tensor] = {}
         for names in self.session.parameter_names():
             view = torch.utils.dlpack.from_dlpack(self.session.dlpack(names[0]))
@@ -722,10 +741,12 @@ class SessionRuntime:
         self.published = {id(p): (p, _address(p)) for _, _, p in current}
         # What each forward checks, flat: (owner, attribute, parameter, address).
         self.watched = [(owner, attr, p, _address(p), p._version) for owner, attr, p in current]
+        self.views_whole = True
 
     def _publish_meta(self) -> None:
         # Holding the views would keep the arena's memory alive. The views go back first, so
         # the placeholders take their class (a quantized parameter's).
+        self.views_whole = False
         for places in self.swaps.values():
             for owner, attr, view, _ in places:
                 owner._parameters[attr] = view
@@ -942,6 +963,8 @@ class SessionRuntime:
                 f"{type(self.module).__name__} is unloaded (its weights are placeholders): call reload() on its "
                 "offload result before the next forward"
             )
+        if not self.views_whole:
+            self._republish()
         self._check_module(args, kwargs)
         stream = self.stream()
         self.leases.clear()
@@ -969,13 +992,15 @@ class SessionRuntime:
         forward lock or is at the end of a pass): the views go, the arena is rebuilt, the new
         views are published. ``False`` when tensors kept by the host still view the arena."""
         self.synchronize()
-        self._publish_meta()
         try:
+            self._publish_meta()
             changed = self.session.set_budget(int(total))
         finally:
+            # However the re-plan ended (refused, interrupted half way), the module views the
+            # arena the session holds now, unless nothing fits any more (unloaded).
             if not self.session.is_unloaded():
                 self.streamed = dict(self.session.streamed_units())
-                self._publish_views()
+                self._republish()
         return changed
 
     def _state_dict_hook(self, owned: Dict[str, str]):
@@ -1137,7 +1162,12 @@ class SessionRuntime:
         self._not_inside_forward("reload()")
         with self.forward_lock:
             self.session.reload()
-            self._publish_views()
+            try:
+                self._publish_views()
+            except BaseException:
+                # Interrupted half way: the views the reloaded session holds, whole.
+                self._republish()
+                raise
 
     def is_unloaded(self) -> bool:
         return self.session.is_unloaded()
