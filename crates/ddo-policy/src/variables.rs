@@ -34,17 +34,27 @@ const HOST_KEYS: &[&str] = &["PROGRESS", "PROFILE_DIR"];
 
 /// One warning per `DDO_*` variable of `env` that ddo does not read, in name order; variables
 /// without the prefix are not ddo's business and are skipped.
+/// The first [`SUGGESTED`] unknown variables get the closest name; later ones only the warning,
+/// so an environment full of unknown names costs little.
 pub(crate) fn unknown_variable_warnings(env: &Environment) -> Vec<String> {
     let exact = exact_keys();
     env.iter()
         .filter_map(|(name, _)| name.strip_prefix(ENV_PREFIX).map(|body| (name, body)))
         .filter(|(_, body)| !exact.contains(body) && !is_component_form(body))
-        .map(|(name, body)| match suggestion(body, &exact) {
-            Some(near) => format!("{name} is not a ddo variable; did you mean {ENV_PREFIX}{near}?"),
-            None => format!("{name} is not a ddo variable; ddo ignores it"),
+        .enumerate()
+        .map(|(i, (name, body))| {
+            match (i < SUGGESTED).then(|| suggestion(body, &exact)).flatten() {
+                Some(near) => {
+                    format!("{name} is not a ddo variable; did you mean {ENV_PREFIX}{near}?")
+                }
+                None => format!("{name} is not a ddo variable; ddo ignores it"),
+            }
         })
         .collect()
 }
+
+/// How many unknown variables of one environment are compared with the known names.
+const SUGGESTED: usize = 4;
 
 /// Every key read under its own name, without the prefix: settings, aliases, selection, preset
 /// table keys, tooling and the Python package's own.
@@ -80,6 +90,8 @@ fn is_component_form(body: &str) -> bool {
 /// at most two edits, or a third of the name's length for long names. For `<COMPONENT>_<KEY>`
 /// forms only the key part is compared (the component name is free). Exact keys win ties.
 const MAX_COMPONENT_LEN: usize = 40;
+/// Underscores a component name (with its `RUNNER_` form) may hold, plus one.
+const MAX_COMPONENT_PARTS: usize = 5;
 
 fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
     let upper = body.to_ascii_uppercase();
@@ -91,9 +103,11 @@ fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
     };
     let exact_matches =
         exact.iter().filter_map(|key| near(&upper, key).map(|d| (d, (*key).to_owned())));
-    // A component name is short (`TRANSFORMER`, `TEXT_ENCODER_2`): a split further in is not one.
+    // A component name is short (`TRANSFORMER`, `RUNNER_TEXT_ENCODER_2`): a split further in is
+    // not one.
     let component_matches = upper
         .match_indices('_')
+        .take(MAX_COMPONENT_PARTS)
         .filter(|(i, _)| (1..=MAX_COMPONENT_LEN).contains(i))
         .flat_map(|(i, _)| {
             let (component, written) = (&upper[..i], &upper[i + 1..]);
@@ -110,6 +124,24 @@ fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
     best.map(|(_, candidate)| candidate)
 }
 
+/// A lower bound of the edit distance, linear in the lengths: each edit changes the count of
+/// at most one byte value in either direction, so the larger of the bytes `a` has beyond `b`
+/// and `b` beyond `a` (as multisets) needs at least as many edits. Bytes outside `0`..`_`
+/// (digits, upper-case letters, `_`) count as one value, which keeps it a lower bound.
+fn bag_distance(a: &[u8], b: &[u8]) -> usize {
+    let bucket = |c: u8| if (b'0'..=b'_').contains(&c) { usize::from(c - b'0') } else { 48 };
+    let mut counts = [0i64; 49];
+    for &c in a {
+        counts[bucket(c)] += 1;
+    }
+    for &c in b {
+        counts[bucket(c)] -= 1;
+    }
+    let more: i64 = counts.iter().filter(|n| **n > 0).sum();
+    let fewer: i64 = counts.iter().filter(|n| **n < 0).map(|n| -n).sum();
+    more.max(fewer) as usize
+}
+
 /// Levenshtein distance over bytes (names are ASCII).
 #[cfg(test)]
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -121,7 +153,7 @@ fn edit_distance(a: &str, b: &str) -> usize {
 /// `limit` ends the search.
 fn edit_distance_within(a: &str, b: &str, limit: usize) -> Option<usize> {
     let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len().abs_diff(b.len()) > limit {
+    if a.len().abs_diff(b.len()) > limit || bag_distance(a, b) > limit {
         return None;
     }
     let far = limit + 1;
@@ -172,11 +204,23 @@ mod tests {
     }
 
     #[test]
+    fn only_the_first_unknown_names_are_compared() {
+        let names: Vec<String> = (0..40).map(|i| format!("DDO_PREFETCH_DEPT{i:02}")).collect();
+        let w = warnings(&names.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(w.len(), 40);
+        let suggested = w.iter().filter(|w| w.contains("did you mean DDO_PREFETCH_DEPTH?")).count();
+        assert_eq!(suggested, SUGGESTED, "{w:?}");
+        assert!(w[SUGGESTED..].iter().all(|w| w.ends_with("ddo ignores it")), "{w:?}");
+    }
+
+    #[test]
     fn distances() {
         assert_eq!(edit_distance("", ""), 0);
         assert_eq!(edit_distance("kitten", "sitting"), 3);
         assert_eq!(edit_distance("PREFETCH_DEPT", "PREFETCH_DEPTH"), 1);
         assert_eq!(edit_distance("AB", ""), 2);
+        assert_eq!(bag_distance(b"DEPTH_PREFETCH", b"PREFETCH_DEPTH"), 0);
+        assert_eq!(bag_distance(b"KITTEN", b"SITTING"), 3);
         // The banded search agrees with the full one, within and beyond its limit.
         let words = [
             "",
@@ -188,6 +232,9 @@ mod tests {
             "PREFETCH_DEPT",
             "DEPTH_PREFETCH",
             "XYZ",
+            "ZYX",
+            "prefetch_depth",
+            "é_DEPTH",
         ];
         for a in words {
             for b in words {
@@ -249,5 +296,11 @@ mod tests {
         );
         // A lower-case component name is never read (names are upper-cased).
         assert_eq!(warnings(&["DDO_vae_ROUTE"]).len(), 1);
+        // The longest component form: the runner's, of a numbered component.
+        assert_eq!(
+            warnings(&["DDO_RUNNER_TEXT_ENCODER_2_PREFETCH_DEPT"]),
+            ["DDO_RUNNER_TEXT_ENCODER_2_PREFETCH_DEPT is not a ddo variable; did you mean \
+              DDO_RUNNER_TEXT_ENCODER_2_PREFETCH_DEPTH?"]
+        );
     }
 }
