@@ -205,3 +205,25 @@ def test_counters_go_on_across_a_budget_change(tmp_path, flux):
     runtime = loaded.offload.metrics_snapshot().as_dict()["runtime"]
     assert runtime["passes"] == 3 and runtime["uploads"] > 0
     loaded.offload.remove()
+
+
+def test_a_write_after_an_interrupted_unload_is_still_refused(tmp_path, flux, monkeypatch):
+    loaded, inputs, reference = load(tmp_path, flux, auto_budget_policy="balanced")
+    assert torch.equal(run(loaded.module, inputs), reference)
+    real, calls = ddo_runtime._parameter_like, {"n": 0}
+
+    def flaky(old, data):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return real(old, data)
+
+    monkeypatch.setattr(ddo_runtime, "_parameter_like", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        loaded.offload.unload()
+    monkeypatch.setattr(ddo_runtime, "_parameter_like", real)
+    weight = [p for p in loaded.module.parameters() if not p.is_meta][-1]
+    with torch.no_grad():
+        weight.fill_(1)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="written in place"):
+        run(loaded.module, inputs)

@@ -750,11 +750,12 @@ class SessionRuntime:
         for places in self.swaps.values():
             for owner, attr, view, _ in places:
                 owner._parameters[attr] = view
-        self.published = {}
-        self.watched = []
         self.swaps = {}
         self.ranges = {}
         self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
+        # Cleared last: a publish interrupted before here is checked for writes at the next pass.
+        self.published = {}
+        self.watched = []
 
     # ---- hooks ----------------------------------------------------------------------------
 
@@ -964,6 +965,14 @@ class SessionRuntime:
                 "offload result before the next forward"
             )
         if not self.views_whole:
+            # A publish was interrupted: the views still in place must not have been written.
+            for owner, attr, p, _address_was, version in self.watched:
+                if owner._parameters.get(attr) is p and p._version != version:
+                    raise _native.DynamicOffloadLifecycleError(
+                        f"parameter {attr} of {type(owner).__name__} was written in place since ddo attached: its "
+                        "values come from the checkpoint; call remove_dynamic_offload(module) first, change the module, "
+                        "then offload it again"
+                    )
             self._republish()
         self._check_module(args, kwargs)
         stream = self.stream()
