@@ -12,6 +12,13 @@ if [ $# -lt 5 ]; then
 fi
 bin=$1 workers=$2 runs=$3 seconds=$4
 shift 4
+for n in "$workers" "$runs" "$seconds"; do
+  case $n in '' | *[!0-9]* | 0)
+    echo "WORKERS, RUNS and SECONDS are whole numbers above 0 (got $workers $runs $seconds)"
+    exit 2 ;;
+  esac
+done
+[ -x "$bin" ] || { echo "$bin is not an executable fuzz target (build it with cargo xtask fuzz)"; exit 2; }
 mkdir -p "$1"
 logs=$(mktemp -d)
 per=$(((runs + workers - 1) / workers))
