@@ -531,7 +531,11 @@ class AutoBudget:
             return
         try:
             changed = self.runtime.set_budget(target)
-        except _native.DynamicOffloadError as e:
+        except BaseException as e:
+            if not isinstance(e, _native.DynamicOffloadError):
+                # Interrupted (Ctrl-C): the next pass plans again as this one would have.
+                self.passes -= 1
+                raise
             # Said once: a later pass tries again only when more memory is free.
             self.refused = target
             self.decision = "kept_too_small"
