@@ -107,8 +107,8 @@ fn suggestion(body: &str, exact: &[&'static str]) -> Option<String> {
     // not one.
     let component_matches = upper
         .match_indices('_')
-        .take(MAX_COMPONENT_PARTS)
         .filter(|(i, _)| (1..=MAX_COMPONENT_LEN).contains(i))
+        .take(MAX_COMPONENT_PARTS)
         .flat_map(|(i, _)| {
             let (component, written) = (&upper[..i], &upper[i + 1..]);
             per_component_keys().filter_map(move |key| {
