@@ -463,13 +463,11 @@ impl Arena {
 
     /// Gives a lease back: records a fence on `consumer` after the work that used the unit; the
     /// unit's memory is reused only after that fence. If recording fails, the memory is retained
-    /// as unsafe (never reused; close refuses) and the error is returned.
+    /// as unsafe (never reused; close refuses) and the error is returned. A lease this arena did
+    /// not grant is refused and handed back inside [`ArenaError::ForeignLease`].
     pub fn release(&self, lease: Lease, consumer: StreamId) -> Result<(), ArenaError> {
         if lease.arena != self.id {
-            return Err(ArenaError::InvalidUnits(format!(
-                "a lease of unit {} from another arena was given back here; release it to the arena that granted it",
-                lease.unit.0
-            )));
+            return Err(ArenaError::ForeignLease { lease });
         }
         let t = Instant::now();
         let mut state = self.lock();

@@ -2,6 +2,8 @@
 
 use ddo_core::{ByteSize, DeviceError, SourceError, UnitId};
 
+use crate::Lease;
+
 /// What went wrong in the arena. Every variant says what to change where the user can.
 #[derive(Debug, thiserror::Error)]
 pub enum ArenaError {
@@ -65,6 +67,16 @@ pub enum ArenaError {
         /// Bytes retained unsafe.
         retained: u64,
     },
+    /// A lease given back to an arena that did not grant it; the lease is returned unchanged
+    /// ([`ArenaError::into_foreign_lease`]) so it can still be released to its own arena.
+    #[error(
+        "a lease of unit {} from another arena was given back here; release it to the arena that granted it",
+        .lease.unit().0
+    )]
+    ForeignLease {
+        /// The lease, still live in the arena that granted it.
+        lease: Lease,
+    },
     /// The arena is closed.
     #[error("the arena is closed")]
     Closed,
@@ -97,6 +109,15 @@ impl ArenaError {
         match self {
             ArenaError::WithCleanup { error, .. } => error.original(),
             e => e,
+        }
+    }
+
+    /// The lease of a refused [`ArenaError::ForeignLease`], to release to the arena that
+    /// granted it; `None` for every other error.
+    pub fn into_foreign_lease(self) -> Option<Lease> {
+        match self {
+            ArenaError::ForeignLease { lease } => Some(lease),
+            _ => None,
         }
     }
 }

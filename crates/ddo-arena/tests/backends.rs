@@ -55,6 +55,7 @@ backend_tests!(
     everything_resident_when_it_fits,
     device_conversion_gives_the_host_conversions_values,
     a_source_that_changes_under_an_upload_leaves_the_arena_usable,
+    a_registered_range_dropped_without_unregistering_keeps_its_memory,
 );
 
 const WIDTH: usize = 128; // a block is 4 * 128*128*2 + ... ~ 200 KiB
@@ -251,6 +252,23 @@ fn a_retained_source_feeds_the_arena(env: &Env) {
     drop(arena);
     drop(source);
     assert_eq!(store.used(), 0);
+}
+
+/// Contract 1 for registrations: host memory registered for DMA stays allocated until it is
+/// unregistered, even when the caller drops its range and its last reference to the memory.
+fn a_registered_range_dropped_without_unregistering_keeps_its_memory(env: &Env) {
+    let registrar =
+        Registrar::new(u64::MAX, env.platform.residency.clone(), env.platform.admission.clone());
+    let region: Arc<dyn ddo_core::HostRegion> = Arc::new(HostBytes::from(vec![7u8; 1 << 20]));
+    let alive = Arc::downgrade(&region);
+    let range = registrar.register(HostSlice::whole(region), true).unwrap();
+    let charged = range.charged();
+    drop(range);
+    assert!(alive.upgrade().is_some(), "registered memory was freed while still registered");
+    assert_eq!(registrar.charged(), charged, "a dropped range keeps counting its pages");
+    // The memory is still usable as a copy source.
+    let kept = HostSlice::whole(alive.upgrade().unwrap());
+    assert!(kept.as_bytes().iter().all(|&b| b == 7));
 }
 
 fn an_order_change_cancels_lookahead(env: &Env) {

@@ -342,15 +342,20 @@ fn leases_never_exceed_the_slots() {
     arena.release(c, stream).unwrap();
 }
 
-/// A lease belongs to the arena that granted it: given to another arena it is refused, and both
-/// arenas stay usable.
+/// A lease belongs to the arena that granted it: given to another arena it is refused and handed
+/// back, so it is released to its own arena and both arenas stay usable and close.
 #[test]
-fn a_lease_from_another_arena_is_refused() {
+fn a_lease_from_another_arena_is_refused_and_returned() {
     let (_d1, _spy1, first, stream) = spy_arena(4, 2);
     let (_d2, _spy2, second, _) = spy_arena(4, 2);
     let lease = first.acquire(UnitId(1), stream).unwrap();
     let err = second.release(lease, stream).unwrap_err();
     assert!(err.to_string().contains("from another arena"), "{err}");
+    let lease = err.into_foreign_lease().expect("the refused lease comes back");
+    assert_eq!(lease.unit(), UnitId(1));
     let again = second.acquire(UnitId(1), stream).unwrap();
     second.release(again, stream).unwrap();
+    first.release(lease, stream).unwrap();
+    first.close().unwrap();
+    second.close().unwrap();
 }

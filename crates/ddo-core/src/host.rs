@@ -106,7 +106,9 @@ impl HostSlice {
 
 /// Proof that a host range is registered (page-locked) for device DMA. Returned by
 /// [`crate::Residency::register_host`] and consumed by [`crate::Residency::unregister_host`].
-/// It holds the region, so registered memory cannot be freed while registered.
+/// It holds the region, and so does the device until the registration is undone (or for good
+/// when undoing it fails): registered memory is never freed while registered, whatever happens
+/// to this value.
 #[derive(Debug)]
 pub struct Registration {
     /// The registered bytes.

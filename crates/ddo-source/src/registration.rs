@@ -15,7 +15,8 @@ pub const REGISTRATION_SEGMENT: u64 = 64 << 20;
 const HOST_PAGE: u64 = 4096;
 
 /// A registered host range. Unregister it through [`Registrar::unregister`]; dropping it
-/// without doing so keeps the pages locked (the safe failure) and keeps counting them.
+/// without doing so keeps the pages locked and allocated (the device holds the memory until it
+/// is unregistered, at the latest when the device is dropped) and keeps counting them.
 #[derive(Debug)]
 pub struct RegisteredRange {
     registration: Registration,

@@ -26,7 +26,10 @@ struct State {
     book: AddressBook,
     /// Known streams: handle -> owned by this device.
     streams: HashMap<u64, bool>,
-    registrations: HashMap<u64, usize>,
+    /// Live registrations by address, each holding its host memory: a registered range stays
+    /// allocated until it is unregistered (or for good, when unregistering fails), whatever
+    /// happens to the caller's [`Registration`].
+    registrations: HashMap<u64, HostSlice>,
     /// Host slices of copies enqueued on a stream and not yet covered by a recorded fence.
     pending: Vec<(u64, HostSlice)>,
     /// Outstanding fence values: value -> (event handle, host slices held until completion).
@@ -394,11 +397,12 @@ impl Residency for CudaDevice {
             )));
         }
         self.bind()?;
-        // SAFETY: the slice's region stays alive as long as the returned Registration holds it;
-        // unregistration happens before that (or never, which only keeps pages locked).
+        // SAFETY: the slice's region is held in `registrations` from here until a successful
+        // unregistration (or the device's drop, after its own unregistration), so the pages
+        // stay allocated while registered.
         unsafe { host_memory::register(ptr as *mut c_void, slice.len(), read_only) }
             .named("cuMemHostRegister")?;
-        state.registrations.insert(ptr, slice.len());
+        state.registrations.insert(ptr, slice.clone());
         Ok(Registration { slice, handle: ptr })
     }
 
@@ -411,9 +415,10 @@ impl Residency for CudaDevice {
             )));
         }
         self.bind()?;
-        // SAFETY: registered by this device (checked).
+        // SAFETY: registered by this device (checked) and still held in `registrations`.
         unsafe { host_memory::unregister(registration.handle as *mut c_void) }
             .named("cuMemHostUnregister")?;
+        // The memory may go now: the driver no longer references it.
         state.registrations.remove(&registration.handle);
         Ok(())
     }
@@ -547,8 +552,11 @@ impl Drop for CudaDevice {
             for (ptr, len) in state.book.reservations() {
                 let _ = vmm::address_free(ptr, len as usize);
             }
-            for &ptr in state.registrations.keys() {
-                let _ = host_memory::unregister(ptr as *mut c_void);
+            for (ptr, slice) in std::mem::take(&mut state.registrations) {
+                if host_memory::unregister(ptr as *mut c_void).is_err() {
+                    // Still registered: its memory stays allocated for the process's life.
+                    std::mem::forget(slice);
+                }
             }
             for (event, _) in std::mem::take(&mut state.events).into_values() {
                 let _ = driver::event::destroy(event as sys::CUevent);

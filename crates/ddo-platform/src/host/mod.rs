@@ -31,8 +31,9 @@ struct State {
     reservations: BTreeMap<u64, ReservedSpan>,
     backings: HashMap<BackingId, Backing>,
     next_backing: u64,
-    /// Live registrations by handle: (first address, bytes).
-    registered: HashMap<u64, (u64, u64)>,
+    /// Live registrations by handle, each holding its host memory until it is unregistered,
+    /// as the CUDA adapter does.
+    registered: HashMap<u64, HostSlice>,
     next_registration: u64,
 }
 
@@ -43,7 +44,8 @@ impl State {
     fn check_source(&self, src: &HostSlice) -> Result<(), DeviceError> {
         let start = src.as_bytes().as_ptr() as u64;
         let end = start + src.len() as u64;
-        for &(at, len) in self.registered.values() {
+        for slice in self.registered.values() {
+            let (at, len) = (slice.as_bytes().as_ptr() as u64, slice.len() as u64);
             if (at..at + len).contains(&start) && end > at + len {
                 return Err(DeviceError::InvalidUse(format!(
                     "a copy of {} bytes from {start:#x} starts in registered host memory \
@@ -262,7 +264,7 @@ impl Residency for HostDevice {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let handle = state.next_registration;
         state.next_registration += 1;
-        state.registered.insert(handle, (slice.as_bytes().as_ptr() as u64, slice.len() as u64));
+        state.registered.insert(handle, slice.clone());
         self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes +=
             slice.len() as u64;
         Ok(Registration { slice, handle })
@@ -270,11 +272,11 @@ impl Residency for HostDevice {
 
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (_, len) = state.registered.remove(&registration.handle).ok_or_else(|| {
+        let slice = state.registered.remove(&registration.handle).ok_or_else(|| {
             Self::invalid(format!("registration {} is not live", registration.handle))
         })?;
         self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes -=
-            len;
+            slice.len() as u64;
         Ok(())
     }
 }
@@ -316,6 +318,26 @@ mod tests {
     use ddo_core::{HostBytes, HostRegion, HostSlice, Residency, StreamId};
 
     use super::*;
+
+    #[test]
+    fn registered_memory_lives_until_unregistered_or_the_device_is_dropped() {
+        let device = HostDevice::new();
+        let region: Arc<dyn HostRegion> = Arc::new(HostBytes::from(vec![1u8; 4096]));
+        let alive = Arc::downgrade(&region);
+        let registration = device.register_host(HostSlice::whole(region), true).unwrap();
+        drop(registration);
+        assert!(alive.upgrade().is_some(), "the device holds registered memory");
+        drop(device);
+        assert!(alive.upgrade().is_none(), "a dropped device lets its registrations go");
+
+        let device = HostDevice::new();
+        let region: Arc<dyn HostRegion> = Arc::new(HostBytes::from(vec![1u8; 4096]));
+        let alive = Arc::downgrade(&region);
+        let registration = device.register_host(HostSlice::whole(region), true).unwrap();
+        device.unregister_host(&registration).unwrap();
+        drop(registration);
+        assert!(alive.upgrade().is_none(), "unregistered memory is the caller's again");
+    }
 
     #[test]
     fn a_copy_that_starts_in_a_registration_must_end_in_it() {
