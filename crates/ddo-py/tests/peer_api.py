@@ -126,6 +126,14 @@ class DynamicOffloadProfileSession:
 class constructors:  # noqa: N801 - a namespace
     def DynamicOffloadExecutionTimer(enabled, device, native_factory, diagnostic_step_wait): ...
     def DynamicOffloadProfileSession(execution_context, capacity_context, profile_dir): ...
+    def DynamicOffloadHook(config): ...
+    def DynamicOffloadMetrics(route, configuration, setup, runtime): ...
+    def DynamicOffloadPlanEntry(module_name, module_type, tensor_name, shape, dtype, device, bytes, placement): ...
+    def VmmWeightStore(device_id, max_resident_bytes): ...
+    def VmmWeightStoreStats(reserved_bytes, resident_bytes, materializations, evictions, copied_bytes): ...
+
+
+CONSTRUCTORS = [name for name in vars(constructors) if not name.startswith("_")]
 
 # Types and what hosts read from them: (attributes, {method: stub}).
 class DynamicOffloadApplyResult:
@@ -178,31 +186,105 @@ class DynamicOffloadPlanEntry:
     ATTRIBUTES = ("module_name", "module_type", "tensor_name", "shape", "dtype", "device", "bytes", "placement")
 
 
+# The execution timer (``result.execution_timer()``): single use, ``with timer:`` around the loop.
+class DynamicOffloadExecutionTimer:
+    ATTRIBUTES = ()
+    def mark_step(self): ...
+    def snapshot(self, *, wait=False): ...
+    def attach(self, report): ...
+
+
+# The state get_dynamic_offload_state returns (and the hook's ``state``). The parameters of
+# add_setup / add_copy are not published: they must exist.
+class DynamicOffloadState:
+    ATTRIBUTES = ("entries", "module_count", "total_bytes", "bytes_by_placement", "setup_seconds_by_action",
+                  "setup_bytes_by_action", "copy_seconds_by_name", "copy_bytes_by_name", "copy_calls_by_name",
+                  "patched_module_count", "selected_resident_modules", "selected_resident_linear_weights",
+                  "selected_pinned_linear_weights", "resolved_resident_module_patterns", "sdnq_pinned_parameter_bytes",
+                  "sdnq_pinned_parameter_count", "sdnq_unpinned_parameter_bytes", "sdnq_unpinned_parameter_count",
+                  "planner_decisions", "add_setup", "add_copy")
+    def clone_for_runtime(self): ...
+    def as_dict(self): ...
+
+
+# The hook (``result.hook``), a Diffusers ModelHook in the published library.
+class DynamicOffloadHook:
+    ATTRIBUTES = ("config", "state", "execution_device", "offload_device", "execution_mode")
+    def vmm_runtime_stats(self): ...
+    def collect_completed_runtime_resources(self): ...
+    def print_profile_summary(self, top_n=8): ...
+
+
 CLASSES = [DynamicOffloadApplyResult, DynamicOffloadLoadResult, DiffusersGroupOffloadResult, DynamicOffloadSettings,
-           DynamicOffloadBackend, DynamicOffloadMetrics, DynamicOffloadPlanEntry]
+           DynamicOffloadBackend, DynamicOffloadMetrics, DynamicOffloadPlanEntry, DynamicOffloadExecutionTimer,
+           DynamicOffloadState, DynamicOffloadHook]
 
 # Other public types: constructible, or refused with what ddo does instead.
 OTHER_TYPES = ["DynamicOffloadConfig", "DynamicOffloadState", "DynamicOffloadHook", "DynamicOffloadExecutionTimer",
                "VmmWeightStore", "VmmWeightLease", "VmmWeightStoreStats"]
 
-# Every field of DynamicOffloadConfig (the internal `_profile_budget_applied` aside).
-CONFIG_FIELDS = [
-    "execution_device", "offload_device", "target_module_classes", "skip_modules_pattern",
-    "always_resident_modules_pattern", "small_tensor_threshold_bytes", "execution_mode", "linear_runtime_strategy",
-    "linear_convolution_offload", "vmm_resident_weight_budget_gb", "vmm_staging_buffer_gb",
-    "vmm_windows_file_read_chunk_mb", "vmm_virtual_host_transport", "vmm_native_transport", "vmm_source_cache_gb",
-    "vmm_source_registered_gb", "vmm_module_pattern", "vmm_component_tensor_ownership", "vmm_float8_weight_only",
-    "vmm_execution_auxiliary_ownership", "vmm_component_buffer_limit_mb", "vmm_page_mb",
-    "vmm_dxgi_local_headroom_gb", "vmm_dxgi_shared_headroom_gb", "vmm_dxgi_system_headroom_gb", "vmm_host_cache_gb",
-    "vmm_native_source_cache_slot_mb", "vmm_native_source_cache_slots", "vmm_pin_source_weights",
-    "vmm_fault_fallback", "vmm_execution_backing_reclaim", "pin_cpu_memory", "allow_pin_memory_fallback",
-    "pin_cpu_workers", "cache_plan", "cache_pinned_weights", "pinned_weight_cache_namespace", "auto_budget_policy",
-    "max_resident_module_budget_gb", "auto_vram_headroom_gb", "profile_vram_headroom_gb", "profile_name",
-    "build_profile", "auto_full_pin_min_model_to_vram_ratio", "profile_resident_module_budget_gb",
-    "max_pin_weight_budget_gb", "available_system_ram_gb", "system_ram_headroom_gb", "pin_weight_budget_gb",
-    "pin_weight_budget_ratio", "pin_weight_selection", "resident_module_budget_gb", "resident_module_patterns",
-    "resident_module_selection", "load_safetensors_backend", "verbose", "show_profile",
-]
+# Every field of DynamicOffloadConfig with its dataclass default (the internal
+# `_profile_budget_applied` aside).
+CONFIG_DEFAULTS = {
+    "execution_device": "cuda:0",
+    "offload_device": "cpu",
+    "target_module_classes": LINEAR_EMBEDDING,
+    "skip_modules_pattern": (),
+    "always_resident_modules_pattern": (),
+    "small_tensor_threshold_bytes": 16 * 1024,
+    "execution_mode": "plan",
+    "linear_runtime_strategy": "functional",
+    "linear_convolution_offload": False,
+    "vmm_resident_weight_budget_gb": 0.0,
+    "vmm_staging_buffer_gb": 0.625,
+    "vmm_windows_file_read_chunk_mb": 2,
+    "vmm_virtual_host_transport": False,
+    "vmm_native_transport": False,
+    "vmm_source_cache_gb": 0.0,
+    "vmm_source_registered_gb": 0.0,
+    "vmm_module_pattern": ".*",
+    "vmm_component_tensor_ownership": False,
+    "vmm_float8_weight_only": False,
+    "vmm_execution_auxiliary_ownership": False,
+    "vmm_component_buffer_limit_mb": 1,
+    "vmm_page_mb": 0,
+    "vmm_dxgi_local_headroom_gb": 0.0,
+    "vmm_dxgi_shared_headroom_gb": 0.0,
+    "vmm_dxgi_system_headroom_gb": 0.0,
+    "vmm_host_cache_gb": 0.0,
+    "vmm_native_source_cache_slot_mb": 0,
+    "vmm_native_source_cache_slots": 0,
+    "vmm_pin_source_weights": False,
+    "vmm_fault_fallback": False,
+    "vmm_execution_backing_reclaim": False,
+    "pin_cpu_memory": False,
+    "allow_pin_memory_fallback": True,
+    "pin_cpu_workers": 1,
+    "cache_plan": True,
+    "cache_pinned_weights": False,
+    "pinned_weight_cache_namespace": "",
+    "auto_budget_policy": "off",
+    "max_resident_module_budget_gb": 6.0,
+    "auto_vram_headroom_gb": 0.0,
+    "profile_vram_headroom_gb": 1.0,
+    "profile_name": "",
+    "build_profile": False,
+    "auto_full_pin_min_model_to_vram_ratio": 4.0,
+    "profile_resident_module_budget_gb": 0.0,
+    "max_pin_weight_budget_gb": 0.0,
+    "available_system_ram_gb": 0.0,
+    "system_ram_headroom_gb": 6.0,
+    "pin_weight_budget_gb": 0.0,
+    "pin_weight_budget_ratio": 0.0,
+    "pin_weight_selection": "spread",
+    "resident_module_budget_gb": 0.0,
+    "resident_module_patterns": (),
+    "resident_module_selection": "spread",
+    "load_safetensors_backend": "",
+    "verbose": False,
+    "show_profile": True,
+}
+CONFIG_FIELDS = list(CONFIG_DEFAULTS)
 
 # add_dynamic_offload_arguments: flag -> default (None for switches and unset values).
 CLI_FLAGS = {

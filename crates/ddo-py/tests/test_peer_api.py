@@ -10,6 +10,7 @@ import importlib
 import inspect
 
 import pytest
+import torch
 
 import ddo
 from ddo.errors import DynamicOffloadError
@@ -85,6 +86,49 @@ def test_config_has_every_published_field():
     assert not missing, f"DynamicOffloadConfig lacks {missing}"
 
 
+def _same_value(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("name", sorted(peer_api.CONFIG_DEFAULTS))
+def test_config_fields_default_to_the_published_defaults(name):
+    published = peer_api.CONFIG_DEFAULTS[name]
+    value = getattr(ddo.DynamicOffloadConfig(), name)
+    assert _same_value(value, published), f"DynamicOffloadConfig().{name} is {value!r}, published {published!r}"
+    default = inspect.signature(ddo.DynamicOffloadConfig).parameters[name].default
+    assert _same_value(default, published), f"DynamicOffloadConfig({name}=...) defaults to {default!r}"
+
+
+def test_defaults_are_not_settings_so_variables_and_presets_still_decide_them():
+    from ddo.settings import resolve_settings
+
+    config = ddo.DynamicOffloadConfig()
+    assert config.explicit_fields() == frozenset() and config.as_dict() == {}
+    # The preset fills what was not set, though the field reads as the published default.
+    s = resolve_settings("transformer", config=config, environ={"DDO_PRESET": "one_shot_fast"})
+    assert (config.pin_cpu_memory, config.pin_cpu_workers) == (False, 1)
+    assert (s.values["pin_cpu_memory"], s.values["pin_cpu_workers"]) == (True, 4)
+    assert s.origins["pin_cpu_memory"] != "config"
+    # An explicit value beats the preset and the variable, also when it equals the default.
+    explicit = ddo.DynamicOffloadConfig(pin_cpu_memory=False, pin_cpu_workers=1)
+    assert explicit.explicit_fields() == {"pin_cpu_memory", "pin_cpu_workers"}
+    s = resolve_settings("transformer", config=explicit, environ={"DDO_PRESET": "one_shot_fast", "DDO_PIN_CPU_WORKERS": "3"})
+    assert (s.values["pin_cpu_memory"], s.values["pin_cpu_workers"]) == (False, 1)
+    assert s.origins["pin_cpu_memory"] == s.origins["pin_cpu_workers"] == "config"
+    # Copies keep what was set: replace() sets what it names; dataclasses.replace (which passes
+    # every field) keeps the set fields and sets the ones it changes from their default.
+    again = explicit.replace(verbose=False)
+    assert again.explicit_fields() == {"pin_cpu_memory", "pin_cpu_workers", "verbose"}
+    copied = dataclasses.replace(explicit, vmm_source_cache_gb=2.0)
+    assert copied.explicit_fields() == {"pin_cpu_memory", "pin_cpu_workers", "vmm_source_cache_gb"}
+    assert copied.as_dict() == {"pin_cpu_memory": False, "pin_cpu_workers": 1, "vmm_source_cache_gb": 2.0}
+    # Positional values are set too, and the published classes travel by name.
+    assert ddo.DynamicOffloadConfig("auto").explicit_fields() == {"preset"}
+    classes = ddo.DynamicOffloadConfig(target_module_classes=peer_api.LINEAR_EMBEDDING)
+    assert classes.as_dict() == {"target_module_classes": ["Linear", "Embedding"]}
+    classes.to_json()
+
+
 def test_cli_flags_and_defaults_are_the_published_ones():
     parser = ddo.add_dynamic_offload_arguments(argparse.ArgumentParser())
     actions = {s: a for a in parser._actions for s in a.option_strings}
@@ -108,9 +152,11 @@ def test_bootstrap_module_is_importable_with_the_published_functions():
 
 
 def test_refused_names_say_what_ddo_does_instead():
-    for name in ("VmmWeightStore", "VmmWeightLease", "VmmWeightStoreStats", "DynamicOffloadHook"):
+    for name in ("VmmWeightStore", "VmmWeightLease", "VmmWeightStoreStats"):
         with pytest.raises(DynamicOffloadError, match=rf"{name} is not part of ddo: .*(enable_offload|metrics_snapshot)"):
             getattr(ddo, name)()
+    with pytest.raises(DynamicOffloadError, match=r"DynamicOffloadHook\(config\) is not built by hosts in ddo: .*result\.hook"):
+        ddo.DynamicOffloadHook(ddo.DynamicOffloadConfig())
 
 
 def test_the_comparison_catches_each_kind_of_difference():
@@ -162,7 +208,7 @@ def test_the_profile_session_has_the_published_methods(tmp_path):
         _same_signature(stub, mine, f"DynamicOffloadProfileSession.{name}")
 
 
-@pytest.mark.parametrize("name", ["DynamicOffloadExecutionTimer", "DynamicOffloadProfileSession"])
+@pytest.mark.parametrize("name", peer_api.CONSTRUCTORS)
 def test_published_constructors_take_the_published_parameters(name):
     mine = getattr(ddo, name, None) or getattr(importlib.import_module("ddo.profiles"), name)
     _same_signature(getattr(peer_api.constructors, name), mine, f"ddo.{name}()", defaults=False)
@@ -178,3 +224,75 @@ def test_diagnostics_are_null_when_disabled_and_say_what_instead_when_enabled(fl
     with pytest.raises(DynamicOffloadError, match="torch.profiler"):
         result.operator_diagnostics(enabled=True)
     result.remove()
+
+
+def test_the_hook_has_the_published_attributes_from_ddo_s_runtime(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    hook = result.hook
+    assert isinstance(hook, ddo.DynamicOffloadHook) and hook is result.hook and hook.runtime is result.runtime
+    assert isinstance(hook.config, ddo.DynamicOffloadConfig) and hook.config.execution_device == "cpu"
+    assert hook.execution_mode == "linear_runtime" and str(hook.offload_device) == "cpu"
+    state = hook.state
+    assert isinstance(state, ddo.DynamicOffloadState)
+    assert state.as_dict() == ddo.get_dynamic_offload_state(model).as_dict()
+    before = hook.vmm_runtime_stats()
+    with torch.no_grad():
+        model(**inputs)
+    after = hook.vmm_runtime_stats()
+    runtime = result.metrics_snapshot().as_dict()["runtime"]
+    # ddo's counters as measured, the published names where ddo measures the same thing, and
+    # None where it measures nothing of the kind.
+    assert (before["passes"], after["passes"]) == (0, 1) == (0, runtime["passes"])
+    assert after["copied_bytes"] == runtime["upload_bytes"] and after["evictions"] == runtime["evictions"]
+    assert after["reserved_bytes"] is None and after["materializations"] is None
+    assert {k: v for k, v in after.items() if k in runtime} == runtime
+    assert hook.collect_completed_runtime_resources() == {"status": "not_applicable", "blocking": False}
+    result.remove()
+    assert hook.state is None
+    with pytest.raises(DynamicOffloadError, match="removed"):
+        hook.vmm_runtime_stats()
+    group = ddo.enable_offload(model, route="none", execution_device="cpu", use_environment=False)
+    assert group.hook is None
+
+
+def test_the_state_has_the_published_accounting(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    with torch.no_grad():
+        model(**inputs)
+    state = ddo.get_dynamic_offload_state(model)
+    setup = result.metrics_snapshot().as_dict()["setup"]
+    runtime = result.metrics_snapshot().as_dict()["runtime"]
+    assert state.setup_seconds_by_action == {"attach": setup["setup_seconds"]}
+    assert state.copy_bytes_by_name == {"unit_upload": runtime["upload_bytes"]}
+    assert state.copy_calls_by_name == {"unit_upload": runtime["uploads"]}
+    assert state.planner_decisions["unit_count"] == setup["unit_count"]
+    linear = {f"{p}.weight" for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert state.selected_resident_linear_weights and set(state.selected_resident_linear_weights) <= linear
+    assert state.selected_pinned_linear_weights is None
+    assert state.sdnq_pinned_parameter_count == 0
+    clone = state.clone_for_runtime()
+    clone.add_copy("forward_input", 0.5, 1 << 20)
+    clone.add_setup("host_step", 0.25, 0)
+    assert clone.copy_calls_by_name["forward_input"] == 1 and "forward_input" not in state.copy_calls_by_name
+    data = clone.as_dict()
+    assert data["copy_runtime"]["forward_input"] == {"calls": 1, "seconds": 0.5, "gb": 0.001}
+    assert data["setup_runtime"]["host_step"] == {"seconds": 0.25, "gb": 0.0}
+    result.remove()
+
+
+def test_the_timer_marks_steps_on_the_host_clock():
+    timer = ddo.DynamicOffloadExecutionTimer(enabled=True, device="cpu")
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="mark_step"):
+        timer.mark_step()
+    with timer:
+        for _ in range(3):
+            timer.mark_step()
+    snap = timer.snapshot()
+    assert snap["status"] == "complete" and snap["step_count"] == 3 and len(snap["step_seconds"]) == 3
+    assert snap["phase_seconds"] >= sum(snap["step_seconds"]) + snap["tail_seconds"] - 1e-9
+    assert snap["steady_state_seconds_per_step"] == pytest.approx(sum(snap["step_seconds"][1:]) / 2)
+    off = ddo.DynamicOffloadExecutionTimer()
+    off.mark_step()
+    assert off.snapshot()["status"] == "disabled"
