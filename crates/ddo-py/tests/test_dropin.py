@@ -101,7 +101,7 @@ def test_record_event_names_and_payload(flux):
     payload = events[0][1]
     assert payload["route"] == "dynamic_offload" and payload["runtime_route"] == "linear_runtime"
     assert payload == result.event_payload
-    assert result.hook is result.runtime is not None
+    assert result.hook.runtime is result.runtime is not None
     result.remove()
 
 

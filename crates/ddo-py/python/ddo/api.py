@@ -17,6 +17,7 @@ import torch
 from . import _native
 from .config import DynamicOffloadConfig
 from .errors import DynamicOffloadError
+from .hook import DynamicOffloadHook
 from .log import get_logger, info
 from .metrics import DynamicOffloadMetrics
 from .progress import bar
@@ -108,6 +109,7 @@ class DynamicOffloadApplyResult:
     # What a named capacity profile did at attach (ddo.profiles), reported in setup metrics.
     capacity_profile: Optional[Dict[str, Any]] = None
     _removed: bool = False
+    _hook: Optional[DynamicOffloadHook] = field(default=None, repr=False, compare=False)
 
     @property
     def should_move_to_execution_device(self) -> bool:
@@ -118,10 +120,15 @@ class DynamicOffloadApplyResult:
         return self.route == "none" and self.setup.get("placement") == "unmanaged"
 
     @property
-    def hook(self) -> Optional[SessionRuntime]:
-        """What runs the component's forward on ddo's routes (its session runtime); ``None`` on
-        the others and when the plan was not applied."""
-        return self.runtime
+    def hook(self) -> Optional[DynamicOffloadHook]:
+        """The attached offload on ddo's arena routes, with the published hook's attributes
+        (``config``, ``state``, ``vmm_runtime_stats()``; :class:`ddo.DynamicOffloadHook`), one
+        object per result; ``None`` on the other routes and when the plan was not applied."""
+        if self.runtime is None:
+            return None
+        if self._hook is None:
+            self._hook = DynamicOffloadHook._of(self)
+        return self._hook
 
     @property
     def event_payload(self) -> Dict[str, Any]:
@@ -328,8 +335,8 @@ class DynamicOffloadLoadResult:
         )
 
     @property
-    def hook(self) -> Optional[SessionRuntime]:
-        """The offload's runtime when ``apply_dynamic`` attached one, else ``None``."""
+    def hook(self) -> Optional[DynamicOffloadHook]:
+        """The offload's hook when ``apply_dynamic`` attached one, else ``None``."""
         return self.offload.hook if self.offload is not None else None
 
     @property

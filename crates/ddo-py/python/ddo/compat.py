@@ -4,6 +4,7 @@ answers with what it does instead."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
@@ -16,6 +17,7 @@ from .errors import DynamicOffloadError
 from .metrics import DynamicOffloadMetrics
 from .runtime import find_execution_units
 from .settings import DynamicOffloadSettings
+from .hook import DynamicOffloadHook
 
 __all__ = [
     "DynamicOffloadHook",
@@ -206,25 +208,34 @@ def inspect_vmm_component(
     )
 
 
-def _refused(name: str, instead: str) -> type:
+def _refused(name: str, instead: str, parameters: Sequence[str] = ()) -> type:
+    """A published type ddo does not provide: constructing it raises with ``instead``. Its
+    signature names the published constructor's ``parameters``."""
+
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         raise DynamicOffloadError(f"{name} is not part of ddo: {instead}")
 
-    return type(name, (), {"__init__": __init__, "__doc__": f"Not part of ddo: {instead}.", "__module__": __name__})
+    signature = inspect.Signature(
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for p in parameters]
+    )
+    return type(
+        name,
+        (),
+        {"__init__": __init__, "__doc__": f"Not part of ddo: {instead}.", "__module__": __name__, "__signature__": signature},
+    )
 
 
 VmmWeightStore = _refused(
     "VmmWeightStore",
     "ddo's arena owns GPU weight memory; offload a component with enable_offload(module, backend='vmm') or "
     "from_pretrained_with_dynamic_offload(..., apply_dynamic=True)",
+    ("device_id", "max_resident_bytes"),
 )
 VmmWeightLease = _refused(
     "VmmWeightLease", "ddo leases a block's weights around its forward by itself; offload with enable_offload"
 )
 VmmWeightStoreStats = _refused(
-    "VmmWeightStoreStats", "read the arena's counters from result.metrics_snapshot().as_dict()['runtime']"
-)
-DynamicOffloadHook = _refused(
-    "DynamicOffloadHook",
-    "attach with enable_offload(module) or apply_dynamic_offload(module, config); the attached runtime is result.hook",
+    "VmmWeightStoreStats",
+    "read the arena's counters from result.metrics_snapshot().as_dict()['runtime'] or result.hook.vmm_runtime_stats()",
+    ("reserved_bytes", "resident_bytes", "materializations", "evictions", "copied_bytes"),
 )

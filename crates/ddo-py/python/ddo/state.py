@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, TextIO, Tuple
@@ -60,6 +61,49 @@ class DynamicOffloadState:
     patched_module_count: int = 0
     unloaded: bool = False
     units: Tuple[DynamicOffloadUnitState, ...] = field(default_factory=tuple)
+    # The published state's accounting, filled from ddo's own figures (``state_of``): setup by
+    # action (``attach``: the native attach, its seconds and the bytes it placed) and copies by
+    # name (``unit_upload``: the arena's uploads, their seconds, bytes and count). A host may add
+    # its own with :meth:`add_setup` / :meth:`add_copy`.
+    setup_seconds_by_action: Dict[str, float] = field(default_factory=dict)
+    setup_bytes_by_action: Dict[str, int] = field(default_factory=dict)
+    copy_seconds_by_name: Dict[str, float] = field(default_factory=dict)
+    copy_bytes_by_name: Dict[str, int] = field(default_factory=dict)
+    copy_calls_by_name: Dict[str, int] = field(default_factory=dict)
+    # The Linear weights kept on the device (in resident units and the always-resident rest).
+    selected_resident_linear_weights: Tuple[str, ...] = field(default_factory=tuple)
+    # The always-resident patterns as resolved.
+    resolved_resident_module_patterns: Tuple[str, ...] = field(default_factory=tuple)
+    # What planning decided (ddo's plan: units, slots, budget), from the setup metrics.
+    planner_decisions: Dict[str, Any] = field(default_factory=dict)
+
+    # ddo refuses SDNQ-quantized modules, so an offloaded module has no SDNQ parameters.
+    sdnq_pinned_parameter_bytes = 0
+    sdnq_pinned_parameter_count = 0
+    sdnq_unpinned_parameter_bytes = 0
+    sdnq_unpinned_parameter_count = 0
+
+    @property
+    def selected_pinned_linear_weights(self) -> None:
+        """The published library pins Linear weights one by one; ddo registers host memory by
+        range (``setup.registered_bytes`` / ``pinned_bytes`` in metrics), so it has no list of
+        pinned weights: ``None``."""
+        return None
+
+    def add_setup(self, action: str, seconds: float, bytes: int = 0) -> None:  # noqa: A002 - the published name
+        """Adds ``seconds`` and ``bytes`` to setup action ``action`` (the published accounting)."""
+        self.setup_seconds_by_action[action] = self.setup_seconds_by_action.get(action, 0.0) + float(seconds)
+        self.setup_bytes_by_action[action] = self.setup_bytes_by_action.get(action, 0) + int(bytes)
+
+    def add_copy(self, name: str, seconds: float, bytes: int = 0, calls: int = 1) -> None:  # noqa: A002
+        """Adds one copy (``calls`` of them) of ``bytes`` taking ``seconds`` under ``name``."""
+        self.copy_seconds_by_name[name] = self.copy_seconds_by_name.get(name, 0.0) + float(seconds)
+        self.copy_bytes_by_name[name] = self.copy_bytes_by_name.get(name, 0) + int(bytes)
+        self.copy_calls_by_name[name] = self.copy_calls_by_name.get(name, 0) + int(calls)
+
+    def clone_for_runtime(self) -> "DynamicOffloadState":
+        """A copy whose accounting is its own (what the published hook keeps per run)."""
+        return copy.deepcopy(self)
 
     @property
     def entries(self) -> Tuple[DynamicOffloadUnitState, ...]:
@@ -100,6 +144,23 @@ class DynamicOffloadState:
                 for u in self.units
             ],
             "selected_resident_modules": list(self.selected_resident_modules),
+            "selected_resident_linear_weights": list(self.selected_resident_linear_weights),
+            "selected_pinned_linear_weights": self.selected_pinned_linear_weights,
+            "resolved_resident_module_patterns": list(self.resolved_resident_module_patterns),
+            "setup_runtime": {
+                action: {"seconds": seconds, "gb": _gib(self.setup_bytes_by_action.get(action, 0))}
+                for action, seconds in self.setup_seconds_by_action.items()
+            },
+            "copy_runtime": {
+                name: {
+                    "calls": self.copy_calls_by_name.get(name, 0),
+                    "seconds": seconds,
+                    "gb": _gib(self.copy_bytes_by_name.get(name, 0)),
+                }
+                for name, seconds in self.copy_seconds_by_name.items()
+            },
+            "sdnq_parameter_pinning": {"pinned_count": 0, "pinned_gb": 0.0, "unpinned_count": 0, "unpinned_gb": 0.0},
+            "planner_decisions": dict(self.planner_decisions),
         }
 
 
@@ -165,7 +226,7 @@ def state_of(result: Any) -> DynamicOffloadState:
     total = sum(placement.values())
     streamed = sum(1 for u in units if u.placement == "streamed")
     hooked = sum(1 for u in units if u.placement != "pinned")
-    return DynamicOffloadState(
+    return _with_accounting(result, module, units, DynamicOffloadState(
         component=component,
         route=route,
         execution_device=device,
@@ -179,6 +240,51 @@ def state_of(result: Any) -> DynamicOffloadState:
         resident_unit_count=len(units) - streamed,
         patched_module_count=hooked,
         units=tuple(units),
+    ))
+
+
+# The setup figures that are the plan's decisions.
+_PLANNER_KEYS = (
+    "unit_count", "resident_units", "streamed_units", "execution_slots", "slot_bytes", "gpu_budget_bytes",
+    "headroom_bytes", "streamed_bytes_per_pass", "host_source", "conversion",
+)
+
+
+def _with_accounting(
+    result: Any, module: torch.nn.Module, units: List[DynamicOffloadUnitState], state: DynamicOffloadState
+) -> DynamicOffloadState:
+    """``state`` with the published accounting filled from ddo's metrics: only figures ddo
+    measured (an absent setup time or upload counter leaves its entry out)."""
+    data = result.runtime.metrics("snapshot")
+    setup, runtime = data.get("setup", {}), data.get("runtime", {})
+    if setup.get("setup_seconds") is not None:
+        state.add_setup("attach", setup["setup_seconds"], state.total_bytes)
+    if all(k in runtime for k in ("upload_seconds", "upload_bytes", "uploads")):
+        state.add_copy("unit_upload", runtime["upload_seconds"], runtime["upload_bytes"], runtime["uploads"])
+    state.planner_decisions.update({k: setup[k] for k in _PLANNER_KEYS if k in setup})
+    # Units ddo hooks are "resident" or "streamed"; the rest of the module ("pinned") stays on
+    # the device.
+    kept = [u.path for u in units if u.placement == "resident"]
+    hooked = [u.path for u in units if u.placement != "pinned"]
+    rest_is_kept = any(u.placement == "pinned" for u in units)
+
+    def inside(path: str, paths: List[str]) -> bool:
+        return any(path == p or path.startswith(p + ".") for p in paths)
+
+    weights = [
+        f"{path}.weight" if path else "weight"
+        for path, m in module.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and m._parameters.get("weight") is not None
+        and (inside(path, kept) or (rest_is_kept and not inside(path, hooked)))
+    ]
+    patterns = result.settings.values.get("always_resident_modules_pattern") or ()
+    return DynamicOffloadState(
+        **{
+            **{f: getattr(state, f) for f in state.__dataclass_fields__},
+            "selected_resident_linear_weights": tuple(weights),
+            "resolved_resident_module_patterns": tuple([patterns] if isinstance(patterns, str) else patterns),
+        }
     )
 
 
