@@ -277,3 +277,39 @@ def test_bench_refuses_a_config_it_cannot_build_inputs_for(flux_folder, tmp_path
     assert main(["bench", str(folder), "--device", "cpu", "--resolution", "16"]) == 1
     err = capsys.readouterr().err
     assert "config.json" in err and "Traceback" not in err, err
+
+
+def test_bench_takes_one_checkpoint_file_with_the_config_beside_it_or_given(flux_folder, tmp_path, capsys):
+    import shutil
+
+    (file,) = [flux_folder / n for n in os.listdir(flux_folder) if n.endswith(".safetensors")]
+    args = ["--device", "cpu", "--steps", "1", "--resolution", "32", "--budget-gb", str(TINY_BUDGET_GB), "--json",
+            "--routes", "resident,linear,vmm"]
+    # The config.json beside the file.
+    assert main(["bench", str(file), *args]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["output"] for r in result["rows"]] == ["reference", "equal", "equal"], result["rows"]
+    assert result["model"]["path"] == str(file) and result["model"]["class"] == "FluxTransformer2DModel"
+    assert result["model"]["config"] == os.path.realpath(flux_folder / "config.json")
+    assert result["model"]["stored_bytes"] == stored_bytes(flux_folder)
+    # A file alone, under another name, with --config naming the config.json or its folder.
+    alone = tmp_path / "weights" / "flux-tiny.safetensors"
+    alone.parent.mkdir()
+    shutil.copy(file, alone)
+    assert main(["bench", str(alone), *args]) == 1
+    err = capsys.readouterr().err
+    assert "no config.json beside it: pass --config with the model's config.json" in err, err
+    for config in (flux_folder / "config.json", flux_folder):
+        assert main(["bench", str(alone), "--config", str(config), *args]) == 0
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        assert [r["output"] for r in rows] == ["reference", "equal", "equal"], rows
+    # What else is refused, saying what to pass.
+    assert main(["bench", str(alone), "--config", str(tmp_path / "missing.json"), *args]) == 1
+    assert "--config" in capsys.readouterr().err
+    assert main(["bench", str(flux_folder), "--config", str(flux_folder), *args]) == 1
+    assert "--config is for a checkpoint file" in capsys.readouterr().err
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert main(["bench", str(tmp_path / "model.gguf"), *args]) == 1
+    assert "is not a .safetensors file" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path / "nothing"), *args]) == 1
+    assert "no such file or folder" in capsys.readouterr().err

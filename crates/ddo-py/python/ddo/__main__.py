@@ -31,8 +31,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     doctor.add_argument("--device", default="cuda:0", help="the CUDA device to measure (default cuda:0)")
     doctor.add_argument("--dir", help="measure disk reads of a temp file in DIR (default: the checkpoint's files, else the temp folder)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench = sub.add_parser("bench", help="time a model folder's forward on several routes side by side")
-    bench.add_argument("checkpoint", help="a Diffusers model folder (config.json and safetensors)")
+    bench = sub.add_parser("bench", help="time a model's forward on several routes side by side")
+    bench.add_argument(
+        "checkpoint",
+        help="a Diffusers model folder (config.json and safetensors), or one .safetensors checkpoint file",
+    )
+    bench.add_argument(
+        "--config",
+        help="for a checkpoint file: the model's config.json, or a folder holding it (default: the config.json beside the file)",
+    )
     bench.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated, among {','.join(ROUTES)} (default all)")
     bench.add_argument("--steps", type=int, default=5, help="timed forwards per route, after one warm-up (default 5)")
     bench.add_argument("--device", help="execution device (default cuda:0 when CUDA is available, else cpu)")
@@ -90,6 +97,7 @@ def _bench(args: argparse.Namespace) -> int:
             budget_gb=args.budget_gb,
             dtype=getattr(torch, args.dtype),
             resolution=args.resolution,
+            config=args.config,
         )
     except (_native.DynamicOffloadError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""``python -m ddo bench``: one Diffusers model folder run on several routes side by side, each
-route's output checked against the resident run's bit for bit.
+"""``python -m ddo bench``: one Diffusers model folder, or one ``.safetensors`` checkpoint file with
+its model's ``config.json``, run on several routes side by side, each route's output checked
+against the resident run's bit for bit.
 
 Routes: ``resident`` (the plain module on the device), ``linear`` (:func:`ddo.enable_offload`,
 ``linear_runtime``), ``vmm`` (:func:`ddo.from_pretrained_with_dynamic_offload` on
@@ -9,12 +10,14 @@ anew in this process, runs one warm-up forward and then ``steps`` timed ones."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import math
 import os
 import statistics
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -266,8 +269,57 @@ def _bench_device(device: Optional[str]) -> torch.device:
     return dev
 
 
+def _config_of_file(checkpoint: str, config: Optional[str]) -> str:
+    """The ``config.json`` a checkpoint file is benchmarked with: ``config`` (the file, or a
+    folder holding it), else the one beside the checkpoint; refused saying what to pass."""
+    if config is not None:
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        if not os.path.isfile(path):
+            raise DynamicOffloadError(
+                f"--config {config}: no such file; pass the model's config.json (or a folder holding it, such as a "
+                "pipeline's transformer/)"
+            )
+        return path
+    beside = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "config.json")
+    if not os.path.isfile(beside):
+        raise DynamicOffloadError(
+            f"{checkpoint} is a checkpoint file and there is no config.json beside it: pass --config with the model's "
+            "config.json (or a folder holding it, such as a pipeline's transformer/), or benchmark the model folder"
+        )
+    return beside
+
+
+def _model_source(path: str, config: Optional[str], stack: "contextlib.ExitStack") -> str:
+    """The model folder to load ``path`` from. A folder is itself (``config`` is refused: the
+    folder's own config.json is the model's). A ``.safetensors`` file gets a temporary folder
+    holding links to it (as Diffusers' weights name) and to its config.json, so every route
+    loads exactly that file; the folder goes when ``stack`` closes."""
+    if os.path.isdir(path):
+        if config is not None:
+            raise DynamicOffloadError(
+                f"--config is for a checkpoint file; {path} is a folder, whose own config.json is the model's: leave "
+                "--config out"
+            )
+        return path
+    if not os.path.isfile(path):
+        raise DynamicOffloadError(
+            f"{path}: no such file or folder; pass a Diffusers model folder (config.json and its safetensors) or a "
+            ".safetensors checkpoint file"
+        )
+    if not path.endswith(".safetensors"):
+        raise DynamicOffloadError(
+            f"{path} is not a .safetensors file: pass a Diffusers model folder (config.json and its safetensors) or "
+            "one .safetensors checkpoint file (with --config when no config.json is beside it)"
+        )
+    config_path = _config_of_file(path, config)
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddo-bench-"))
+    os.symlink(os.path.abspath(config_path), os.path.join(folder, "config.json"))
+    os.symlink(os.path.abspath(path), os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+    return folder
+
+
 def run_bench(
-    folder: str,
+    checkpoint: str,
     *,
     routes: Tuple[str, ...] = ROUTES,
     steps: int = 5,
@@ -275,10 +327,36 @@ def run_bench(
     budget_gb: float = 3.0,
     dtype: torch.dtype = torch.bfloat16,
     resolution: int = 1024,
+    config: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Runs every route of ``routes`` on the model in ``folder`` and returns the rows with what
-    was run (a dict that JSON carries). The reference output is the resident run's when it ran,
-    else the first route's that did."""
+    """Runs every route of ``routes`` on the model in ``checkpoint`` (a model folder, or one
+    ``.safetensors`` file whose model config is ``config`` or the ``config.json`` beside it) and
+    returns the rows with what was run (a dict that JSON carries). The reference output is the
+    resident run's when it ran, else the first route's that did."""
+    with contextlib.ExitStack() as stack:
+        folder = _model_source(checkpoint, config, stack)
+        if folder == checkpoint:
+            return _run_bench(folder, routes, steps, device, budget_gb, dtype, resolution)
+        config_path = os.path.realpath(os.path.join(folder, "config.json"))
+        try:
+            result = _run_bench(folder, routes, steps, device, budget_gb, dtype, resolution)
+        except DynamicOffloadError as e:
+            # Name the files the user gave, not the temporary folder's links.
+            text = str(e).replace(os.path.join(folder, "config.json"), config_path).replace(folder, checkpoint)
+            raise DynamicOffloadError(text) from None
+        result["model"].update(path=checkpoint, config=config_path)
+        return result
+
+
+def _run_bench(
+    folder: str,
+    routes: Tuple[str, ...],
+    steps: int,
+    device: Optional[str],
+    budget_gb: float,
+    dtype: torch.dtype,
+    resolution: int,
+) -> Dict[str, Any]:
     from .progress import bar
 
     unknown = [r for r in routes if r not in ROUTES]
