@@ -1065,7 +1065,15 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        // Best effort; on failure everything stays owned (never force-freed).
-        let _ = self.close();
+        // On failure everything not released stays owned (never force-freed), and the failure
+        // is noted for the host to show.
+        if let Err(e) = self.close() {
+            let state = self.lock();
+            ddo_core::note_drop_failure(ddo_core::DropFailure {
+                what: "arena",
+                message: e.to_string(),
+                retained_bytes: Some(state.stats.resident_bytes + state.stats.slot_bytes),
+            });
+        }
     }
 }

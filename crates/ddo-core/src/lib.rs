@@ -22,6 +22,7 @@ mod admission;
 mod bytes;
 mod convert;
 mod device;
+mod dropped;
 mod dtype;
 mod error;
 mod fence;
@@ -39,6 +40,7 @@ pub use admission::{
 pub use bytes::{ByteSize, GIB, KIB, MIB};
 pub use convert::{convert, convertible};
 pub use device::{BackingId, DeviceAddress, DeviceOrdinal, DeviceRange, Reservation, StreamId};
+pub use dropped::{DropFailure, note_drop_failure, take_drop_failures};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{DeviceError, PlatformError, SourceError};
 pub use fence::{Fence, FenceValue};

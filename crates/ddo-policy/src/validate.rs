@@ -7,6 +7,9 @@ use std::collections::BTreeMap;
 use crate::resolve::{MAX_PREFETCH_DEPTH, MAX_SOURCE_CACHE_GB, REGISTRATION_SEGMENT_MIB};
 use crate::{ConfigError, Origin, Settings};
 
+/// GiB sizes are below 2^34 GiB: 2^64 bytes.
+const MAX_GIB: f64 = (1u64 << 34) as f64;
+
 /// The forms `execution_device` accepts, for error messages.
 const EXECUTION_DEVICE_FORMS: &str = "cuda, cuda:N, cpu";
 
@@ -32,6 +35,16 @@ pub(crate) fn validate(
                 field: field.into(),
                 value,
                 origin: origin(field),
+            });
+        }
+        // A GiB size must be a byte count of 64 bits.
+        if field.ends_with("_gb") && value >= MAX_GIB {
+            return Err(ConfigError::OutOfRange {
+                field: field.into(),
+                // Exponent form for huge values (1e300 would print 301 digits).
+                value: if value >= 1e12 { format!("{value:e}") } else { value.to_string() },
+                origin: origin(field),
+                range: format!("0 to below {MAX_GIB} GiB (a 64-bit byte count)"),
             });
         }
     }

@@ -412,6 +412,26 @@ fn negative_nan_and_infinite_sizes() {
 }
 
 #[test]
+fn a_size_past_64_bits_of_bytes_names_its_origin() {
+    let r = Request {
+        arguments: args(|c| c.vmm_resident_weight_budget_gb = Some(2e10)),
+        ..req("transformer")
+    };
+    assert_eq!(
+        err(&r),
+        "vmm_resident_weight_budget_gb = 20000000000 (from argument) is out of range; allowed: 0 to below 17179869184 GiB (a 64-bit byte count)"
+    );
+    let r = Request {
+        environment: env(&[("DDO_SYSTEM_RAM_HEADROOM_GB", "1e300")]),
+        ..req("transformer")
+    };
+    assert_eq!(
+        err(&r),
+        "system_ram_headroom_gb = 1e300 (from DDO_SYSTEM_RAM_HEADROOM_GB) is out of range; allowed: 0 to below 17179869184 GiB (a 64-bit byte count)"
+    );
+}
+
+#[test]
 fn ranges() {
     let r =
         Request { arguments: args(|c| c.vmm_source_cache_gb = Some(40.0)), ..req("transformer") };

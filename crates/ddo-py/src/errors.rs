@@ -8,26 +8,33 @@ use pyo3::types::{PyDict, PyType};
 use pyo3::{PyErr, create_exception};
 
 create_exception!(
-    _native,
+    ddo._native,
     DynamicOffloadError,
     PyRuntimeError,
     "A runtime failure: a module that cannot be offloaded, a missing driver, a failed release. The module is left as it was unless the message says otherwise."
 );
 create_exception!(
-    _native,
+    ddo._native,
     DynamicOffloadCheckpointError,
     DynamicOffloadError,
     "The weights are missing, corrupt, changed on disk, or do not fit the module."
 );
 create_exception!(
-    _native,
+    ddo._native,
+    DynamicOffloadSourceChangedError,
+    DynamicOffloadCheckpointError,
+    "A checkpoint file (or a host tensor ddo streams from) changed while in use: its identity or bytes differ from what was recorded at attach. Nothing wrong was used; reload the model."
+);
+create_exception!(
+    ddo._native,
     DynamicOffloadLifecycleError,
     DynamicOffloadError,
     "The call does not fit the component's state (unloaded, during a forward pass)."
 );
 
 /// The configuration errors are both a `DynamicOffloadError` and a `ValueError` (hosts catch
-/// either), so they are classes with two bases, created when the module loads.
+/// either), so they are classes with two bases, created when the module loads (`create_exception!`
+/// takes one base).
 const CONFIG_CLASSES: &std::ffi::CStr = c"
 class DynamicOffloadConfigError(DynamicOffloadError, ValueError):
     'An invalid setting: the message names the setting, the value, where it came from and what is allowed.'
@@ -58,6 +65,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DynamicOffloadConfigError", config)?;
     m.add("DynamicOffloadCapacityError", capacity)?;
     m.add("DynamicOffloadCheckpointError", py.get_type::<DynamicOffloadCheckpointError>())?;
+    m.add("DynamicOffloadSourceChangedError", py.get_type::<DynamicOffloadSourceChangedError>())?;
     m.add("DynamicOffloadLifecycleError", py.get_type::<DynamicOffloadLifecycleError>())?;
     Ok(())
 }
@@ -86,7 +94,9 @@ pub(crate) fn session_error(e: SessionError) -> PyErr {
     use ddo_arena::ArenaError;
     use ddo_core::SourceError;
     let text = e.to_string();
-    let source = match &e {
+    // A failure whose cleanup also failed is classed by the original error.
+    let e = e.original();
+    let source = match e {
         SessionError::Source(s) => Some(s),
         SessionError::Arena(a) => match a.original() {
             ArenaError::Source(s) => Some(s),
@@ -94,9 +104,12 @@ pub(crate) fn session_error(e: SessionError) -> PyErr {
         },
         _ => None,
     };
-    match (&e, source) {
+    match (e, source) {
         (_, Some(SourceError::Refused(_) | SourceError::CeilingExceeded { .. })) => {
             capacity_err(text)
+        }
+        (_, Some(SourceError::CheckpointChanged { .. })) => {
+            DynamicOffloadSourceChangedError::new_err(text)
         }
         (_, Some(SourceError::Device(_))) => DynamicOffloadError::new_err(text),
         (_, Some(_)) => DynamicOffloadCheckpointError::new_err(text),

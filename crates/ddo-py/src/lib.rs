@@ -233,6 +233,14 @@ fn check_cuda_device(ordinal: u32) -> PyResult<()> {
         .map_err(|e| DynamicOffloadError::new_err(e.to_string()))
 }
 
+/// Releases that failed when ddo's memory was dropped since the last call (each message says
+/// what was kept), and how many more failed than are listed.
+#[pyfunction]
+fn take_drop_failures() -> (Vec<String>, u64) {
+    let (failures, more) = ddo_core::take_drop_failures();
+    (failures.iter().map(ToString::to_string).collect(), more)
+}
+
 /// The `ddo._native` module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -258,6 +266,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::ResolvedPlan>()?;
     m.add_class::<session::Session>()?;
     m.add_function(wrap_pyfunction!(check_cuda_device, m)?)?;
+    m.add_function(wrap_pyfunction!(take_drop_failures, m)?)?;
     errors::register(m)?;
     Ok(())
 }

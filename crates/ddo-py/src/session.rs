@@ -67,7 +67,18 @@ fn dtype(name: &str) -> PyResult<ddo_core::Dtype> {
 /// The session of one component.
 #[pyclass(module = "ddo._native", frozen)]
 pub(crate) struct Session {
-    inner: ComponentSession,
+    /// Dropped in [`Drop`] with the GIL released (closing waits for the device and unregisters).
+    inner: std::mem::ManuallyDrop<ComponentSession>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // SAFETY: `inner` is taken exactly once, here, and never used after.
+        let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
+        // The object is being deallocated under the GIL; the close (fence waits, device memory,
+        // unregistration: a device-wide sync on CUDA) runs without it.
+        Python::attach(|py| py.detach(move || drop(inner)));
+    }
 }
 
 #[pymethods]
@@ -144,7 +155,7 @@ impl Session {
         };
         let spec = SessionSpec { plan: plan.plan.clone(), weights, tree: Some(tree) };
         let inner = py.detach(|| ComponentSession::open(spec)).map_err(session_error)?;
-        Ok(Session { inner })
+        Ok(Session { inner: std::mem::ManuallyDrop::new(inner) })
     }
 
     /// `(device type, index)`: `("cuda", n)` or `("cpu", 0)`.
@@ -229,30 +240,38 @@ impl Session {
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// Starts a pass on `stream` (a raw `cudaStream_t`; any value on the host backend).
-    fn begin_pass(&self, stream: u64) -> PyResult<()> {
-        self.inner.begin_pass(self.stream(stream)).map_err(session_error)
+    /// Starts a pass on `stream` (a raw `cudaStream_t`; any value on the host backend). These
+    /// per-pass and per-unit calls release the GIL: an acquisition may read from disk or wait
+    /// for room on the device.
+    fn begin_pass(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let stream = self.stream(stream);
+        py.detach(|| self.inner.begin_pass(stream)).map_err(session_error)
     }
 
     /// Ends a pass on `stream`.
-    fn end_pass(&self, stream: u64) -> PyResult<()> {
-        self.inner.end_pass(self.stream(stream)).map_err(session_error)
+    fn end_pass(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let stream = self.stream(stream);
+        py.detach(|| self.inner.end_pass(stream)).map_err(session_error)
     }
 
     /// Ends an interrupted pass on `stream` (its order is not learned).
-    fn abort_pass(&self, stream: u64) -> PyResult<()> {
-        self.inner.abort_pass(self.stream(stream)).map_err(session_error)
+    fn abort_pass(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let stream = self.stream(stream);
+        py.detach(|| self.inner.abort_pass(stream)).map_err(session_error)
     }
 
     /// Acquires unit `unit` for work on `stream`; returns the lease id.
-    fn acquire(&self, unit: u32, stream: u64) -> PyResult<u64> {
-        let lease = self.inner.acquire(UnitId(unit), self.stream(stream)).map_err(session_error)?;
+    fn acquire(&self, py: Python<'_>, unit: u32, stream: u64) -> PyResult<u64> {
+        let stream = self.stream(stream);
+        let lease =
+            py.detach(|| self.inner.acquire(UnitId(unit), stream)).map_err(session_error)?;
         Ok(lease.0)
     }
 
     /// Releases lease `lease` after the work enqueued on `stream`.
-    fn release(&self, lease: u64, stream: u64) -> PyResult<()> {
-        self.inner.release(LeaseId(lease), self.stream(stream)).map_err(session_error)
+    fn release(&self, py: Python<'_>, lease: u64, stream: u64) -> PyResult<()> {
+        let stream = self.stream(stream);
+        py.detach(|| self.inner.release(LeaseId(lease), stream)).map_err(session_error)
     }
 
     /// Releases idle slot memory; `(slots, bytes)`.

@@ -158,8 +158,9 @@ def test_a_checkpoint_changed_during_a_run_is_a_checkpoint_error(tmp_path, flux)
     data = path.read_bytes()
     path.unlink()
     path.write_bytes(data)  # same bytes, another file
-    with pytest.raises(ddo.DynamicOffloadCheckpointError, match="changed while in use"):
+    with pytest.raises(ddo.DynamicOffloadSourceChangedError, match="changed while in use") as raised:
         run(loaded.module, inputs)
+    assert isinstance(raised.value, ddo.DynamicOffloadCheckpointError)
     loaded.offload.unload()
     loaded.offload.reload()  # the file as it is now
     assert run(loaded.module, inputs) is not None
@@ -432,7 +433,7 @@ def test_a_write_into_a_host_tensor_the_linear_route_streams_from_is_refused(flu
     assert torch.equal(run(model, inputs), want)
     with torch.no_grad():
         kept.mul_(2)
-    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="transformer_blocks.1.attn.to_k.weight.*was written"):
+    with pytest.raises(ddo.DynamicOffloadSourceChangedError, match="transformer_blocks.1.attn.to_k.weight.*was written"):
         run(model, inputs)
     result.remove()
 

@@ -48,12 +48,38 @@ pub enum SessionError {
     /// The device failed (or no driver exists).
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// An error whose cleanup also failed: the original error comes first and is the source;
+    /// what the cleanup could not release is kept (never freed by force).
+    #[error("{error} (cleanup also failed: {cleanup})")]
+    WithCleanup {
+        /// The original error.
+        #[source]
+        error: Box<SessionError>,
+        /// The cleanup's error, attached.
+        cleanup: Box<SessionError>,
+    },
 }
 
 impl SessionError {
     /// Whether the failure came from the device or the arena holding memory it could not
     /// release (as opposed to input the caller can fix).
     pub fn is_runtime(&self) -> bool {
-        matches!(self, SessionError::Arena(_) | SessionError::Device(_))
+        matches!(self.original(), SessionError::Arena(_) | SessionError::Device(_))
+    }
+
+    /// The original error (for [`SessionError::WithCleanup`], the one before cleanup).
+    pub fn original(&self) -> &SessionError {
+        match self {
+            SessionError::WithCleanup { error, .. } => error.original(),
+            e => e,
+        }
+    }
+
+    /// `self`, with `cleanup`'s failure attached when there is one.
+    pub(crate) fn with_cleanup(self, cleanup: Result<(), SessionError>) -> SessionError {
+        match cleanup {
+            Ok(()) => self,
+            Err(c) => SessionError::WithCleanup { error: Box::new(self), cleanup: Box::new(c) },
+        }
     }
 }

@@ -174,15 +174,22 @@ impl Memory {
     fn close(&self) -> Result<(), SessionError> {
         self.arena.close()?;
         let mut registered = self.registered.lock().unwrap_or_else(|p| p.into_inner());
-        ComponentSession::unregister_all(&self.registrar, &mut registered);
-        Ok(())
+        ComponentSession::unregister_all(&self.registrar, &mut registered)
     }
 }
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        // Live leases make close refuse: the memory then stays owned, never freed early.
-        let _ = self.close();
+        // Live leases make close refuse: the memory then stays owned, never freed early. An
+        // arena that cannot close notes that itself when it drops, right after this; a failed
+        // unregistration is noted here.
+        if let Err(e @ SessionError::Source(_)) = self.close() {
+            ddo_core::note_drop_failure(ddo_core::DropFailure {
+                what: "host registrations",
+                message: e.to_string(),
+                retained_bytes: Some(self.registrar.unsafe_retained()),
+            });
+        }
     }
 }
 
@@ -467,8 +474,8 @@ impl ComponentSession {
                     host.unregistered_reason.get_or_insert(e.to_string());
                 }
                 Err(e) => {
-                    Self::unregister_all(&registrar, &mut registered);
-                    return Err(SessionError::Source(e));
+                    let cleanup = Self::unregister_all(&registrar, &mut registered);
+                    return Err(SessionError::Source(e).with_cleanup(cleanup));
                 }
             }
         }
@@ -482,17 +489,19 @@ impl ComponentSession {
         ) {
             Ok(a) => a,
             Err(e) => {
-                Self::unregister_all(&registrar, &mut registered);
-                return Err(self.arena_error(e));
+                let cleanup = Self::unregister_all(&registrar, &mut registered);
+                return Err(self.arena_error(e).with_cleanup(cleanup));
             }
         };
         // The first pass starts warm; resident weights are on the device before the host uses
         // the component (a method called outside forward reads them without acquiring).
         if let Err(e) = arena.prime().and_then(|_| arena.settle_resident()) {
-            if arena.close().is_ok() {
-                Self::unregister_all(&registrar, &mut registered);
-            }
-            return Err(SessionError::Arena(e));
+            // Registrations go only after the arena's copies are proven complete (closed).
+            let cleanup = arena
+                .close()
+                .map_err(SessionError::Arena)
+                .and_then(|()| Self::unregister_all(&registrar, &mut registered));
+            return Err(SessionError::Arena(e).with_cleanup(cleanup));
         }
         let plan = arena.plan();
         let units = specs
@@ -539,11 +548,19 @@ impl ComponentSession {
         }
     }
 
-    fn unregister_all(registrar: &Registrar, registered: &mut Vec<RegisteredRange>) {
+    /// Unregisters every range; the first failure is returned after all were tried. A failed
+    /// unregistration keeps its pages locked and allocated (counted unsafe), never freed.
+    fn unregister_all(
+        registrar: &Registrar,
+        registered: &mut Vec<RegisteredRange>,
+    ) -> Result<(), SessionError> {
+        let mut first = None;
         while let Some(r) = registered.pop() {
-            // A failed unregistration keeps the pages locked (counted unsafe), never freed.
-            let _ = registrar.unregister(r);
+            if let Err(e) = registrar.unregister(r) {
+                first.get_or_insert(e);
+            }
         }
+        first.map_or(Ok(()), |e| Err(SessionError::Source(e)))
     }
 
     /// The checkpoint's source: retained windows under `vmm_source_cache_gb`, else the mapping

@@ -42,6 +42,7 @@ from .errors import (
     DynamicOffloadConfigError,
     DynamicOffloadError,
     DynamicOffloadLifecycleError,
+    DynamicOffloadSourceChangedError,
 )
 from .metrics import DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION, DynamicOffloadMetrics
 from .settings import (
@@ -154,6 +155,7 @@ __all__ = [
     "DynamicOffloadConfigError",
     "DynamicOffloadError",
     "DynamicOffloadLifecycleError",
+    "DynamicOffloadSourceChangedError",
     "DynamicOffloadLoadResult",
     "DynamicOffloadMetrics",
     "DynamicOffloadSettings",

@@ -3,6 +3,8 @@ plain ``TypeError`` for a bad keyword), never a crash of the native extension.
 
 - :class:`DynamicOffloadError` (``RuntimeError``): every ddo failure.
   - :class:`DynamicOffloadCheckpointError`: weights missing, corrupt, changed, or not fitting.
+    - :class:`DynamicOffloadSourceChangedError`: a checkpoint file (or a host tensor ddo streams
+      from) changed while in use; detected before any changed byte is used.
   - :class:`DynamicOffloadLifecycleError`: a call that does not fit the component's state.
   - :class:`DynamicOffloadConfigError` (also a ``ValueError``): an invalid setting, named with
     its value, origin and what is allowed.
@@ -17,6 +19,7 @@ from ._native import (
     DynamicOffloadConfigError,
     DynamicOffloadError,
     DynamicOffloadLifecycleError,
+    DynamicOffloadSourceChangedError,
 )
 
 __all__ = [
@@ -25,4 +28,5 @@ __all__ = [
     "DynamicOffloadCapacityError",
     "DynamicOffloadCheckpointError",
     "DynamicOffloadLifecycleError",
+    "DynamicOffloadSourceChangedError",
 ]

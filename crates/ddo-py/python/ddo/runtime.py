@@ -35,6 +35,17 @@ _LAYER_RESIDENT_KB = 16
 _VAE_ENTRIES = ("encode", "decode")
 
 
+def report_drop_failures() -> None:
+    """Warns about releases that failed when ddo's memory was dropped (a component collected, or
+    the last tensor viewing an unloaded arena): what could not be released is kept, never freed
+    by force, and each warning says how much."""
+    failures, more = _native.take_drop_failures()
+    for text in failures:
+        warnings.warn(f"ddo: {text}", RuntimeWarning, stacklevel=3)
+    if more:
+        warnings.warn(f"ddo: {more} more releases failed when dropped", RuntimeWarning, stacklevel=3)
+
+
 def describe_module(module: torch.nn.Module) -> Tuple[list, list]:
     """The module tree as the session takes it: ``(path, is_list)`` per module and ``(name, key,
     dtype, shape)`` per parameter name (aliases of a shared parameter share the key)."""
@@ -628,6 +639,7 @@ class SessionRuntime:
                 f"auto_budget_policy = balanced sizes the native arena's GPU budget from the card, and this component "
                 f"takes route {self.route}: use backend vmm (the native route), or leave auto_budget_policy off"
             )
+        report_drop_failures()
         modules, params = describe_module(self.module)
         layers = layer_paths(self.module)
         if self.route == "linear_convolution":
@@ -875,7 +887,7 @@ class SessionRuntime:
             self._refuse_changed_parameter()
         for name, p, version in self.sources:
             if p._version != version:
-                raise _native.DynamicOffloadLifecycleError(
+                raise _native.DynamicOffloadSourceChangedError(
                     f"the host tensor of parameter {name}, which ddo streams from, was written since ddo attached "
                     "(through a reference to it: one kept from before, or a state_dict() value): blocks already on the "
                     "device would not see the write. "
@@ -1168,6 +1180,7 @@ class SessionRuntime:
                 "when the last of them is dropped",
                 stacklevel=3,
             )
+        report_drop_failures()
 
     def reload(self) -> None:
         """Attaches again (new addresses) and publishes the new views, after a forward running in
@@ -1227,3 +1240,4 @@ class SessionRuntime:
         if not self.session.is_unloaded():
             self.session.end_pass(_stream(self.device))
             self.session.unload()
+        report_drop_failures()
