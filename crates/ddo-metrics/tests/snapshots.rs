@@ -252,10 +252,11 @@ fn a_version_1_snapshot_still_reads() {
 #[test]
 fn the_schema_describes_the_published_route_and_the_execution_section() {
     let schema = metrics_schema();
-    let props = &schema["properties"];
+    let current = &schema["$defs"]["MetricsVersion2"];
+    let props = &current["properties"];
     assert_eq!(props["route"]["type"], "string");
     assert!(props.get("execution").is_some(), "{schema}");
     let required: Vec<&str> =
-        schema["required"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
+        current["required"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
     assert!(required.contains(&"route") && required.contains(&"schema_version"), "{required:?}");
 }
