@@ -304,7 +304,7 @@ impl Fence for HostDevice {
 
 impl Drop for HostDevice {
     fn drop(&mut self) {
-        let state = self.state.get_mut().expect("state");
+        let state = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
         // Mappings live inside reservations: dropping the reservations (munmap) removes them.
         state.reservations.clear();
         state.backings.clear();
