@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use ddo_core::{
-    BackingId, DeviceRange, FenceValue, HostSlice, Platform, ReadRequest, Reservation, SlotId,
-    StreamId, UnitId, WeightSource,
+    BackingId, DeviceRange, FenceValue, FileRange, HostSlice, Platform, ReadRequest, Reservation,
+    SlotId, StreamId, UnitId, WeightSource,
 };
 
 use crate::error::device;
@@ -101,6 +101,8 @@ struct State {
     order: Order,
     stats: ArenaStats,
     closed: bool,
+    /// The ranges announced to the source last (reused, so announcing allocates nothing).
+    announced: Vec<FileRange>,
 }
 
 /// A bounded GPU weight arena for one component.
@@ -185,6 +187,7 @@ impl Arena {
             order: Order { lookahead: true, ..Order::default() },
             stats: ArenaStats::default(),
             closed: false,
+            announced: Vec::new(),
         };
         let arena_parts = (platform.clone(), source, layout, plan, reservation);
         let setup = Self::setup(&arena_parts, &mut state);
@@ -815,7 +818,44 @@ impl Arena {
         let next = order[pos + 1..].iter().chain(&order[..pos]).copied();
         let depth = (self.plan.budget.prefetch_depth as usize)
             .min((self.plan.slots as usize).saturating_sub(1));
-        self.look_ahead(state, next, vec![unit], depth)
+        self.look_ahead(state, next.clone(), vec![unit], depth)?;
+        self.announce(state, next);
+        Ok(())
+    }
+
+    /// Tells the source which file ranges come next: the extents of the units of `next` (in
+    /// order) whose bytes are not on the device or on their way there, up to one unit per slot.
+    fn announce(&self, state: &mut State, next: impl Iterator<Item = UnitId>) {
+        let mut ranges = std::mem::take(&mut state.announced);
+        ranges.clear();
+        let mut units = 0;
+        for unit in next {
+            if units >= self.plan.slots as usize {
+                break;
+            }
+            let i = unit.0 as usize;
+            let on_device = match self.plan.slot_of[i] {
+                Some(s) => {
+                    let st = &state.slots[s.0 as usize];
+                    st.occupant == Some(unit) && st.holder.upload.is_some()
+                }
+                None => state.residents[i].holder.upload.is_some(),
+            };
+            if on_device {
+                continue;
+            }
+            if self.plan.slot_of[i].is_some() {
+                units += 1;
+            }
+            let u = &self.layout.units[i];
+            ranges.extend(u.extents.iter().map(|e| FileRange {
+                file: e.file,
+                offset: e.file_offset,
+                len: e.len,
+            }));
+        }
+        self.source.announce(&ranges);
+        state.announced = ranges;
     }
 
     /// The learned order, or the attach order before one is learned.
@@ -876,11 +916,14 @@ impl Arena {
         }
         let before = state.stats.upload_bytes;
         let order = self.expected_order(&state);
+        // Reads of the first units start before the first of them uploads.
+        self.announce(&mut state, order.iter().copied());
         self.look_ahead(&mut state, order.iter().copied(), Vec::new(), self.plan.slots as usize)?;
         // Resident units after the last streamed unit primed.
         for &unit in order.iter().filter(|u| self.plan.slot_of[u.0 as usize].is_none()) {
             self.upload_resident(&mut state, unit)?;
         }
+        self.announce(&mut state, order.iter().copied());
         Ok(state.stats.upload_bytes - before)
     }
 

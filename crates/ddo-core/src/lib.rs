@@ -47,7 +47,7 @@ pub use fence::{Fence, FenceValue};
 pub use host::{HostBytes, HostRegion, HostSlice, Registration};
 pub use platform::Platform;
 pub use residency::Residency;
-pub use source::{ReadRequest, WeightSource};
+pub use source::{FileRange, ReadRequest, WeightSource};
 pub use tensor::{CheckpointFileId, FileIdentity, TensorSlice};
 pub use unit::{ExecutionUnit, SlotId, UnitId, UnitTensor};
 

@@ -59,6 +59,14 @@ pub trait Residency: Send + Sync {
     -> Result<Registration, DeviceError>;
     /// Undoes a registration; the bytes stay as they are.
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError>;
+    /// Drops the device's hold on the source of every copy already proven complete (a host
+    /// buffer whose copies are done then has no owner but its own), without waiting for any
+    /// work in flight and without a device-wide synchronize. Adapters that keep a copy's
+    /// [`HostSlice`] past the copy's completion implement it; the default does nothing (an
+    /// adapter that copies synchronously, or releases each source at completion, holds none).
+    fn retire_completed_copies(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
     /// Whether [`convert`](Residency::convert) turns `from` elements into `to` elements on this
     /// device. None by default.
     fn converts(&self, from: Dtype, to: Dtype) -> bool {

@@ -11,6 +11,18 @@ pub struct ReadRequest {
     pub dst_offset: u64,
 }
 
+/// `len` bytes at absolute `offset` of checkpoint file `file`: a range a caller will ask of
+/// [`WeightSource::host_pieces`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileRange {
+    /// The file.
+    pub file: CheckpointFileId,
+    /// Absolute offset in the file.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// A checkpoint's tensors and a way to get their bytes.
 ///
 /// Contract:
@@ -26,6 +38,11 @@ pub struct ReadRequest {
 /// - [`read_batch`](WeightSource::read_batch) fills several tensors into one buffer; destination
 ///   ranges must lie inside `dst` and not overlap. Sources override it to coalesce adjacent
 ///   tensors into large reads.
+/// - [`announce`](WeightSource::announce) is a hint and never changes what any call returns:
+///   the ranges the caller will ask of [`host_pieces`](WeightSource::host_pieces) next, in
+///   that order. A source may read them ahead into host memory it owns; each call replaces
+///   the previous announcement, and host memory held for a range that is no longer announced
+///   (announced, then never asked for) is free for reuse. The default does nothing.
 #[cfg_attr(feature = "mocks", mockall::automock)]
 pub trait WeightSource: Send + Sync {
     /// All tensors of the source.
@@ -52,6 +69,11 @@ pub trait WeightSource: Send + Sync {
         len: u64,
     ) -> Option<Vec<(u64, HostSlice)>> {
         self.host_range(file, offset, len).map(|h| vec![(0, h)])
+    }
+    /// Announces the ranges [`host_pieces`](WeightSource::host_pieces) will be asked for next,
+    /// in order (a hint; see the trait's contract). The default ignores it.
+    fn announce(&self, upcoming: &[FileRange]) {
+        let _ = upcoming;
     }
     /// Reads several tensors into `dst` at their requested offsets.
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {

@@ -17,6 +17,9 @@
 //! - [`RetainedStore`] keeps host copies under a storage ceiling, admitted by the host first;
 //!   [`Registrar`] page-locks host ranges under a separate ceiling of whole segments;
 //!   [`RetainedSource`] serves a checkpoint from retained windows as far as the ceiling allows.
+//! - [`StagingPool`] reads announced checkpoint ranges ahead into a fixed set of staging
+//!   buffers (O_DIRECT or pread, several requests in flight) under a staging ceiling;
+//!   [`StagedSource`] serves the ranges its inner source does not hold in memory from it.
 //!
 //! Every failure is a [`ddo_core::SourceError`] naming the file, the tensor and the reason; no
 //! input makes parsing panic.
@@ -34,6 +37,8 @@ mod registration;
 mod retained;
 mod retained_source;
 mod source;
+mod staged_source;
+mod staging;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
 pub use convert::{ConversionReport, ConvertedSource, convert, convertible};
@@ -46,6 +51,8 @@ pub use registration::{REGISTRATION_SEGMENT, RegisteredRange, Registrar};
 pub use retained::{RetainedBuffer, RetainedStore};
 pub use retained_source::{RetainedReport, RetainedSource};
 pub use source::{CheckpointSource, MmapChoice};
+pub use staged_source::StagedSource;
+pub use staging::{StagingOptions, StagingPool, StagingStats};
 
 /// Copies a tensor's host bytes into `dst`, which must be as long.
 pub(crate) fn copy_host_bytes(

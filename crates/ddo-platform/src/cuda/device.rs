@@ -422,6 +422,13 @@ impl Residency for CudaDevice {
         state.registrations.remove(&registration.handle);
         Ok(())
     }
+
+    fn retire_completed_copies(&self) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.bind()?;
+        // Event queries only: nothing waits for work in flight.
+        Self::sweep(&mut state)
+    }
 }
 
 impl Fence for CudaDevice {

@@ -1,0 +1,189 @@
+//! The arena over a staged source: uploads copy from staging buffers read ahead in the learned
+//! order, and a buffer is never refilled while a copy from it is in flight (contract 1).
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use ddo_arena::{Arena, Budget, UnitSpec};
+use ddo_core::{
+    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Fence, FenceValue, HostSlice, Platform,
+    Registration, Reservation, Residency, StreamId, UnitId, WeightSource,
+};
+use ddo_source::{
+    Checkpoint, CheckpointSource, ReadMethod, ReadOptions, RetainedStore, StagedSource,
+    StagingOptions, StagingPool,
+};
+
+const WIDTH: usize = 128;
+
+/// A copy in flight: its source, the bytes it had when enqueued, the fence covering it.
+type Held = (HostSlice, Vec<u8>, Option<FenceValue>);
+
+/// The spy device, holding every copy's source as an asynchronous adapter does: a slice is
+/// dropped only when asked to retire completed copies (or when its fence is waited for), never
+/// before a fence recorded after it. Each drop checks the bytes never changed while held.
+struct Holding {
+    spy: Arc<Spy>,
+    held: Mutex<Vec<Held>>,
+    retired: Mutex<u64>,
+}
+
+impl Holding {
+    fn drop_completed(&self, upto: Option<FenceValue>) {
+        let mut held = self.held.lock().unwrap();
+        for (h, bytes, _) in held.iter() {
+            assert_eq!(h.as_bytes(), &bytes[..], "a staging buffer changed under a copy in flight");
+        }
+        held.retain(|(_, _, f)| match (f, upto) {
+            (Some(f), Some(upto)) => f.0 > upto.0,
+            (Some(_), None) => false,
+            (None, _) => true,
+        });
+    }
+}
+
+impl Residency for Holding {
+    fn device(&self) -> DeviceOrdinal {
+        self.spy.device()
+    }
+    fn granularity(&self) -> Result<u64, DeviceError> {
+        self.spy.granularity()
+    }
+    fn reserve(&self, len: u64) -> Result<Reservation, DeviceError> {
+        self.spy.reserve(len)
+    }
+    fn release_reservation(&self, r: Reservation) -> Result<(), DeviceError> {
+        self.spy.release_reservation(r)
+    }
+    fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
+        self.spy.create_backing(len)
+    }
+    fn map(&self, range: DeviceRange, b: BackingId) -> Result<(), DeviceError> {
+        self.spy.map(range, b)
+    }
+    fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
+        self.spy.unmap(range)
+    }
+    fn release_backing(&self, b: BackingId) -> Result<(), DeviceError> {
+        self.spy.release_backing(b)
+    }
+    fn create_stream(&self) -> Result<StreamId, DeviceError> {
+        self.spy.create_stream()
+    }
+    fn copy_to_device(
+        &self,
+        src: HostSlice,
+        dst: DeviceRange,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        self.spy.copy_to_device(src.clone(), dst, stream)?;
+        let bytes = src.as_bytes().to_vec();
+        self.held.lock().unwrap().push((src, bytes, None));
+        Ok(())
+    }
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.spy.read_back(src, dst)
+    }
+    fn register_host(&self, s: HostSlice, read_only: bool) -> Result<Registration, DeviceError> {
+        self.spy.register_host(s, read_only)
+    }
+    fn unregister_host(&self, r: &Registration) -> Result<(), DeviceError> {
+        self.spy.unregister_host(r)
+    }
+    fn retire_completed_copies(&self) -> Result<(), DeviceError> {
+        *self.retired.lock().unwrap() += 1;
+        self.drop_completed(None);
+        Ok(())
+    }
+}
+
+impl Fence for Holding {
+    fn record(&self, stream: StreamId) -> Result<FenceValue, DeviceError> {
+        let f = self.spy.record(stream)?;
+        for h in self.held.lock().unwrap().iter_mut().filter(|h| h.2.is_none()) {
+            h.2 = Some(f);
+        }
+        Ok(f)
+    }
+    fn query(&self, value: FenceValue) -> Result<bool, DeviceError> {
+        self.spy.query(value)
+    }
+    fn wait(&self, value: FenceValue) -> Result<(), DeviceError> {
+        self.spy.wait(value)?;
+        self.drop_completed(Some(value));
+        Ok(())
+    }
+    fn stream_wait(&self, stream: StreamId, value: FenceValue) -> Result<(), DeviceError> {
+        self.spy.stream_wait(stream, value)
+    }
+}
+
+fn block_bytes() -> u64 {
+    let block = (5 * WIDTH * WIDTH * 2 + WIDTH * 2) as u64;
+    block.div_ceil(GRANULARITY) * GRANULARITY
+}
+
+#[test]
+fn uploads_copy_from_staging_read_ahead_and_never_refill_a_buffer_in_flight() {
+    let dir = scratch();
+    let blocks = 8;
+    let mapped = checkpoint(dir.path(), blocks, WIDTH);
+    let checkpoint = Checkpoint::open(dir.path().join("model.safetensors")).unwrap();
+    let checkpoint = Arc::new(checkpoint);
+    let units = UnitSpec::by_block(mapped.slices());
+    let largest = units
+        .iter()
+        .map(|u| u.tensors.iter().map(|&t| mapped.slices()[t].len).sum::<u64>())
+        .max()
+        .unwrap();
+    let holding =
+        Arc::new(Holding { spy: Spy::new(), held: Mutex::new(Vec::new()), retired: Mutex::new(0) });
+    let store = RetainedStore::new(u64::MAX, Arc::new(ddo_platform::LinuxAdmissionProbe::system()));
+    // Three buffers for a model of nine units.
+    let options = StagingOptions {
+        ceiling: 3 * StagingPool::buffer_bytes(largest),
+        largest_range: largest,
+        readers: 2,
+        method: ReadMethod::Direct,
+        chunk_bytes: 64 << 10,
+    };
+    let pool = Arc::new(
+        StagingPool::new(&checkpoint, options, &store, Some(holding.clone() as Arc<dyn Residency>))
+            .unwrap(),
+    );
+    let reader = CheckpointSource::new(checkpoint.clone(), ReadOptions::pread()).unwrap();
+    let source: Arc<dyn WeightSource> = Arc::new(StagedSource::new(Arc::new(reader), pool.clone()));
+    let platform = Platform {
+        name: "holding",
+        residency: holding.clone(),
+        fences: holding.clone(),
+        admission: Arc::new(ddo_platform::LinuxAdmissionProbe::system()),
+    };
+    let budget = Budget { total: GRANULARITY + 3 * block_bytes(), headroom: 0, prefetch_depth: 2 };
+    let arena = Arena::new(&platform, source, &units, budget).unwrap();
+    let stream = holding.create_stream().unwrap();
+    arena.prime().unwrap();
+    for _ in 0..3 {
+        arena.begin_pass();
+        for u in 0..arena.layout().units.len() as u32 {
+            let lease = arena.acquire(UnitId(u), stream).unwrap();
+            for &t in &units[u as usize].tensors {
+                let (_, range) = arena.tensor_range(t).unwrap();
+                let mut got = vec![0u8; range.len as usize];
+                holding.read_back(range, &mut got).unwrap();
+                let mut want = vec![0u8; range.len as usize];
+                mapped.read(t, &mut want).unwrap();
+                assert_eq!(got, want, "unit {u} tensor {t}");
+            }
+            arena.release(lease, stream).unwrap();
+        }
+    }
+    let stats = pool.stats();
+    assert!(stats.read_ahead > stats.on_demand, "uploads were read ahead: {stats:?}");
+    assert!(*holding.retired.lock().unwrap() > 0, "the pool asked for completed copies");
+    arena.close().unwrap();
+    holding.drop_completed(None);
+    assert_eq!(pool.lent(), 0);
+}
