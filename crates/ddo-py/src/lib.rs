@@ -82,6 +82,13 @@ fn config_schema() -> String {
     ddo_policy::config_schema().to_string()
 }
 
+/// The JSON Schema of metrics snapshots (both layouts: ddo's version 2 and the published
+/// version 1), as JSON.
+#[pyfunction]
+fn metrics_schema() -> String {
+    ddo_metrics::metrics_schema().to_string()
+}
+
 /// Validates a metrics snapshot (JSON) and renders its text profile.
 #[pyfunction]
 fn format_profile(metrics: &str) -> PyResult<String> {
@@ -267,6 +274,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::Session>()?;
     m.add_function(wrap_pyfunction!(check_cuda_device, m)?)?;
     m.add_function(wrap_pyfunction!(take_drop_failures, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics_schema, m)?)?;
     errors::register(m)?;
     Ok(())
 }

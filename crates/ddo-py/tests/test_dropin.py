@@ -358,3 +358,19 @@ def test_stored_snapshots_read_back(flux):
     with pytest.raises(ValueError, match="schema_version 7"):
         ddo.DynamicOffloadMetrics.from_dict({**d, "schema_version": 7})
     result.remove()
+
+
+def test_the_metrics_json_schema_covers_both_layouts(flux):
+    """The schema hosts validate against: ddo's version 2 beside the published version 1; a live
+    snapshot's top-level keys are all described by the version-2 branch."""
+    model, _ = flux
+    schema = ddo.DynamicOffloadMetrics.json_schema()
+    branches = [schema["$defs"][ref["$ref"].rsplit("/", 1)[1]] for ref in schema["oneOf"]]
+    assert sorted(b["properties"]["schema_version"]["const"] for b in branches) == [1, 2]
+    v2 = next(b for b in branches if b["properties"]["schema_version"]["const"] == 2)
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    d = result.metrics_snapshot().as_dict()
+    assert d["schema_version"] == 2
+    assert set(d) <= set(v2["properties"]), set(d) - set(v2["properties"])
+    assert set(v2["required"]) <= set(d)
+    result.remove()

@@ -104,3 +104,9 @@ class DynamicOffloadMetrics:
     def format_profile(self) -> str:
         """The text profile."""
         return _native.format_profile(self.to_json())
+
+    @staticmethod
+    def json_schema() -> dict[str, Any]:
+        """The JSON Schema every snapshot's ``as_dict()`` follows: ``oneOf`` ddo's layout
+        (``schema_version`` 2) and the published library's (version 1, ``route`` a string)."""
+        return json.loads(_native.metrics_schema())
