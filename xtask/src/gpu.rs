@@ -12,7 +12,8 @@ const USAGE: &str = "usage: cargo xtask test-gpu [--bundle DIR] [--bench]
   --bundle DIR   write a self-contained bundle to DIR instead: the nextest archive, the
                  cargo-nextest binary, the benchmark programs and run.sh; on the GPU machine,
                  from a copy of this repository: bash DIR/run.sh [--bench]
-  --bench        also run the GPU benchmarks (stream_gemm --bench, read_bench, session_gemm)";
+  --bench        also run the GPU benchmarks (stream_gemm --bench, read_bench, session_gemm,
+                 disk_gemm)";
 
 pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
     let mut bundle: Option<PathBuf> = None;
@@ -67,6 +68,7 @@ pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
                     "cargo",
                     &["run", "--release", "-p", "ddo-session", "--example", "session_gemm"],
                 )?;
+                run("cargo", &["run", "--release", "-p", "ddo-session", "--example", "disk_gemm"])?;
             }
             Ok(())
         }
@@ -94,11 +96,12 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
     run("cargo", &["build", "--release", "-p", "ddo-arena", "--example", "stream_gemm"])?;
     run("cargo", &["build", "--release", "-p", "ddo-source", "--example", "read_bench"])?;
     run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "session_gemm"])?;
-    for example in ["stream_gemm", "read_bench", "session_gemm"] {
+    run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "disk_gemm"])?;
+    for example in ["stream_gemm", "read_bench", "session_gemm", "disk_gemm"] {
         copy(&Path::new("target/release/examples").join(example), &dir.join(example))?;
     }
     // A bundle travels to the GPU machine: symbols are not needed there.
-    for program in ["cargo-nextest", "stream_gemm", "read_bench", "session_gemm"] {
+    for program in ["cargo-nextest", "stream_gemm", "read_bench", "session_gemm", "disk_gemm"] {
         let path = dir.join(program);
         if Command::new("strip").arg(&path).status().is_ok_and(|s| s.success()) {
             eprintln!("stripped {}", path.display());
@@ -177,6 +180,8 @@ if [ "${1:-}" = "--bench" ]; then
   "$bundle/stream_gemm" --bench --size-gib "${DDO_BENCH_GIB:-8}" --dir "$DDO_TEST_TMPDIR" || status=1
   "$bundle/read_bench" --size-gib 4 --dir "$DDO_TEST_TMPDIR" --repeat 5 || status=1
   "$bundle/session_gemm" --size-gib 4 --dir "$DDO_TEST_TMPDIR" || status=1
+  # The disk route against the disk's own O_DIRECT speed (DDO_DISK_BENCH_GIB: the checkpoint).
+  "$bundle/disk_gemm" --size-gib "${DDO_DISK_BENCH_GIB:-16}" --dir "$DDO_TEST_TMPDIR" || status=1
 fi
 exit $status
 "#;

@@ -114,6 +114,9 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("unretained_gib", s.unretained_bytes)
         .gib("packed_gib", s.packed_bytes)
         .count("read_workers", s.read_workers)
+        .gib("staging_gib", s.staging_bytes)
+        .count("staging_buffers", s.staging_buffers)
+        .text("staging_read", s.staging_read.as_ref())
         .render(&mut out, "");
     Line::new("conversion")
         .text("at", s.conversion.as_ref())
@@ -151,6 +154,13 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("peak_gib", rt.peak_bytes)
         .count("evictions", rt.evictions)
         .count("reclaim_cycles", rt.reclaim_cycles)
+        .render(&mut out, "");
+    Line::new("disk")
+        .gib("gib_per_pass", rt.disk_bytes_per_pass)
+        .gib("gib", rt.disk_bytes)
+        .text("gb_per_second", rt.disk_bytes_per_second.map(|b| format!("{:.2}", b / 1e9)))
+        .seconds("read_seconds", rt.disk_read_seconds)
+        .seconds("stall_seconds", rt.read_stall_seconds)
         .render(&mut out, "");
     Line::new("unsafe_retained")
         .gib("gib", rt.unsafe_retained_bytes.filter(|b| *b > 0))

@@ -138,6 +138,12 @@ optional_section! {
         read_workers: u64,
         /// Bytes of small tensors packed per unit so it uploads in few copies.
         packed_bytes: u64,
+        /// Host bytes of the staging buffers disk reads land in (allocated once).
+        staging_bytes: u64,
+        /// Staging buffers.
+        staging_buffers: u64,
+        /// How staging reads the disk: `direct` (O_DIRECT) or `pread`.
+        staging_read: String,
         /// Where checkpoint tensors stored in another dtype than their parameters' are
         /// converted: `host` (once at load, into retained memory), `device` (streamed in the
         /// checkpoint's dtype, converted on the GPU after each upload), or `host+device`.
@@ -206,6 +212,16 @@ optional_section! {
         peak_bytes: u64,
         /// Bytes kept owned (never reused) after a release that could not be proven safe.
         unsafe_retained_bytes: u64,
+        /// Checkpoint bytes read from disk into staging buffers (routes that read the disk).
+        disk_bytes: u64,
+        /// `disk_bytes` per pass.
+        disk_bytes_per_pass: u64,
+        /// Seconds at least one disk read was in flight.
+        disk_read_seconds: f64,
+        /// `disk_bytes / disk_read_seconds`: the disk speed the route got, bytes per second.
+        disk_bytes_per_second: f64,
+        /// Seconds uploads waited for their bytes' disk reads to land.
+        read_stall_seconds: f64,
         /// The execution timer's snapshot, attached by the host (any route).
         execution_timing: ExecutionTiming,
         /// What releasing PyTorch's pinned host cache did (its own route).
@@ -368,11 +384,36 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
         "peak_bytes",
         "unsafe_retained_bytes",
     ];
+    /// The streaming counters and those of reads from disk into staging.
+    const READING: &[&str] = &[
+        "passes",
+        "uploads",
+        "upload_bytes",
+        "upload_copies",
+        "device_conversions",
+        "upload_seconds",
+        "wait_seconds",
+        "prefetch_hits",
+        "prefetch_misses",
+        "prefetch_cancels",
+        "evictions",
+        "reclaim_cycles",
+        "resident_bytes",
+        "slot_bytes",
+        "peak_bytes",
+        "unsafe_retained_bytes",
+        "disk_bytes",
+        "disk_bytes_per_pass",
+        "disk_read_seconds",
+        "disk_bytes_per_second",
+        "read_stall_seconds",
+    ];
     match route {
         // Every ddo route streams through the arena (linear_runtime from the module's own host
-        // tensors), so all measure the same counters.
-        "linear_runtime" | "linear_convolution" | "vmm_fast_runtime" | "vmm_runtime"
-        | "dynamic_offload" => STREAMING,
+        // tensors), so all measure the same counters; the checkpoint routes may read the disk
+        // (vmm_runtime always, vmm_fast_runtime for bytes it does not retain).
+        "linear_runtime" | "linear_convolution" => STREAMING,
+        "vmm_fast_runtime" | "vmm_runtime" | "dynamic_offload" => READING,
         // Diffusers' hooks do the copies; ddo only counts passes.
         "diffusers_group_offload" => &["passes"],
         // Phase helpers: each reports its own section.

@@ -337,9 +337,10 @@ settings! {
     vmm_source_cache_gb: f64 = 0.0, "VMM_SOURCE_CACHE_GB";
     /// Host registration ceiling (GiB, whole 64 MiB segments, at most the storage; 0 = same as storage).
     vmm_source_registered_gb: f64 = 0.0, "VMM_SOURCE_REGISTERED_GB";
-    /// Host staging memory (GiB) of the disk route's reads.
-    vmm_staging_buffer_gb: f64 = 0.625, "VMM_STAGING_BUFFER_GB",
-        unsupported = "the disk route (vmm_runtime) that uses host staging is not built yet";
+    /// Host staging (GiB) of checkpoint reads: on the disk route (vmm_runtime) one staging buffer
+    /// of two, so host memory stays within twice this and the largest unit must fit in it; on
+    /// the native route with part of the checkpoint retained, the read-ahead of the rest.
+    vmm_staging_buffer_gb: f64 = 0.625, "VMM_STAGING_BUFFER_GB";
     /// How the native route reads the checkpoint: `auto` and `mmap` = the mapping; `pread` =
     /// positioned reads; `direct` = O_DIRECT reads.
     load_safetensors_backend: ReadBackend = ReadBackend::Auto, "LOAD_SAFETENSORS_BACKEND";
@@ -431,10 +432,10 @@ settings! {
         unsupported = "retained source memory is sized by vmm_source_cache_gb";
     /// The peer library's pinning of CPU weights on its disk route.
     vmm_pin_source_weights: bool = false, "VMM_PIN_SOURCE_WEIGHTS",
-        unsupported = "the disk route (vmm_runtime) is not built yet; vmm_source_cache_gb retains and registers checkpoint bytes";
+        unsupported = "the disk route (vmm_runtime) reads into registered staging buffers sized by vmm_staging_buffer_gb; vmm_source_cache_gb retains and registers checkpoint bytes";
     /// The peer library's temporary-tensor fallback on its disk route.
     vmm_fault_fallback: bool = false, "VMM_FAULT_FALLBACK",
-        unsupported = "the disk route (vmm_runtime) is not built yet; ddo's arena never falls back to temporary tensors";
+        unsupported = "ddo's arena never falls back to temporary tensors: the disk route (vmm_runtime) uploads every unit from its staging buffers";
     /// The peer library's Windows read chunk (MiB).
     vmm_windows_file_read_chunk_mb: u32 = 2, "VMM_WINDOWS_FILE_READ_CHUNK_MB",
         unsupported = "ddo runs on Linux";

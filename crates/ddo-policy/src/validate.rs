@@ -61,6 +61,13 @@ pub(crate) fn validate(
             "0 to 32 GiB",
         ));
     }
+    if s.vmm_staging_buffer_gb <= 0.0 {
+        return Err(out_of_range(
+            "vmm_staging_buffer_gb",
+            s.vmm_staging_buffer_gb.to_string(),
+            "more than 0 GiB (a staging buffer holds the largest unit; 0.625 by default)",
+        ));
+    }
     if s.prefetch_depth > MAX_PREFETCH_DEPTH {
         return Err(out_of_range("prefetch_depth", s.prefetch_depth.to_string(), "0 to 16 units"));
     }

@@ -53,7 +53,6 @@ fn cases() -> Vec<Case> {
             "\"spread\"",
         ),
         case("skip_modules_pattern", json!(["norm"]), "norm", "[\"norm\"]", json!([]), "[]"),
-        case("vmm_staging_buffer_gb", json!(1.25), "1.25", "1.25", json!(0.625), "0.625"),
         case("vmm_execution_backing_reclaim", json!(true), "yes", "true", json!(false), "false"),
         case(
             "target_module_classes",

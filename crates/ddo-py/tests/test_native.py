@@ -151,6 +151,31 @@ def test_retained_windows_feed_the_arena(tmp_path, flux, storage_gb):
     loaded.offload.remove()
 
 
+def test_the_disk_route_reads_the_checkpoint_every_pass_bit_identical(tmp_path, flux):
+    """backend vmm, preset nvme_baseline: route vmm_runtime, every unit read from the checkpoint
+    into staging buffers each pass; the outputs equal the resident model's."""
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", preset="nvme_baseline", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model)
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(path, dynamic_offload_config=config, apply_dynamic=True)
+    result = loaded.offload
+    assert result.runtime_route == "vmm_runtime"
+    for _ in range(3):
+        assert torch.equal(run(loaded.module, inputs), reference)
+    snapshot = metrics(result)
+    setup, runtime = snapshot["setup"], snapshot["runtime"]
+    assert snapshot["route"] == "dynamic_offload" and snapshot["execution"]["route"] == "vmm_runtime"
+    assert setup["host_source"] == "disk" and setup["streamed_units"] >= 2, setup
+    assert 0 < setup["staging_bytes"] <= 2 * 0.625 * 2**30
+    assert runtime["disk_bytes_per_pass"] > 0 and "read_stall_seconds" in runtime, runtime
+    assert "disk=" in result.metrics_snapshot().format_profile()
+    result.remove()
+
+
 def test_registration_stays_within_its_ceiling(tmp_path, flux):
     model, _ = flux
     path = tmp_path / "ckpt"

@@ -116,11 +116,26 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
                 "the host could not hold the checkpoint converted to the module's dtypes: its tensors stream as stored and are converted on the device after each upload".into(),
             );
         }
+        if let Some(note) = a.staging_note {
+            setup.warnings.get_or_insert_with(Vec::new).push(note.to_owned());
+        }
         if let Some(reason) = a.not_packed {
             setup.warnings.get_or_insert_with(Vec::new).push(reason.to_owned());
         }
         let mut runtime = a.stats.runtime_section();
         runtime.passes = Some(a.stats.passes);
+        // Only routes that read the disk into staging have disk counters (absent otherwise).
+        if let Some((staging, direct)) = a.staging {
+            setup.staging_bytes = Some(staging.bytes);
+            setup.staging_buffers = Some(staging.buffers);
+            setup.staging_read = Some(if direct { "direct" } else { "pread" }.into());
+            runtime.disk_bytes = Some(staging.disk_bytes);
+            runtime.disk_bytes_per_pass = Some(staging.disk_bytes / a.stats.passes.max(1));
+            runtime.disk_read_seconds = Some(staging.disk_seconds);
+            runtime.disk_bytes_per_second =
+                (staging.disk_seconds > 0.0).then(|| staging.disk_bytes as f64 / staging.disk_seconds);
+            runtime.read_stall_seconds = Some(staging.stall_seconds);
+        }
         m.runtime = runtime;
     });
     m.setup = setup;

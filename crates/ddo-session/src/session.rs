@@ -13,7 +13,7 @@ use ddo_policy::{ConversionSite, Origin, Plan, ReadBackend, Route};
 use ddo_source::{
     Checkpoint, CheckpointSource, ConversionReport, ConvertedSource, HostTensor, HostTensorSource,
     MmapChoice, PackReport, REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar,
-    RetainedReport, RetainedSource, RetainedStore,
+    RetainedReport, RetainedSource, RetainedStore, StagedSource, StagingOptions, StagingPool,
 };
 
 use crate::SessionError;
@@ -67,6 +67,9 @@ pub enum SessionRoute {
     Linear,
     /// `vmm_fast_runtime`: the checkpoint's mapping or retained windows.
     Native,
+    /// `vmm_runtime`: the checkpoint read from disk each pass into registered staging buffers,
+    /// host memory bounded by the staging ceiling.
+    Disk,
 }
 
 impl SessionRoute {
@@ -75,10 +78,7 @@ impl SessionRoute {
         match route {
             Route::LinearRuntime | Route::LinearConvolution => Ok(SessionRoute::Linear),
             Route::VmmFastRuntime => Ok(SessionRoute::Native),
-            Route::VmmRuntime => Err(SessionError::Route {
-                route: route.name(),
-                reason: "(preset nvme_baseline) is not built yet; use preset auto",
-            }),
+            Route::VmmRuntime => Ok(SessionRoute::Disk),
             Route::DiffusersGroupOffload(_) | Route::None { .. } => Err(SessionError::Route {
                 route: route.name(),
                 reason: "does not stream through the arena; the host applies it",
@@ -91,6 +91,7 @@ impl SessionRoute {
         match self {
             SessionRoute::Linear => "linear_runtime",
             SessionRoute::Native => "vmm_fast_runtime",
+            SessionRoute::Disk => "vmm_runtime",
         }
     }
 }
@@ -158,6 +159,11 @@ struct HostReport {
     host_short: bool,
     /// Widening moved to the host because the GPU budget had no room for staging buffers.
     staging_short: bool,
+    /// The staging pool disk reads land in (the disk route; the unretained rest of a
+    /// checkpoint on the native route).
+    staging: Option<Arc<StagingPool>>,
+    /// Why the unretained rest is read on demand instead of ahead (no staging buffer fits).
+    staging_note: Option<String>,
 }
 
 /// The device memory of one attach and the host registrations its copies use. Shared by the
@@ -264,11 +270,11 @@ impl ComponentSession {
         let SessionSpec { plan, weights, tree } = spec;
         let route = SessionRoute::of(&plan.route)?;
         match (&weights, route) {
-            (Weights::Checkpoint { .. }, SessionRoute::Native)
+            (Weights::Checkpoint { .. }, SessionRoute::Native | SessionRoute::Disk)
             | (Weights::Host { .. }, SessionRoute::Linear) => {}
-            (Weights::Host { .. }, SessionRoute::Native) => {
+            (Weights::Host { .. }, SessionRoute::Native | SessionRoute::Disk) => {
                 return Err(SessionError::Route {
-                    route: "vmm_fast_runtime",
+                    route: route.name(),
                     reason: "streams from a checkpoint: load the component from its safetensors files",
                 });
             }
@@ -428,7 +434,7 @@ impl ComponentSession {
                 headroom = 0;
                 total
             }
-            (None, SessionRoute::Native) => {
+            (None, SessionRoute::Native | SessionRoute::Disk) => {
                 gib("vmm_resident_weight_budget_gb", s.vmm_resident_weight_budget_gb)?
             }
             (None, SessionRoute::Linear) => {
@@ -452,7 +458,7 @@ impl ComponentSession {
         // Register host bytes before the arena exists, so the first uploads run at link speed.
         let registrar = self.registrar(&ranges)?;
         let mut registered = Vec::new();
-        let register = self.route == SessionRoute::Native || self.plan.effective_pin_cpu_memory;
+        let register = self.route != SessionRoute::Linear || self.plan.effective_pin_cpu_memory;
         for (range, read_only) in ranges {
             let len = range.len() as u64;
             if !register {
@@ -469,7 +475,7 @@ impl ComponentSession {
                     e @ (SourceError::CeilingExceeded { .. }
                     | SourceError::Refused(_)
                     | SourceError::Device(_)),
-                ) if self.route == SessionRoute::Native || s.allow_pin_memory_fallback => {
+                ) if self.route != SessionRoute::Linear || s.allow_pin_memory_fallback => {
                     host.unregistered += len;
                     host.unregistered_reason.get_or_insert(e.to_string());
                 }
@@ -535,7 +541,7 @@ impl ComponentSession {
         match e.original() {
             ArenaError::BudgetTooSmall { .. } => SessionError::Capacity {
                 setting: match self.route {
-                    SessionRoute::Native => {
+                    SessionRoute::Native | SessionRoute::Disk => {
                         "vmm_resident_weight_budget_gb / --ddo-vmm-resident-weight-budget-gb"
                     }
                     SessionRoute::Linear => {
@@ -706,9 +712,13 @@ impl ComponentSession {
             ReadBackend::Direct => ReadOptions { workers, ..ReadOptions::direct() },
             _ => ReadOptions { workers, ..ReadOptions::pread() },
         };
+        if self.route == SessionRoute::Disk {
+            return self.disk_bytes(checkpoint);
+        }
         let cache = gib("vmm_source_cache_gb", s.vmm_source_cache_gb)?;
         if cache > 0 {
-            let reader = CheckpointSource::new(checkpoint, reads(s.load_safetensors_backend))?;
+            let reader =
+                CheckpointSource::new(checkpoint.clone(), reads(s.load_safetensors_backend))?;
             let store = RetainedStore::new(cache, p.admission.clone());
             // Tensors converted at load are served converted: their stored bytes are not retained.
             let converted: std::collections::HashSet<usize> =
@@ -717,14 +727,39 @@ impl ComponentSession {
                 RetainedSource::retain_only(Arc::new(reader), &store, RETAINED_WINDOW, |i| {
                     !converted.contains(&i)
                 })?;
-            let windows = source.windows().into_iter().map(|w| (w, false)).collect();
-            let host = HostReport {
+            let mut windows: Vec<(HostSlice, bool)> =
+                source.windows().into_iter().map(|w| (w, false)).collect();
+            let mut host = HostReport {
                 kind: "retained",
-                retained: Some(report),
                 read_workers: Some(workers as u64),
                 ..HostReport::default()
             };
-            return Ok((Arc::new(source), None, windows, host));
+            let mut source: Arc<dyn WeightSource> = Arc::new(source);
+            if report.unretained_bytes > 0 {
+                // The rest is read ahead into staging, off the uploads' critical path.
+                let staging = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+                match self.staging_pool(&checkpoint, staging, s.load_safetensors_backend) {
+                    Ok(pool) => {
+                        windows.extend(pool.buffers().into_iter().map(|b| (b, false)));
+                        source = Arc::new(StagedSource::new(source, pool.clone()));
+                        host.staging = Some(pool);
+                    }
+                    Err(SessionError::Source(SourceError::CeilingExceeded { .. })) => {
+                        host.staging_note = Some(format!(
+                            "vmm_staging_buffer_gb = {} holds no unit: the bytes past vmm_source_cache_gb are read when each upload needs them (raise vmm_staging_buffer_gb to read them ahead)",
+                            s.vmm_staging_buffer_gb
+                        ));
+                    }
+                    Err(SessionError::Source(e @ SourceError::Refused(_))) => {
+                        host.staging_note = Some(format!(
+                            "the bytes past vmm_source_cache_gb are read when each upload needs them: the host refused their staging buffers ({e})"
+                        ));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            host.retained = Some(report);
+            return Ok((source, None, windows, host));
         }
         let mapped = match s.load_safetensors_backend {
             ReadBackend::Auto | ReadBackend::Mmap => {
@@ -768,6 +803,89 @@ impl ComponentSession {
                 ))
             }
         }
+    }
+
+    /// The disk route's bytes: the checkpoint read (never mapped) into a staging pool of two
+    /// buffers of `vmm_staging_buffer_gb` each (fewer, larger units; more, smaller ones, within
+    /// the same ceiling), registered for DMA.
+    fn disk_bytes(&self, checkpoint: Arc<Checkpoint>) -> Result<CheckpointBytes, SessionError> {
+        let s = &self.plan.settings;
+        let buffer = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+        let largest = self.largest_unit(&checkpoint)?;
+        if largest > buffer {
+            return Err(SessionError::Config {
+                setting: "vmm_staging_buffer_gb",
+                message: format!(
+                    "{} GiB is smaller than the largest unit ({:.4} GiB): the disk route stages a whole unit in one buffer; set vmm_staging_buffer_gb to at least {:.4}",
+                    s.vmm_staging_buffer_gb,
+                    largest as f64 / GIB,
+                    largest.div_ceil(1 << 20) as f64 / 1024.0
+                ),
+            });
+        }
+        let backend = match s.load_safetensors_backend {
+            ReadBackend::Pread => ReadBackend::Pread,
+            _ => ReadBackend::Direct,
+        };
+        let pool = self.staging_pool(&checkpoint, buffer.saturating_mul(2), backend)?;
+        // Reads outside staging (a range larger than a buffer) use the same path.
+        let options = match (backend, pool.is_direct()) {
+            (ReadBackend::Direct, true) => ReadOptions::direct(),
+            _ => ReadOptions::pread(),
+        };
+        let reader = CheckpointSource::new(checkpoint, options)?;
+        let ranges = pool.buffers().into_iter().map(|b| (b, false)).collect();
+        let host = HostReport {
+            kind: "disk",
+            read_workers: Some(options.workers as u64),
+            staging: Some(pool.clone()),
+            ..HostReport::default()
+        };
+        let source = StagedSource::new(Arc::new(reader), pool);
+        Ok((Arc::new(source), None, ranges, host))
+    }
+
+    /// Bytes of the largest unit's upload (its stored tensors), as the arena lays units out.
+    fn largest_unit(&self, checkpoint: &Checkpoint) -> Result<u64, SessionError> {
+        let (largest, _) = self.largest(checkpoint)?;
+        Ok(largest)
+    }
+
+    /// The largest unit's and the largest extent's (one contiguous file range) bytes.
+    fn largest(&self, checkpoint: &Checkpoint) -> Result<(u64, u64), SessionError> {
+        let granularity = self.platform.platform.residency.granularity()?;
+        let specs = self.assignment.unit_specs(checkpoint.slices());
+        let layout = Layout::build(checkpoint.slices(), &specs, granularity)?;
+        let unit = layout.units.iter().map(|u| u.link_bytes()).max().unwrap_or(0);
+        let extent =
+            layout.units.iter().flat_map(|u| u.extents.iter().map(|e| e.len)).max().unwrap_or(0);
+        Ok((unit, extent))
+    }
+
+    /// A staging pool under `ceiling` for the checkpoint's ranges, read with `backend` (O_DIRECT
+    /// where the file system allows, else pread), its copies' completion asked of the device.
+    fn staging_pool(
+        &self,
+        checkpoint: &Checkpoint,
+        ceiling: u64,
+        backend: ReadBackend,
+    ) -> Result<Arc<StagingPool>, SessionError> {
+        let p = &self.platform.platform;
+        let (_, extent) = self.largest(checkpoint)?;
+        let read = match backend {
+            ReadBackend::Direct => ReadOptions::direct(),
+            _ => ReadOptions::pread(),
+        };
+        let options = StagingOptions {
+            ceiling,
+            largest_range: extent,
+            readers: read.workers,
+            method: read.method,
+            chunk_bytes: read.chunk_bytes,
+        };
+        let store = RetainedStore::new(ceiling, p.admission.clone());
+        let pool = StagingPool::new(checkpoint, options, &store, Some(p.residency.clone()))?;
+        Ok(Arc::new(pool))
     }
 
     /// The module's host tensors in place; tensors up to `small_tensor_threshold_kb` packed per
@@ -865,7 +983,7 @@ impl ComponentSession {
                 gib("pin_weight_budget_gb", s.pin_weight_budget_gb)?.div_ceil(REGISTRATION_SEGMENT)
                     * REGISTRATION_SEGMENT
             }
-            SessionRoute::Linear => needed,
+            SessionRoute::Linear | SessionRoute::Disk => needed,
         };
         let p = &self.platform.platform;
         Ok(Registrar::new(ceiling, p.residency.clone(), p.admission.clone()))
@@ -1199,6 +1317,8 @@ impl ComponentSession {
                     not_packed: a.host.not_packed.as_deref(),
                     host_kind: a.host.kind,
                     read_workers: a.host.read_workers,
+                    staging: a.host.staging.as_ref().map(|p| (p.stats(), p.is_direct())),
+                    staging_note: a.host.staging_note.as_deref(),
                     setup_seconds: a.setup_seconds,
                     total_bytes: a.total_bytes,
                     tensor_count: a.tensor_count,
@@ -1242,6 +1362,9 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) not_packed: Option<&'a str>,
     pub(crate) host_kind: &'static str,
     pub(crate) read_workers: Option<u64>,
+    /// The staging pool's counters and whether it reads with O_DIRECT.
+    pub(crate) staging: Option<(ddo_source::StagingStats, bool)>,
+    pub(crate) staging_note: Option<&'a str>,
     pub(crate) setup_seconds: f64,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,
