@@ -1,0 +1,295 @@
+//! The encoded form of a bf16 tensor, its encoder and decoder.
+
+use crate::bits::{BitReader, BitWriter};
+use crate::huffman::{Code, MAX_CODE_BITS};
+
+/// Elements per independently decodable chunk of coded exponents.
+pub const CHUNK_ELEMENTS: u32 = 1024;
+
+const MAGIC: &[u8; 4] = b"DDOE";
+const VERSION: u8 = 1;
+const DTYPE_BF16: u8 = 1;
+/// Magic, version, dtype, code bits, reserved, elements, chunk elements, chunks, coded bytes,
+/// the CRC-32 of everything after the header, reserved.
+const HEADER: usize = 4 + 4 + 8 + 4 + 4 + 8 + 4 + 4;
+
+/// What can go wrong encoding or decoding.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CodecError {
+    /// The input is not a whole number of bf16 elements.
+    #[error("{0} bytes are not a whole number of 2-byte bf16 elements")]
+    OddLength(usize),
+    /// The destination does not have the decoded length.
+    #[error("the decoded tensor is {expected} bytes; the destination has {got}")]
+    Destination {
+        /// Bytes the decoded tensor has.
+        expected: u64,
+        /// Bytes the destination has.
+        got: usize,
+    },
+    /// The tensor is too large for one encoding (its coded exponents pass 4 GiB).
+    #[error("{0} elements are too many for one encoding; encode the tensor in parts")]
+    TooLarge(u64),
+    /// The encoded bytes are damaged or not an encoding of this version.
+    #[error("corrupt encoding: {0}")]
+    Corrupt(String),
+}
+
+fn corrupt(what: impl Into<String>) -> CodecError {
+    CodecError::Corrupt(what.into())
+}
+
+/// A bf16 tensor with Huffman-coded exponents: per element one raw byte (sign bit, then the 7
+/// mantissa bits) and one exponent code; the codes cut into chunks of [`CHUNK_ELEMENTS`]
+/// elements, chunk `c` occupying `coded[offsets[c]..offsets[c + 1]]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EncodedBf16 {
+    elements: u64,
+    code: Code,
+    offsets: Vec<u32>,
+    raw: Vec<u8>,
+    coded: Vec<u8>,
+}
+
+impl EncodedBf16 {
+    /// Elements of the tensor.
+    pub fn elements(&self) -> u64 {
+        self.elements
+    }
+
+    /// Bytes of the tensor decoded (2 per element).
+    pub fn decoded_len(&self) -> u64 {
+        self.elements * 2
+    }
+
+    /// Bytes of [`to_bytes`](Self::to_bytes): header, code lengths, chunk offsets, raw bytes and
+    /// coded exponents.
+    pub fn encoded_len(&self) -> u64 {
+        (HEADER + 256 + 4 * self.offsets.len() + self.raw.len() + self.coded.len()) as u64
+    }
+
+    /// Encoded bytes per decoded byte (below 1 when coding pays).
+    pub fn ratio(&self) -> f64 {
+        if self.elements == 0 {
+            return 1.0;
+        }
+        self.encoded_len() as f64 / self.decoded_len() as f64
+    }
+
+    /// The exponent code.
+    pub fn code(&self) -> &Code {
+        &self.code
+    }
+
+    /// Chunk boundaries in the coded exponents (one more than the chunks).
+    pub fn offsets(&self) -> &[u32] {
+        &self.offsets
+    }
+
+    /// Sign-and-mantissa bytes, one per element.
+    pub fn raw(&self) -> &[u8] {
+        &self.raw
+    }
+
+    /// The coded exponents.
+    pub fn coded(&self) -> &[u8] {
+        &self.coded
+    }
+
+    /// The encoding as bytes (little-endian fields), as [`parse`](Self::parse) reads it.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len() as usize);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&[VERSION, DTYPE_BF16, MAX_CODE_BITS, 0]);
+        out.extend_from_slice(&self.elements.to_le_bytes());
+        out.extend_from_slice(&CHUNK_ELEMENTS.to_le_bytes());
+        out.extend_from_slice(&(self.offsets.len() as u32 - 1).to_le_bytes());
+        out.extend_from_slice(&(self.coded.len() as u64).to_le_bytes());
+        out.extend_from_slice(&[0; 8]);
+        out.extend_from_slice(self.code.lengths());
+        for o in &self.offsets {
+            out.extend_from_slice(&o.to_le_bytes());
+        }
+        out.extend_from_slice(&self.raw);
+        out.extend_from_slice(&self.coded);
+        let crc = crc32fast::hash(&out[HEADER..]);
+        out[32..36].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Reads an encoding written by [`to_bytes`](Self::to_bytes), checking every field and the
+    /// CRC-32 of the body: a damaged encoding is refused, never decoded into other values.
+    pub fn parse(bytes: &[u8]) -> Result<EncodedBf16, CodecError> {
+        let field = |at: usize, len: usize| {
+            bytes
+                .get(at..at + len)
+                .ok_or_else(|| corrupt(format!("{} bytes end early", bytes.len())))
+        };
+        if field(0, 4)? != MAGIC {
+            return Err(corrupt("not a ddo encoding (magic)"));
+        }
+        let kind = field(4, 4)?;
+        if kind[3] != 0 || field(36, 4)? != [0; 4] {
+            return Err(corrupt("reserved header bytes are not zero"));
+        }
+        if kind[0] != VERSION || kind[1] != DTYPE_BF16 || kind[2] != MAX_CODE_BITS {
+            return Err(corrupt(format!(
+                "version {}, dtype {}, {}-bit codes: this build reads version {VERSION} bf16 with \
+                 {MAX_CODE_BITS}-bit codes",
+                kind[0], kind[1], kind[2]
+            )));
+        }
+        let u64_at = |at| field(at, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8")));
+        let u32_at = |at| field(at, 4).map(|b| u32::from_le_bytes(b.try_into().expect("4")));
+        let elements = u64_at(8)?;
+        if u32_at(16)? != CHUNK_ELEMENTS {
+            return Err(corrupt("chunk size"));
+        }
+        let chunks = u64::from(u32_at(20)?);
+        if chunks != elements.div_ceil(u64::from(CHUNK_ELEMENTS)) {
+            return Err(corrupt(format!("{chunks} chunks for {elements} elements")));
+        }
+        let coded_len = u64_at(24)?;
+        let expected = (HEADER as u64 + 256)
+            .checked_add(4 * (chunks + 1))
+            .and_then(|n| n.checked_add(elements))
+            .and_then(|n| n.checked_add(coded_len));
+        if expected != Some(bytes.len() as u64) {
+            return Err(corrupt(format!(
+                "{} bytes, the header describes {}",
+                bytes.len(),
+                expected.map_or("more than 2^64".into(), |n| n.to_string())
+            )));
+        }
+        if u32_at(32)? != crc32fast::hash(&bytes[HEADER..]) {
+            return Err(corrupt("the body's CRC-32 differs from the header's: the bytes changed"));
+        }
+        let lengths: [u8; 256] = field(HEADER, 256)?.try_into().expect("256");
+        let code = Code::from_lengths(lengths).ok_or_else(|| corrupt("code lengths"))?;
+        let mut at = HEADER + 256;
+        let mut offsets = Vec::with_capacity(chunks as usize + 1);
+        for _ in 0..=chunks {
+            offsets.push(u32_at(at)?);
+            at += 4;
+        }
+        if offsets[0] != 0
+            || offsets.windows(2).any(|w| w[0] > w[1])
+            || u64::from(*offsets.last().expect("one")) != coded_len
+        {
+            return Err(corrupt("chunk offsets"));
+        }
+        let raw = field(at, elements as usize)?.to_vec();
+        let coded = field(at + elements as usize, coded_len as usize)?.to_vec();
+        Ok(EncodedBf16 { elements, code, offsets, raw, coded })
+    }
+}
+
+/// Encodes little-endian bf16 bytes, the chunks coded on up to `threads` threads.
+pub fn encode_bf16(bytes: &[u8], threads: usize) -> Result<EncodedBf16, CodecError> {
+    if !bytes.len().is_multiple_of(2) {
+        return Err(CodecError::OddLength(bytes.len()));
+    }
+    let elements = (bytes.len() / 2) as u64;
+    let mut histogram = [0u64; 256];
+    let mut raw = Vec::with_capacity(elements as usize);
+    for e in bytes.chunks_exact(2) {
+        let v = u16::from_le_bytes([e[0], e[1]]);
+        histogram[usize::from((v >> 7) as u8)] += 1;
+        raw.push((((v >> 15) as u8) << 7) | (v & 0x7f) as u8);
+    }
+    let code = Code::for_histogram(&histogram);
+    if code.cost_bits(&histogram) / 8 + elements / u64::from(CHUNK_ELEMENTS) + 1
+        > u64::from(u32::MAX)
+    {
+        return Err(CodecError::TooLarge(elements));
+    }
+    let chunk_bytes = CHUNK_ELEMENTS as usize * 2;
+    let chunks: Vec<&[u8]> = bytes.chunks(chunk_bytes).collect();
+    let coded_chunks = in_parallel(&chunks, threads, |chunk| {
+        let mut out = Vec::with_capacity(chunk.len() / 4);
+        let mut w = BitWriter::new(&mut out);
+        for e in chunk.chunks_exact(2) {
+            let (c, l) = code.code((u16::from_le_bytes([e[0], e[1]]) >> 7) as u8);
+            w.put(c, l);
+        }
+        w.finish();
+        out
+    });
+    let mut offsets = Vec::with_capacity(coded_chunks.len() + 1);
+    let mut coded = Vec::with_capacity(coded_chunks.iter().map(Vec::len).sum());
+    offsets.push(0);
+    for c in &coded_chunks {
+        coded.extend_from_slice(c);
+        offsets.push(coded.len() as u32);
+    }
+    Ok(EncodedBf16 { elements, code, offsets, raw, coded })
+}
+
+/// Decodes into `dst` (exactly [`EncodedBf16::decoded_len`] bytes), the chunks on up to
+/// `threads` threads. A chunk whose codes do not decode within its bytes is an error; `dst` is
+/// then partly written.
+pub fn decode_bf16(enc: &EncodedBf16, dst: &mut [u8], threads: usize) -> Result<(), CodecError> {
+    if dst.len() as u64 != enc.decoded_len() {
+        return Err(CodecError::Destination { expected: enc.decoded_len(), got: dst.len() });
+    }
+    let table = enc.code.decoding_table();
+    let chunk_bytes = CHUNK_ELEMENTS as usize * 2;
+    let work: Vec<(usize, &mut [u8])> = dst.chunks_mut(chunk_bytes).enumerate().collect();
+    let results = in_parallel_mut(work, threads, |(c, out)| {
+        let coded = &enc.coded[enc.offsets[c] as usize..enc.offsets[c + 1] as usize];
+        let raw = &enc.raw[c * CHUNK_ELEMENTS as usize..];
+        let mut r = BitReader::new(coded);
+        for (i, e) in out.chunks_exact_mut(2).enumerate() {
+            let (symbol, len) = table[r.peek(u32::from(MAX_CODE_BITS)) as usize];
+            if len == 0 {
+                return Err(corrupt(format!("chunk {c}: no code starts at element {i}")));
+            }
+            r.consume(u32::from(len));
+            let b = raw[i];
+            let v = (u16::from(b >> 7) << 15) | (u16::from(symbol) << 7) | u16::from(b & 0x7f);
+            e.copy_from_slice(&v.to_le_bytes());
+        }
+        if r.overrun() {
+            return Err(corrupt(format!("chunk {c}: codes run past its bytes")));
+        }
+        Ok(())
+    });
+    results.into_iter().collect()
+}
+
+/// `f` over `items` on up to `threads` scoped threads, results in order.
+fn in_parallel<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let per = items.len().div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = items
+            .chunks(per)
+            .map(|part| s.spawn(|| part.iter().map(&f).collect::<Vec<R>>()))
+            .collect();
+        parts.into_iter().flat_map(|h| h.join().expect("an encoding thread panicked")).collect()
+    })
+}
+
+/// `f` over owned `items` on up to `threads` scoped threads, results in order.
+fn in_parallel_mut<T: Send, R: Send>(
+    mut items: Vec<T>,
+    threads: usize,
+    f: impl Fn(T) -> R + Sync,
+) -> Vec<R> {
+    let per = items.len().div_ceil(threads.max(1)).max(1);
+    let mut parts = Vec::new();
+    while !items.is_empty() {
+        let rest = items.split_off(per.min(items.len()));
+        parts.push(std::mem::replace(&mut items, rest));
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = parts
+            .into_iter()
+            .map(|part| s.spawn(|| part.into_iter().map(&f).collect::<Vec<R>>()))
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("a decoding thread panicked")).collect()
+    })
+}
