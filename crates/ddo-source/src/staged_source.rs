@@ -1,7 +1,7 @@
 //! [`StagedSource`]: a source whose ranges not held in host memory are read ahead into a
 //! [`StagingPool`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use ddo_core::{
     CheckpointFileId, FileRange, HostSlice, ReadRequest, SourceError, TensorSlice, WeightSource,
@@ -21,12 +21,15 @@ use crate::StagingPool;
 pub struct StagedSource {
     inner: Arc<dyn WeightSource>,
     pool: Arc<StagingPool>,
+    /// The ranges of the last announcement that need staging (reused: announcing allocates
+    /// nothing once it has grown).
+    staged: Mutex<Vec<FileRange>>,
 }
 
 impl StagedSource {
     /// Serves `inner`'s tensors, staging through `pool` (which reads the same checkpoint).
     pub fn new(inner: Arc<dyn WeightSource>, pool: Arc<StagingPool>) -> StagedSource {
-        StagedSource { inner, pool }
+        StagedSource { inner, pool, staged: Mutex::new(Vec::new()) }
     }
 
     /// The staging pool.
@@ -79,7 +82,8 @@ impl WeightSource for StagedSource {
 
     fn announce(&self, upcoming: &[FileRange]) {
         // Ranges the inner source holds in memory take no staging buffer.
-        let mut staged: Vec<FileRange> = Vec::with_capacity(upcoming.len());
+        let mut staged = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
+        staged.clear();
         staged.extend(upcoming.iter().filter(|r| !self.inner_holds(r)));
         self.pool.announce(&staged);
     }
