@@ -583,10 +583,10 @@ def _attach(
         _refuse_training(module)
         source = getattr(module, "_ddo_source", None)
         checkpoint = None
-        if name == "vmm_fast_runtime":
+        if name in ("vmm_fast_runtime", "vmm_runtime"):
             if source is None:
                 raise DynamicOffloadError(
-                    "route vmm_fast_runtime streams weights from the checkpoint: load the component with "
+                    f"route {name} streams weights from the checkpoint: load the component with "
                     "ddo.from_pretrained_with_dynamic_offload"
                 )
             checkpoint = source["path"]
@@ -824,10 +824,11 @@ def from_pretrained_with_dynamic_offload(
     stages.set_postfix_str("load")
     module = None
     if apply_dynamic:
-        # The native route streams every weight from the checkpoint's mapping: build the module
-        # without weights (meta) so host memory holds the model once, in the mapping.
+        # The native and disk routes stream every weight from the checkpoint (its mapping, or
+        # reads into staging): build the module without weights (meta) so host memory holds the
+        # model at most once.
         settings = resolve_settings(component, config=dynamic_offload_config)
-        if settings.route_name == "vmm_fast_runtime":
+        if settings.route_name in ("vmm_fast_runtime", "vmm_runtime"):
             if gguf_tensors is not None:
                 module = _meta_gguf_module(model_loader, folder, gguf_path, gguf_tensors, from_pretrained_kwargs)
             elif _is_transformers(model_loader):

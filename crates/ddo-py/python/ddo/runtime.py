@@ -590,11 +590,6 @@ class SessionRuntime:
     def __init__(self, module: torch.nn.Module, plan: Any, *, checkpoint: Optional[str] = None) -> None:
         self.module = module
         self.plan = plan
-        route = str(json.loads(plan.json())["route"]["name"]) if plan is not None else ""
-        source = getattr(module, "_ddo_source", None)
-        if checkpoint is None and route == "vmm_runtime" and source is not None:
-            # The disk route reads the checkpoint the module was loaded from, never its tensors.
-            checkpoint = source["path"]
         self.checkpoint = checkpoint
         self.session: Any = None
         self.device = torch.device("cpu")
