@@ -101,6 +101,9 @@ struct State {
     order: Order,
     stats: ArenaStats,
     closed: bool,
+    /// The first error [`Arena::close`] returned: reported to its caller, so a drop does not
+    /// report it again.
+    close_failure: Option<String>,
     /// The ranges announced to the source last (reused, so announcing allocates nothing).
     announced: Vec<FileRange>,
 }
@@ -187,6 +190,7 @@ impl Arena {
             order: Order { lookahead: true, ..Order::default() },
             stats: ArenaStats::default(),
             closed: false,
+            close_failure: None,
             announced: Vec::new(),
         };
         let arena_parts = (platform.clone(), source, layout, plan, reservation);
@@ -1034,6 +1038,28 @@ impl Arena {
     /// Waits for every outstanding fence, then releases all memory and the reservation.
     /// Refused (nothing freed) while leases are live or memory is retained unsafe.
     pub fn close(&self) -> Result<(), ArenaError> {
+        let result = self.close_now();
+        if let Err(e) = &result {
+            self.lock().close_failure.get_or_insert_with(|| e.to_string());
+        }
+        result
+    }
+
+    /// The first error [`close`](Arena::close) returned, if one did.
+    pub fn close_failure(&self) -> Option<String> {
+        self.lock().close_failure.clone()
+    }
+
+    /// Bytes a failed close keeps: those retained unsafe, else all the arena holds.
+    pub fn kept_bytes(&self) -> u64 {
+        let state = self.lock();
+        match state.stats.unsafe_retained_bytes {
+            0 => state.stats.resident_bytes + state.stats.slot_bytes,
+            unsafe_bytes => unsafe_bytes,
+        }
+    }
+
+    fn close_now(&self) -> Result<(), ArenaError> {
         let mut state = self.lock();
         if state.closed {
             return Ok(());
@@ -1110,13 +1136,25 @@ impl Drop for Arena {
     fn drop(&mut self) {
         // On failure everything not released stays owned (never force-freed), and the failure
         // is noted for the host to show.
-        if let Err(e) = self.close() {
-            let state = self.lock();
-            ddo_core::note_drop_failure(ddo_core::DropFailure {
-                what: "arena",
-                message: e.to_string(),
-                retained_bytes: Some(state.stats.resident_bytes + state.stats.slot_bytes),
-            });
+        let reported = self.close_failure().is_some();
+        if let Err(e) = self.close()
+            && !reported
+        {
+            ddo_core::note_drop_failure(drop_failure(&e, self.kept_bytes()));
         }
     }
+}
+
+/// The note for an arena that could not close when it was dropped.
+pub fn drop_failure(e: &ArenaError, kept: u64) -> ddo_core::DropFailure {
+    let message = match e.original() {
+        ArenaError::CloseRefused { retained, .. } if *retained > 0 => {
+            "memory retained unsafe after a failed release cannot be proven idle".to_owned()
+        }
+        ArenaError::CloseRefused { live_leases, .. } => format!(
+            "{live_leases} lease(s) were never released, so the arena cannot prove its memory idle"
+        ),
+        other => other.to_string(),
+    };
+    ddo_core::DropFailure { what: "arena", message, retained_bytes: Some(kept) }
 }

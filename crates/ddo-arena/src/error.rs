@@ -10,7 +10,7 @@ pub enum ArenaError {
     /// The budget cannot hold the pinned units plus two execution slots.
     #[error(
         "GPU budget of {} ({} after {} of headroom) is too small: the resident units and two execution slots need at least {} (largest unit {}); raise the budget to {} or more",
-        ByteSize(*budget), ByteSize(budget.saturating_sub(*headroom)), ByteSize(*headroom), ByteSize(*needed), ByteSize(*largest_unit), ByteSize(needed + headroom)
+        ByteSize(*budget), ByteSize(budget.saturating_sub(*headroom)), ByteSize(*headroom), ByteSize(*needed), ByteSize(*largest_unit), ByteSize(needed.saturating_add(*headroom))
     )]
     BudgetTooSmall {
         /// The budget.
@@ -125,4 +125,21 @@ impl ArenaError {
 /// Wraps a port error with what the arena was doing.
 pub(crate) fn device(op: &'static str) -> impl FnOnce(DeviceError) -> ArenaError {
     move |source| ArenaError::Device { op, source }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_budget_message_with_a_huge_headroom_does_not_wrap() {
+        let e = ArenaError::BudgetTooSmall {
+            budget: 10 << 20,
+            headroom: u64::MAX - 1,
+            needed: 5 << 20,
+            largest_unit: 1 << 20,
+        };
+        // Saturates at the largest byte count instead of wrapping to a small one.
+        assert!(e.to_string().ends_with("raise the budget to 17179869184.00 GiB or more"), "{e}");
+    }
 }

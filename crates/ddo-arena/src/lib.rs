@@ -27,7 +27,7 @@ mod plan;
 mod stats;
 mod tree;
 
-pub use arena::{Arena, Lease, ReclaimReport};
+pub use arena::{Arena, Lease, ReclaimReport, drop_failure};
 pub use error::ArenaError;
 pub use layout::{
     EXTENT_ALIGN, Extent, Layout, MAX_BRIDGED_GAP, MAX_LAYOUT, MIN_TENSOR_ALIGN, TensorPlacement,

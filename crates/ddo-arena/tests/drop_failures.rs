@@ -1,5 +1,6 @@
 //! Contract 2 at drop: an arena that cannot release its memory when dropped keeps it and notes
-//! the failure for the host to show (a test binary of its own: the notes are process-wide).
+//! the failure for the host to show, once, with its cause (a test binary of its own: the notes
+//! are process-wide, so the cases run in one test, in turn).
 
 mod common;
 
@@ -7,29 +8,70 @@ use common::*;
 use ddo_arena::{Arena, Budget, UnitSpec};
 use ddo_core::{Residency, UnitId};
 
-#[test]
-fn an_arena_dropped_with_memory_it_cannot_release_notes_what_it_kept() {
-    let dir = scratch();
-    let source = checkpoint(dir.path(), 4, 128);
-    let spy = Spy::new();
+fn arena(spy: &std::sync::Arc<Spy>, dir: &std::path::Path) -> Arena {
+    let source = checkpoint(dir, 4, 128);
     let units = UnitSpec::by_block(source.slices());
     let unit = (5 * 128 * 128 * 2 + 128 * 2u64).div_ceil(GRANULARITY) * GRANULARITY;
     let budget = Budget { total: GRANULARITY + 2 * unit, headroom: 0, prefetch_depth: 1 };
-    let arena = Arena::new(&spy.platform(), source, &units, budget).unwrap();
-    let stream = spy.create_stream().unwrap();
-    let lease = arena.acquire(UnitId(1), stream).unwrap();
-    spy.fail(Op::Record, 0);
-    arena.release(lease, stream).unwrap_err();
-    let kept = arena.stats().resident_bytes + arena.stats().slot_bytes;
+    Arena::new(&spy.platform(), source, &units, budget).unwrap()
+}
+
+#[test]
+fn an_arena_dropped_with_memory_it_cannot_release_notes_it_once_with_its_cause() {
+    let dir = scratch();
     assert_eq!(ddo_core::take_drop_failures(), (Vec::new(), 0));
-    drop(arena);
+
+    // A failed release retains its slot unsafe: the drop keeps it and says so.
+    let spy = Spy::new();
+    let a = arena(&spy, dir.path());
+    let stream = spy.create_stream().unwrap();
+    let lease = a.acquire(UnitId(1), stream).unwrap();
+    spy.fail(Op::Record, 0);
+    a.release(lease, stream).unwrap_err();
+    let kept = a.kept_bytes();
+    assert_eq!(kept, a.plan().slot_len, "the slot retained unsafe");
+    drop(a);
     let (notes, _) = ddo_core::take_drop_failures();
     assert_eq!(notes.len(), 1, "{notes:?}");
     assert_eq!(notes[0].what, "arena");
-    assert!(notes[0].message.starts_with("close refused"), "{}", notes[0]);
-    assert_eq!(notes[0].retained_bytes, Some(kept));
-    assert!(
-        !spy.calls().iter().any(|c| matches!(c, Call::ReleaseBacking(_))),
-        "memory retained unsafe was freed at drop"
+    assert_eq!(
+        notes[0].message,
+        "memory retained unsafe after a failed release cannot be proven idle"
     );
+    assert_eq!(notes[0].retained_bytes, Some(kept));
+    assert!(!spy.calls().iter().any(|c| matches!(c, Call::ReleaseBacking(_))), "freed at drop");
+
+    // A lease never released: the note says so, not "release every lease first".
+    let spy = Spy::new();
+    let a = arena(&spy, dir.path());
+    let stream = spy.create_stream().unwrap();
+    let _never_released = a.acquire(UnitId(1), stream).unwrap();
+    drop(a);
+    let (notes, _) = ddo_core::take_drop_failures();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].message.starts_with("1 lease(s) were never released"), "{}", notes[0]);
+
+    // A close whose fence wait fails at drop: the note carries the device's error.
+    let spy = Spy::new();
+    let a = arena(&spy, dir.path());
+    let stream = spy.create_stream().unwrap();
+    let lease = a.acquire(UnitId(1), stream).unwrap();
+    a.release(lease, stream).unwrap();
+    spy.fail(Op::Wait, 0);
+    drop(a);
+    let (notes, _) = ddo_core::take_drop_failures();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].message.starts_with("wait for outstanding work before close"), "{}", notes[0]);
+
+    // A close failure already returned to a caller is not noted again at drop.
+    let spy = Spy::new();
+    let a = arena(&spy, dir.path());
+    let stream = spy.create_stream().unwrap();
+    let lease = a.acquire(UnitId(1), stream).unwrap();
+    a.release(lease, stream).unwrap();
+    spy.fail(Op::Wait, 0);
+    let e = a.close().unwrap_err();
+    assert_eq!(a.close_failure(), Some(e.to_string()));
+    drop(a);
+    assert_eq!(ddo_core::take_drop_failures(), (Vec::new(), 0));
 }

@@ -37,16 +37,6 @@ pub(crate) fn validate(
                 origin: origin(field),
             });
         }
-        // A GiB size must be a byte count of 64 bits.
-        if field.ends_with("_gb") && value >= MAX_GIB {
-            return Err(ConfigError::OutOfRange {
-                field: field.into(),
-                // Exponent form for huge values (1e300 would print 301 digits).
-                value: if value >= 1e12 { format!("{value:e}") } else { value.to_string() },
-                origin: origin(field),
-                range: format!("0 to below {MAX_GIB} GiB (a 64-bit byte count)"),
-            });
-        }
     }
     let out_of_range = |field: &str, value: String, range: &str| ConfigError::OutOfRange {
         field: field.into(),
@@ -77,6 +67,18 @@ pub(crate) fn validate(
             s.pin_cpu_workers.to_string(),
             "1 to 64 threads",
         ));
+    }
+    // After the settings with ranges of their own: a GiB size must be a byte count of 64 bits.
+    for (field, value) in s.float_fields() {
+        if field.ends_with("_gb") && value >= MAX_GIB {
+            return Err(ConfigError::OutOfRange {
+                field: field.into(),
+                // Exponent form for huge values (1e300 would print 301 digits).
+                value: if value >= 1e12 { format!("{value:e}") } else { value.to_string() },
+                origin: origin(field),
+                range: format!("0 to below {MAX_GIB} GiB (a 64-bit byte count)"),
+            });
+        }
     }
     registration(s, origin("vmm_source_registered_gb"))?;
     if !is_execution_device(&s.execution_device) {

@@ -429,6 +429,13 @@ fn a_size_past_64_bits_of_bytes_names_its_origin() {
         err(&r),
         "system_ram_headroom_gb = 1e300 (from DDO_SYSTEM_RAM_HEADROOM_GB) is out of range; allowed: 0 to below 17179869184 GiB (a 64-bit byte count)"
     );
+    // A setting with a range of its own names that range, however large the value.
+    let r =
+        Request { arguments: args(|c| c.vmm_source_cache_gb = Some(1e11)), ..req("transformer") };
+    assert_eq!(
+        err(&r),
+        "vmm_source_cache_gb = 100000000000 (from argument) is out of range; allowed: 0 to 32 GiB"
+    );
 }
 
 #[test]

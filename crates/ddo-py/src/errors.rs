@@ -23,7 +23,7 @@ create_exception!(
     ddo._native,
     DynamicOffloadSourceChangedError,
     DynamicOffloadCheckpointError,
-    "A checkpoint file (or a host tensor ddo streams from) changed while in use: its identity or bytes differ from what was recorded at attach. Nothing wrong was used; reload the model."
+    "A checkpoint file changed while in use (its identity, checked before and after reads and uploads, differs from the one recorded at attach: unload() and reload(), or load the model again), or a host tensor ddo streams from was written (its version counter changed: remove the offload, change the weights, offload again). Raised before the next forward uses the component."
 );
 create_exception!(
     ddo._native,

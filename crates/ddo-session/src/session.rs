@@ -186,15 +186,21 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        // Live leases make close refuse: the memory then stays owned, never freed early. An
-        // arena that cannot close notes that itself when it drops, right after this; a failed
-        // unregistration is noted here.
-        if let Err(e @ SessionError::Source(_)) = self.close() {
-            ddo_core::note_drop_failure(ddo_core::DropFailure {
+        // Live leases make close refuse: the memory then stays owned, never freed early, and
+        // the failure is noted (the arena's drop, right after, does not note it again).
+        let reported = self.arena.close_failure().is_some();
+        match self.close() {
+            Ok(()) => {}
+            // A close failure a caller was given is not reported again.
+            Err(SessionError::Arena(_)) if reported => {}
+            Err(SessionError::Arena(e)) => {
+                ddo_core::note_drop_failure(ddo_arena::drop_failure(&e, self.arena.kept_bytes()))
+            }
+            Err(e) => ddo_core::note_drop_failure(ddo_core::DropFailure {
                 what: "host registrations",
                 message: e.to_string(),
                 retained_bytes: Some(self.registrar.unsafe_retained()),
-            });
+            }),
         }
     }
 }

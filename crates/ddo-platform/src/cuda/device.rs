@@ -542,11 +542,21 @@ impl Fence for CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        if self.bind().is_err() || driver::ctx::synchronize().is_err() {
-            // Completion cannot be proven: keep every allocation (never force-free).
+        let synchronized = self.bind().is_ok() && driver::ctx::synchronize().is_ok();
+        let state = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !synchronized {
+            // Completion cannot be proven: keep every allocation (never force-free), the host
+            // memory of registrations and of copies in flight included.
+            let kept: u64 = state.registrations.values().map(|s| s.len() as u64).sum();
+            std::mem::forget(std::mem::take(state));
+            ddo_core::note_drop_failure(ddo_core::DropFailure {
+                what: "CUDA device",
+                message: "the context could not be synchronized, so completion of its work cannot                           be proven; its device memory, events and registered host memory stay                           allocated"
+                    .into(),
+                retained_bytes: Some(kept),
+            });
             return;
         }
-        let state = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
         // SAFETY: (all calls below) the context is synchronized, so no work uses these handles;
         // each was created by this device and is released exactly once here.
         unsafe {
@@ -560,8 +570,13 @@ impl Drop for CudaDevice {
                 let _ = vmm::address_free(ptr, len as usize);
             }
             for (ptr, slice) in std::mem::take(&mut state.registrations) {
-                if host_memory::unregister(ptr as *mut c_void).is_err() {
+                if let Err(e) = host_memory::unregister(ptr as *mut c_void) {
                     // Still registered: its memory stays allocated for the process's life.
+                    ddo_core::note_drop_failure(ddo_core::DropFailure {
+                        what: "host registration",
+                        message: format!("cuMemHostUnregister at {ptr:#x}: {e:?}"),
+                        retained_bytes: Some(slice.len() as u64),
+                    });
                     std::mem::forget(slice);
                 }
             }

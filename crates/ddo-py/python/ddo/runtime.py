@@ -40,10 +40,11 @@ def report_drop_failures() -> None:
     the last tensor viewing an unloaded arena): what could not be released is kept, never freed
     by force, and each warning says how much."""
     failures, more = _native.take_drop_failures()
-    for text in failures:
-        warnings.warn(f"ddo: {text}", RuntimeWarning, stacklevel=3)
     if more:
-        warnings.warn(f"ddo: {more} more releases failed when dropped", RuntimeWarning, stacklevel=3)
+        failures.append(f"{more} more releases failed when dropped")
+    if failures:
+        # One warning for all of them: under warnings-as-errors the exception carries every note.
+        warnings.warn("ddo: " + "; ".join(failures), RuntimeWarning, stacklevel=3)
 
 
 def describe_module(module: torch.nn.Module) -> Tuple[list, list]:
