@@ -608,6 +608,11 @@ impl ComponentSession {
                 }
                 (all.clone(), Vec::new())
             }
+            // The disk route bounds host memory by its staging: every conversion the device can
+            // make runs there, narrowing included (a converted copy would hold the model).
+            ConversionSite::Auto if self.route == SessionRoute::Disk => {
+                all.iter().partition(|c| device_can(c))
+            }
             // Widening streams fewer bytes in the stored dtype.
             ConversionSite::Auto => all.iter().partition(|&&(i, to)| {
                 to.size_bytes() > slices[i].dtype.size_bytes() && device_can(&(i, to))

@@ -694,17 +694,22 @@ fn conversion_streams_converted_bytes(device: &str) {
     testing::write_dtype(&fp8_path, Dtype::F8E4M3, &names, byte).unwrap();
     // Columns: read backend, retained windows (vmm_source_cache_gb, which hold no converted
     // tensor), dtype_conversion, where conversion happens.
-    for (path, from, to, read, cache, site, at) in [
-        (&fp8_path, Dtype::F8E4M3, Dtype::BF16, "mmap", "0", "auto", "device"),
-        (&fp8_path, Dtype::F8E4M3, Dtype::F32, "mmap", "0", "host", "host"),
-        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "0", "auto", "host"),
-        (&f32_path, Dtype::F32, Dtype::F16, "mmap", "0", "auto", "host"),
-        (&f32_path, Dtype::F32, Dtype::BF16, "mmap", "0", "device", "device"),
-        (&bf16_path, Dtype::BF16, Dtype::F32, "mmap", "0", "host", "host"),
-        (&bf16_path, Dtype::BF16, Dtype::F32, "pread", "0", "auto", "device"),
-        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "1", "auto", "host"),
+    // The last two rows take the disk route, where `auto` converts on the device whatever the
+    // direction (host memory stays within the staging).
+    for (path, from, to, read, cache, site, at, preset) in [
+        (&fp8_path, Dtype::F8E4M3, Dtype::BF16, "mmap", "0", "auto", "device", "auto"),
+        (&fp8_path, Dtype::F8E4M3, Dtype::F32, "mmap", "0", "host", "host", "auto"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "0", "auto", "host", "auto"),
+        (&f32_path, Dtype::F32, Dtype::F16, "mmap", "0", "auto", "host", "auto"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "mmap", "0", "device", "device", "auto"),
+        (&bf16_path, Dtype::BF16, Dtype::F32, "mmap", "0", "host", "host", "auto"),
+        (&bf16_path, Dtype::BF16, Dtype::F32, "pread", "0", "auto", "device", "auto"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "1", "auto", "host", "auto"),
+        (&f32_path, Dtype::F32, Dtype::BF16, "pread", "0", "auto", "device", "nvme_baseline"),
+        (&bf16_path, Dtype::BF16, Dtype::F32, "pread", "0", "auto", "device", "nvme_baseline"),
     ] {
         let extra = [
+            ("preset", preset),
             ("load_safetensors_backend", read),
             ("execution_device", device),
             ("vmm_source_cache_gb", cache),
@@ -714,7 +719,9 @@ fn conversion_streams_converted_bytes(device: &str) {
         ];
         let session = converted(path, to, &extra).unwrap();
         let s = setup(&session);
-        let case = format!("{from:?} -> {to:?} ({site})");
+        let case = format!("{from:?} -> {to:?} ({site}, preset {preset})");
+        let route = if preset == "nvme_baseline" { "vmm_runtime" } else { "vmm_fast_runtime" };
+        assert_eq!(session.route().name(), route, "{case}");
         assert_eq!(s.conversion.as_deref(), Some(at), "{case}");
         if cache != "0" {
             assert_eq!(s.host_source.as_deref(), Some("retained"));
