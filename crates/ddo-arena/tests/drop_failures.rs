@@ -16,6 +16,17 @@ fn arena(spy: &std::sync::Arc<Spy>, dir: &std::path::Path) -> Arena {
     Arena::new(&spy.platform(), source, &units, budget).unwrap()
 }
 
+/// An arena whose unit 1 was used and released, on a device whose next fence wait fails.
+fn used_then_waits_fail(dir: &std::path::Path) -> (std::sync::Arc<Spy>, Arena) {
+    let spy = Spy::new();
+    let a = arena(&spy, dir);
+    let stream = spy.create_stream().unwrap();
+    let lease = a.acquire(UnitId(1), stream).unwrap();
+    a.release(lease, stream).unwrap();
+    spy.fail(Op::Wait, 0);
+    (spy, a)
+}
+
 #[test]
 fn an_arena_dropped_with_memory_it_cannot_release_notes_it_once_with_its_cause() {
     let dir = scratch();
@@ -52,24 +63,14 @@ fn an_arena_dropped_with_memory_it_cannot_release_notes_it_once_with_its_cause()
     assert!(notes[0].message.starts_with("1 lease(s) were never released"), "{}", notes[0]);
 
     // A close whose fence wait fails at drop: the note carries the device's error.
-    let spy = Spy::new();
-    let a = arena(&spy, dir.path());
-    let stream = spy.create_stream().unwrap();
-    let lease = a.acquire(UnitId(1), stream).unwrap();
-    a.release(lease, stream).unwrap();
-    spy.fail(Op::Wait, 0);
+    let (_spy, a) = used_then_waits_fail(dir.path());
     drop(a);
     let (notes, _) = ddo_core::take_drop_failures();
     assert_eq!(notes.len(), 1, "{notes:?}");
     assert!(notes[0].message.starts_with("wait for outstanding work before close"), "{}", notes[0]);
 
     // A close failure already returned to a caller is not noted again at drop.
-    let spy = Spy::new();
-    let a = arena(&spy, dir.path());
-    let stream = spy.create_stream().unwrap();
-    let lease = a.acquire(UnitId(1), stream).unwrap();
-    a.release(lease, stream).unwrap();
-    spy.fail(Op::Wait, 0);
+    let (_spy, a) = used_then_waits_fail(dir.path());
     let e = a.close().unwrap_err();
     assert_eq!(a.close_failure(), Some(e.to_string()));
     drop(a);

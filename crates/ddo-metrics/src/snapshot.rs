@@ -366,48 +366,39 @@ pub struct MetricsError {
 /// The runtime counters a route can measure. Routes not in the table (observations such as
 /// `host_memory_observation`) measure none.
 pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
-    const STREAMING: &[&str] = &[
-        "passes",
-        "uploads",
-        "upload_bytes",
-        "upload_copies",
-        "device_conversions",
-        "upload_seconds",
-        "wait_seconds",
-        "prefetch_hits",
-        "prefetch_misses",
-        "prefetch_cancels",
-        "evictions",
-        "reclaim_cycles",
-        "resident_bytes",
-        "slot_bytes",
-        "peak_bytes",
-        "unsafe_retained_bytes",
-    ];
+    /// The counters of streaming through the arena, then `$extra`.
+    macro_rules! streaming {
+        ($($extra:literal),*) => {
+            &[
+                "passes",
+                "uploads",
+                "upload_bytes",
+                "upload_copies",
+                "device_conversions",
+                "upload_seconds",
+                "wait_seconds",
+                "prefetch_hits",
+                "prefetch_misses",
+                "prefetch_cancels",
+                "evictions",
+                "reclaim_cycles",
+                "resident_bytes",
+                "slot_bytes",
+                "peak_bytes",
+                "unsafe_retained_bytes",
+                $($extra),*
+            ]
+        };
+    }
+    const STREAMING: &[&str] = streaming!();
     /// The streaming counters and those of reads from disk into staging.
-    const READING: &[&str] = &[
-        "passes",
-        "uploads",
-        "upload_bytes",
-        "upload_copies",
-        "device_conversions",
-        "upload_seconds",
-        "wait_seconds",
-        "prefetch_hits",
-        "prefetch_misses",
-        "prefetch_cancels",
-        "evictions",
-        "reclaim_cycles",
-        "resident_bytes",
-        "slot_bytes",
-        "peak_bytes",
-        "unsafe_retained_bytes",
+    const READING: &[&str] = streaming!(
         "disk_bytes",
         "disk_bytes_per_pass",
         "disk_read_seconds",
         "disk_bytes_per_second",
-        "read_stall_seconds",
-    ];
+        "read_stall_seconds"
+    );
     match route {
         // Every ddo route streams through the arena (linear_runtime from the module's own host
         // tensors), so all measure the same counters; the checkpoint routes may read the disk
