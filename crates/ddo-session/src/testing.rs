@@ -77,3 +77,26 @@ pub fn write_typed(
 pub fn expected_bytes(t: usize, len: u64) -> Vec<u8> {
     (0..len).map(|i| ((t as u64 * 31 + i) % 251) as u8).collect()
 }
+
+/// Resolves the plan of a `transformer` component from settings given as they are written on a
+/// command line (`("prefetch_depth", "2")`: a JSON value, else a string), as explicit arguments.
+///
+/// # Panics
+///
+/// When a value has the wrong type for its setting (a test's own mistake).
+pub fn resolve_plan(args: &[(&str, &str)]) -> Result<ddo_policy::Plan, ddo_policy::ConfigError> {
+    let arguments: serde_json::Map<String, serde_json::Value> = args
+        .iter()
+        .map(|(k, v)| {
+            let value = serde_json::from_str(v).unwrap_or(serde_json::Value::String((*v).into()));
+            ((*k).to_owned(), value)
+        })
+        .collect();
+    let arguments = serde_json::from_value(serde_json::Value::Object(arguments))
+        .unwrap_or_else(|e| panic!("settings {args:?}: {e}"));
+    ddo_policy::resolve(&ddo_policy::Request {
+        component: "transformer",
+        arguments,
+        ..ddo_policy::Request::default()
+    })
+}

@@ -24,19 +24,7 @@ fn request(args: &[(&str, &str)]) -> Result<ddo_policy::Plan, ddo_policy::Config
     let mut all =
         vec![("execution_device", "cpu"), ("backend", "vmm"), ("preset", "nvme_baseline")];
     all.extend_from_slice(args);
-    let arguments: serde_json::Map<String, serde_json::Value> = all
-        .iter()
-        .map(|(k, v)| {
-            let value = serde_json::from_str(v).unwrap_or(serde_json::Value::String((*v).into()));
-            ((*k).to_owned(), value)
-        })
-        .collect();
-    let request = ddo_policy::Request {
-        component: "transformer",
-        arguments: serde_json::from_value(serde_json::Value::Object(arguments)).unwrap(),
-        ..ddo_policy::Request::default()
-    };
-    ddo_policy::resolve(&request)
+    testing::resolve_plan(&all)
 }
 
 fn disk(path: &Path, args: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {

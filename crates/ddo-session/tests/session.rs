@@ -20,19 +20,7 @@ fn checkpoint(dir: &Path, blocks: usize) -> PathBuf {
 fn resolve(extra: &[(&str, &str)]) -> ddo_policy::Plan {
     let mut args = vec![("execution_device", "cpu")];
     args.extend_from_slice(extra);
-    let arguments: serde_json::Map<String, serde_json::Value> = args
-        .iter()
-        .map(|(k, v)| {
-            let value = serde_json::from_str(v).unwrap_or(serde_json::Value::String((*v).into()));
-            ((*k).to_owned(), value)
-        })
-        .collect();
-    let request = ddo_policy::Request {
-        component: "transformer",
-        arguments: serde_json::from_value(serde_json::Value::Object(arguments)).unwrap(),
-        ..ddo_policy::Request::default()
-    };
-    ddo_policy::resolve(&request).unwrap()
+    testing::resolve_plan(&args).unwrap()
 }
 
 fn native(path: &Path, extra: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {
