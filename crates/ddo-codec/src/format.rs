@@ -4,7 +4,7 @@ use crate::bits::{BitReader, BitWriter};
 use crate::huffman::{Code, MAX_CODE_BITS};
 
 /// Elements per independently decodable chunk of coded exponents.
-pub const CHUNK_ELEMENTS: u32 = 1024;
+pub const CHUNK_ELEMENTS: u32 = 256;
 
 const MAGIC: &[u8; 4] = b"DDOE";
 const VERSION: u8 = 1;
@@ -12,6 +12,42 @@ const DTYPE_BF16: u8 = 1;
 /// Magic, version, dtype, code bits, reserved, elements, chunk elements, chunks, coded bytes,
 /// the CRC-32 of everything after the header, reserved.
 const HEADER: usize = 4 + 4 + 8 + 4 + 4 + 8 + 4 + 4;
+/// Entries of the decoding table the encoding carries (one per `MAX_CODE_BITS`-bit window).
+const TABLE_ENTRIES: usize = 1 << MAX_CODE_BITS;
+
+/// Where the parts of an encoding of `elements` elements lie in its bytes
+/// ([`EncodedBf16::to_bytes`]), for decoders that read the bytes in place (the GPU kernel):
+/// - `table`: `2^MAX_CODE_BITS` little-endian `u16` entries, entry `w` for the window `w` of the
+///   next `MAX_CODE_BITS` bits: `symbol | length << 8` (length 0: no code starts so);
+/// - `offsets`: `chunks + 1` little-endian `u32` chunk boundaries in the coded exponents;
+/// - `raw`: one sign-and-mantissa byte per element;
+/// - `coded`: the coded exponents, most significant bit first, to the end of the bytes.
+///
+/// Every part starts at a multiple of 4 bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Chunks of [`CHUNK_ELEMENTS`] elements (the last may be short).
+    pub chunks: u64,
+    /// Offset of the decoding table.
+    pub table: u64,
+    /// Offset of the chunk boundaries.
+    pub offsets: u64,
+    /// Offset of the sign-and-mantissa bytes.
+    pub raw: u64,
+    /// Offset of the coded exponents.
+    pub coded: u64,
+}
+
+impl Layout {
+    /// The layout of an encoding of `elements` elements.
+    pub fn of(elements: u64) -> Layout {
+        let chunks = elements.div_ceil(u64::from(CHUNK_ELEMENTS));
+        let table = (HEADER + 256) as u64;
+        let offsets = table + 2 * TABLE_ENTRIES as u64;
+        let raw = offsets + 4 * (chunks + 1);
+        Layout { chunks, table, offsets, raw, coded: raw + elements }
+    }
+}
 
 /// What can go wrong encoding or decoding.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -65,7 +101,7 @@ impl EncodedBf16 {
     /// Bytes of [`to_bytes`](Self::to_bytes): header, code lengths, chunk offsets, raw bytes and
     /// coded exponents.
     pub fn encoded_len(&self) -> u64 {
-        (HEADER + 256 + 4 * self.offsets.len() + self.raw.len() + self.coded.len()) as u64
+        Layout::of(self.elements).coded + self.coded.len() as u64
     }
 
     /// Encoded bytes per decoded byte (below 1 when coding pays).
@@ -107,6 +143,9 @@ impl EncodedBf16 {
         out.extend_from_slice(&(self.coded.len() as u64).to_le_bytes());
         out.extend_from_slice(&[0; 8]);
         out.extend_from_slice(self.code.lengths());
+        for (symbol, len) in self.code.decoding_table() {
+            out.extend_from_slice(&(u16::from(symbol) | u16::from(len) << 8).to_le_bytes());
+        }
         for o in &self.offsets {
             out.extend_from_slice(&o.to_le_bytes());
         }
@@ -150,10 +189,7 @@ impl EncodedBf16 {
             return Err(corrupt(format!("{chunks} chunks for {elements} elements")));
         }
         let coded_len = u64_at(24)?;
-        let expected = (HEADER as u64 + 256)
-            .checked_add(4 * (chunks + 1))
-            .and_then(|n| n.checked_add(elements))
-            .and_then(|n| n.checked_add(coded_len));
+        let expected = Layout::of(elements).coded.checked_add(coded_len);
         if expected != Some(bytes.len() as u64) {
             return Err(corrupt(format!(
                 "{} bytes, the header describes {}",
@@ -166,7 +202,15 @@ impl EncodedBf16 {
         }
         let lengths: [u8; 256] = field(HEADER, 256)?.try_into().expect("256");
         let code = Code::from_lengths(lengths).ok_or_else(|| corrupt("code lengths"))?;
-        let mut at = HEADER + 256;
+        let layout = Layout::of(elements);
+        let table = field(layout.table as usize, 2 * TABLE_ENTRIES)?;
+        let consistent = code.decoding_table().iter().zip(table.chunks_exact(2)).all(|(&(s, l), e)| {
+            u16::from_le_bytes([e[0], e[1]]) == u16::from(s) | u16::from(l) << 8
+        });
+        if !consistent {
+            return Err(corrupt("the decoding table does not match the code lengths"));
+        }
+        let mut at = layout.offsets as usize;
         let mut offsets = Vec::with_capacity(chunks as usize + 1);
         for _ in 0..=chunks {
             offsets.push(u32_at(at)?);

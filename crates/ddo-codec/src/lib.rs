@@ -5,7 +5,8 @@
 //! information in 8, while sign and mantissa look random. [`encode_bf16`] keeps each element's
 //! sign and mantissa as one raw byte and codes its exponent with a canonical Huffman code built
 //! from the tensor's (or unit's) exponent histogram, limited to [`MAX_CODE_BITS`] bits so that a
-//! decoder resolves any code with one lookup in a table of `2^MAX_CODE_BITS` entries. The coded
+//! decoder resolves any code with one lookup in a table of `2^MAX_CODE_BITS` entries, which
+//! the encoding carries (checked against the code lengths when parsed). The coded
 //! exponents are cut into chunks of a fixed number of elements, each starting on a byte boundary
 //! at an offset the encoded form records, so chunks decode independently and in parallel (one
 //! GPU thread, or one CPU thread, per chunk). Decoding gives back every input bit pattern exactly:
@@ -20,5 +21,5 @@ mod bits;
 mod format;
 mod huffman;
 
-pub use format::{CHUNK_ELEMENTS, CodecError, EncodedBf16, decode_bf16, encode_bf16};
+pub use format::{CHUNK_ELEMENTS, CodecError, EncodedBf16, Layout, decode_bf16, encode_bf16};
 pub use huffman::{Code, MAX_CODE_BITS};
