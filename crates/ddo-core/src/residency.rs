@@ -92,4 +92,30 @@ pub trait Residency: Send + Sync {
             to.as_str()
         )))
     }
+    /// Whether [`decode`](Residency::decode) decodes entropy-coded bf16 weights on this
+    /// device. None by default.
+    fn decodes(&self) -> bool {
+        false
+    }
+    /// Enqueues on `stream` the decoding of the bf16 encoding at `src` (the bytes
+    /// `ddo_codec::EncodedBf16::to_bytes` writes, starting 4-byte aligned) into its
+    /// `dst.len / 2` bf16 elements at `dst`, bit for bit. Both ranges are mapped and do not
+    /// overlap; work enqueued on `stream` before (the copy that filled `src`) completes first.
+    /// Adapters bound every read by `src` and every write by `dst` whatever the bytes hold.
+    fn decode(
+        &self,
+        src: DeviceRange,
+        dst: DeviceRange,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let _ = (src, dst, stream);
+        Err(DeviceError::Unsupported("this device does not decode encoded weights".into()))
+    }
+    /// Bytes written and device seconds taken by the decodes enqueued on `stream` that are
+    /// known complete (as the device timed them; host wall time where decoding is
+    /// synchronous). `(0, 0.0)` by default.
+    fn decode_totals(&self, stream: StreamId) -> (u64, f64) {
+        let _ = stream;
+        (0, 0.0)
+    }
 }

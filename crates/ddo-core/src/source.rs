@@ -75,6 +75,15 @@ pub trait WeightSource: Send + Sync {
     fn announce(&self, upcoming: &[FileRange]) {
         let _ = upcoming;
     }
+    /// Where the source holds an entropy-coded form of tensor `slice` (the bytes
+    /// `ddo_codec::EncodedBf16::to_bytes` writes, decoding to exactly the tensor's bytes): a
+    /// range of a file id past the checkpoint's files that
+    /// [`host_pieces`](WeightSource::host_pieces) answers while the source lives. `None` (the
+    /// default) for a tensor served only as its own bytes.
+    fn encoding(&self, slice: usize) -> Option<FileRange> {
+        let _ = slice;
+        None
+    }
     /// Reads several tensors into `dst` at their requested offsets.
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
         for r in requests {
