@@ -11,6 +11,7 @@ use ddo_core::{
 };
 
 use crate::error::device;
+use crate::layout::DeviceWork;
 use crate::{ArenaError, ArenaStats, Budget, Layout, ResidencyPlan, UnitSpec};
 
 /// Proof that a unit's bytes are on the device for a consumer stream. Give it back with
@@ -163,7 +164,12 @@ impl Arena {
     /// stored dtype and converted on the device ([`Residency::convert`]) before their upload's
     /// fence: a unit holds their stored bytes and their converted elements.
     ///
+    /// Every other tensor the source holds encoded ([`WeightSource::encoding`]) uploads its
+    /// encoding and is decoded on the device ([`Residency::decode`]) before its fence, when the
+    /// device decodes; otherwise it uploads as its own bytes.
+    ///
     /// [`Residency::convert`]: ddo_core::Residency::convert
+    /// [`Residency::decode`]: ddo_core::Residency::decode
     pub fn with_conversions(
         platform: &Platform,
         source: Arc<dyn WeightSource>,
@@ -174,8 +180,18 @@ impl Arena {
         let residency = &platform.residency;
         let granularity =
             residency.granularity().map_err(device("query the mapping granularity"))?;
+        let encodings: HashMap<usize, ddo_core::FileRange> = if residency.decodes() {
+            units
+                .iter()
+                .flat_map(|u| &u.tensors)
+                .filter(|t| !conversions.contains_key(t))
+                .filter_map(|&t| Some((t, source.encoding(t)?)))
+                .collect()
+        } else {
+            HashMap::new()
+        };
         let mut layout =
-            Layout::build_converting(source.slices(), units, granularity, conversions)?;
+            Layout::build_staged(source.slices(), units, granularity, conversions, &encodings)?;
         let plan = ResidencyPlan::new(&layout, budget)?;
         let streamed: Vec<bool> = plan.resident.iter().map(|r| !r).collect();
         layout.place(plan.slot_len, &streamed);
@@ -396,7 +412,11 @@ impl Arena {
 
     /// A copy of the counters.
     pub fn stats(&self) -> ArenaStats {
-        self.lock().stats
+        let mut stats = self.lock().stats;
+        if let Some(stream) = self.convert_stream {
+            stats.decode_seconds = self.platform.residency.decode_totals(stream).1;
+        }
+        stats
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -690,7 +710,11 @@ impl Arena {
         let u = &self.layout.units[unit.0 as usize];
         state.stats.uploads += 1;
         state.stats.upload_bytes += u.link_bytes();
-        state.stats.device_conversions += u.conversions.len() as u64;
+        let (decodes, encoded, decoded) = u.decoded();
+        state.stats.device_conversions += u.conversions.len() as u64 - decodes;
+        state.stats.device_decodes += decodes;
+        state.stats.encoded_upload_bytes += encoded;
+        state.stats.decoded_bytes += decoded;
         state.stats.upload_copies += copies;
         state.stats.upload_seconds += t.elapsed().as_secs_f64();
         Ok(f)
@@ -753,10 +777,15 @@ impl Arena {
                 let t = u.tensors.iter().find(|t| t.slice == c.slice).expect("a converted tensor");
                 let src = DeviceRange { start: staging.offset(c.staging), len: c.staged_len };
                 let dst = DeviceRange { start: base.offset(t.offset), len: t.len };
-                self.platform
-                    .residency
-                    .convert(src, c.from, dst, c.to, convert)
-                    .map_err(device("enqueue a weight conversion"))?;
+                let residency = &self.platform.residency;
+                match c.work {
+                    DeviceWork::Convert { from, to } => residency
+                        .convert(src, from, dst, to, convert)
+                        .map_err(device("enqueue a weight conversion"))?,
+                    DeviceWork::DecodeBf16 => residency
+                        .decode(src, dst, convert)
+                        .map_err(device("enqueue a weight decode"))?,
+                }
             }
             f = fences.record(convert).map_err(device("record the conversion fence"))?;
             state.staging_read[b] = Some(f);
@@ -808,6 +837,16 @@ impl Arena {
             })
             .map(|(slice, _, at, _)| ReadRequest { slice, dst_offset: at - e.offset })
             .collect();
+        // A tensor's encoding is only in the source's host memory; reading the tensor would
+        // put its decoded bytes where the decoder expects the encoding.
+        if let Some(c) = u.conversions.iter().find(|c| {
+            c.work == DeviceWork::DecodeBf16 && requests.iter().any(|r| r.slice == c.slice)
+        }) {
+            return Err(ArenaError::Source(ddo_core::SourceError::InvalidBatch(format!(
+                "the source no longer holds the encoding of tensor {:?} in host memory",
+                self.source.slices()[c.slice].name
+            ))));
+        }
         let mut buf = vec![0u8; e.len as usize];
         self.source.read_batch(&requests, &mut buf)?;
         Ok(HostSlice::whole(Arc::new(ddo_core::HostBytes::from(buf))))

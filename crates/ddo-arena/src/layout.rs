@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use ddo_core::{CheckpointFileId, Dtype, TensorSlice, UnitId};
+use ddo_core::{CheckpointFileId, Dtype, FileRange, TensorSlice, UnitId};
 
 use crate::ArenaError;
 
@@ -68,22 +68,37 @@ pub struct Extent {
     pub staged: bool,
 }
 
-/// A tensor converted on the device after upload: its stored bytes land at `staging` of one of
-/// the arena's two staging buffers (by staged extents) and a kernel writes its `to` elements
-/// where its [`TensorPlacement`] says. Two buffers serve every unit: copies fill one while the
-/// conversions of the unit before read the other, on their own stream.
+/// What a kernel makes of a tensor's staged bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceWork {
+    /// Converts the stored `from` elements into `to` elements ([`ddo_core::Residency::convert`]).
+    Convert {
+        /// The stored dtype.
+        from: Dtype,
+        /// The dtype the tensor is served in.
+        to: Dtype,
+    },
+    /// Decodes the source's entropy-coded form of a bf16 tensor into its bf16 elements
+    /// ([`ddo_core::Residency::decode`]).
+    DecodeBf16,
+}
+
+/// A tensor converted or decoded on the device after upload: its stored bytes land at
+/// `staging` of one of the arena's two staging buffers (by staged extents) and a kernel writes
+/// the tensor's elements where its [`TensorPlacement`] says. Two buffers serve every unit:
+/// copies fill one while the kernels of the unit before read the other, on their own stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceConversion {
     /// Index in the source's slices.
     pub slice: usize,
     /// Offset of the stored bytes inside the staging buffer.
     pub staging: u64,
-    /// Stored bytes.
+    /// Stored bytes (the encoding's, for a decoded tensor).
     pub staged_len: u64,
-    /// The stored dtype.
-    pub from: Dtype,
-    /// The dtype the tensor is served in.
-    pub to: Dtype,
+    /// What the kernel does.
+    pub work: DeviceWork,
+    /// Bytes the kernel writes (the tensor as served).
+    pub served_len: u64,
 }
 
 /// One unit's layout.
@@ -115,6 +130,14 @@ impl UnitLayout {
     /// Bytes its copies carry over the link (stored bytes, before any device conversion).
     pub fn link_bytes(&self) -> u64 {
         self.extents.iter().map(|e| e.len).sum()
+    }
+
+    /// Tensors decoded on the device, their encoded bytes and their decoded bytes.
+    pub fn decoded(&self) -> (u64, u64, u64) {
+        self.conversions
+            .iter()
+            .filter(|c| c.work == DeviceWork::DecodeBf16)
+            .fold((0, 0, 0), |(n, enc, dec), c| (n + 1, enc + c.staged_len, dec + c.served_len))
     }
 
     /// Where each tensor's stored bytes land: `(slice, staged, offset, len)`, in the staging
@@ -168,7 +191,7 @@ impl Layout {
         units: &[UnitSpec],
         granularity: u64,
     ) -> Result<Layout, ArenaError> {
-        Self::build_converting(slices, units, granularity, &HashMap::new())
+        Self::build_staged(slices, units, granularity, &HashMap::new(), &HashMap::new())
     }
 
     /// As [`Layout::build`], with the tensors of `conversions` (slice -> dtype) converted on the
@@ -180,6 +203,32 @@ impl Layout {
         granularity: u64,
         conversions: &HashMap<usize, Dtype>,
     ) -> Result<Layout, ArenaError> {
+        Self::build_staged(slices, units, granularity, conversions, &HashMap::new())
+    }
+
+    /// As [`Layout::build_converting`], with the bf16 tensors of `encodings` (slice -> where the
+    /// source holds its encoding) uploaded encoded into the staging buffer and decoded on the
+    /// device. A tensor in both maps is converted (its encoding unused).
+    pub fn build_staged(
+        slices: &[TensorSlice],
+        units: &[UnitSpec],
+        granularity: u64,
+        conversions: &HashMap<usize, Dtype>,
+        encodings: &HashMap<usize, FileRange>,
+    ) -> Result<Layout, ArenaError> {
+        // The bytes each tensor uploads: its own, or its encoding's.
+        let stored = |t: usize| -> (CheckpointFileId, u64, u64, Option<DeviceWork>) {
+            let s = &slices[t];
+            if let Some(&to) = conversions.get(&t) {
+                return (s.file, s.offset, s.len, Some(DeviceWork::Convert { from: s.dtype, to }));
+            }
+            match encodings.get(&t) {
+                Some(r) if s.dtype == Dtype::BF16 => {
+                    (r.file, r.offset, r.len, Some(DeviceWork::DecodeBf16))
+                }
+                _ => (s.file, s.offset, s.len, None),
+            }
+        };
         let mut owner = vec![None::<usize>; slices.len()];
         let mut out = Vec::with_capacity(units.len());
         let mut offset = 0u64;
@@ -207,27 +256,34 @@ impl Layout {
                     )));
                 }
             }
-            tensors.sort_by_key(|&t| (slices[t].file, slices[t].offset));
+            tensors.sort_by_key(|&t| {
+                let (file, offset, _, _) = stored(t);
+                (file, offset)
+            });
             let mut placements = Vec::with_capacity(tensors.len());
             let mut extents: Vec<Extent> = Vec::new();
             // The unit's bytes, and the staging buffer's for tensors converted on the device.
             let (mut cursor, mut staged_cursor) = (0u64, 0u64);
             let mut converted = Vec::new();
             for &t in &tensors {
-                let s = &slices[t];
-                let staged = conversions.contains_key(&t);
+                let (file, file_offset, len, work) = stored(t);
+                let staged = work.is_some();
                 let cur = if staged { &mut staged_cursor } else { &mut cursor };
                 // Sizes beyond the limit would wrap in the sums below.
-                if s.len > MAX_LAYOUT || s.offset > MAX_LAYOUT || *cur > MAX_LAYOUT {
+                if len > MAX_LAYOUT
+                    || file_offset > MAX_LAYOUT
+                    || slices[t].len > MAX_LAYOUT
+                    || *cur > MAX_LAYOUT
+                {
                     return Err(too_large(&spec.name));
                 }
                 // Bytes between the last extent's end and this tensor, when one copy can span
                 // them: same file and destination, a gap of at most MAX_BRIDGED_GAP, and the
                 // tensor still aligned where it lands.
                 let bridge = extents.last().and_then(|e| {
-                    let gap = s.offset.checked_sub(e.file_offset + e.len)?;
+                    let gap = file_offset.checked_sub(e.file_offset + e.len)?;
                     (e.staged == staged
-                        && e.file == s.file
+                        && e.file == file
                         && gap <= MAX_BRIDGED_GAP
                         && (e.offset + e.len + gap).is_multiple_of(MIN_TENSOR_ALIGN))
                     .then_some(gap)
@@ -235,41 +291,42 @@ impl Layout {
                 let at = if let Some(gap) = bridge {
                     let e = extents.last_mut().expect("extent");
                     let at = e.offset + e.len + gap;
-                    e.len += gap + s.len;
+                    e.len += gap + len;
                     at
                 } else {
-                    let start = if s.offset.is_multiple_of(MIN_TENSOR_ALIGN) {
+                    let start = if file_offset.is_multiple_of(MIN_TENSOR_ALIGN) {
                         let base = align_up(*cur, EXTENT_ALIGN);
-                        base + s.offset % EXTENT_ALIGN
+                        base + file_offset % EXTENT_ALIGN
                     } else {
                         align_up(*cur, EXTENT_ALIGN)
                     };
-                    extents.push(Extent {
-                        file: s.file,
-                        file_offset: s.offset,
-                        len: s.len,
-                        offset: start,
-                        staged,
-                    });
+                    extents.push(Extent { file, file_offset, len, offset: start, staged });
                     start
                 };
-                *cur = at + s.len;
-                match conversions.get(&t) {
-                    Some(&to) => converted.push(DeviceConversion {
-                        slice: t,
-                        staging: at,
-                        staged_len: s.len,
-                        from: s.dtype,
-                        to,
-                    }),
-                    None => placements.push(TensorPlacement { slice: t, offset: at, len: s.len }),
+                *cur = at + len;
+                match work {
+                    Some(work) => {
+                        let served_len = match work {
+                            DeviceWork::Convert { from, to } => {
+                                len / from.size_bytes().max(1) * to.size_bytes()
+                            }
+                            DeviceWork::DecodeBf16 => slices[t].len,
+                        };
+                        converted.push(DeviceConversion {
+                            slice: t,
+                            staging: at,
+                            staged_len: len,
+                            work,
+                            served_len,
+                        })
+                    }
+                    None => placements.push(TensorPlacement { slice: t, offset: at, len }),
                 }
             }
-            // Converted elements after the unit's own bytes.
+            // Converted and decoded elements after the unit's own bytes.
             for c in &converted {
-                let elements = c.staged_len / c.from.size_bytes().max(1);
                 let offset = align_up(cursor, EXTENT_ALIGN);
-                let len = elements * c.to.size_bytes();
+                let len = c.served_len;
                 placements.push(TensorPlacement { slice: c.slice, offset, len });
                 cursor = offset + len;
                 if cursor > MAX_LAYOUT {
@@ -418,7 +475,10 @@ mod tests {
         assert!(staged.staged && !own.staged, "{:?}", u.extents);
         assert_eq!((staged.len, own.len), (4096, 1000));
         let [c] = u.conversions[..] else { panic!("{:?}", u.conversions) };
-        assert_eq!((c.slice, c.staged_len, c.from, c.to), (0, 4096, Dtype::BF16, Dtype::F32));
+        assert_eq!(
+            (c.slice, c.staged_len, c.work, c.served_len),
+            (0, 4096, DeviceWork::Convert { from: Dtype::BF16, to: Dtype::F32 }, 8192)
+        );
         assert_eq!(c.staging, staged.offset);
         let a = u.tensors.iter().find(|t| t.slice == 0).unwrap();
         let b = u.tensors.iter().find(|t| t.slice == 1).unwrap();

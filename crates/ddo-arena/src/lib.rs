@@ -30,8 +30,8 @@ mod tree;
 pub use arena::{Arena, Lease, ReclaimReport, drop_failure};
 pub use error::ArenaError;
 pub use layout::{
-    EXTENT_ALIGN, Extent, Layout, MAX_BRIDGED_GAP, MAX_LAYOUT, MIN_TENSOR_ALIGN, TensorPlacement,
-    UnitLayout, UnitSpec,
+    DeviceConversion, DeviceWork, EXTENT_ALIGN, Extent, Layout, MAX_BRIDGED_GAP, MAX_LAYOUT,
+    MIN_TENSOR_ALIGN, TensorPlacement, UnitLayout, UnitSpec,
 };
 pub use plan::{Budget, ResidencyPlan};
 pub use stats::ArenaStats;

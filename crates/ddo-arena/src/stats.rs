@@ -21,6 +21,14 @@ pub struct ArenaStats {
     pub upload_copies: u64,
     /// Tensors converted on the device after their upload.
     pub device_conversions: u64,
+    /// Tensors uploaded encoded and decoded on the device.
+    pub device_decodes: u64,
+    /// Bytes of those encodings (part of `upload_bytes`).
+    pub encoded_upload_bytes: u64,
+    /// Bytes the decodes wrote (the tensors as served).
+    pub decoded_bytes: u64,
+    /// Device seconds of the decodes known complete, as the device timed them.
+    pub decode_seconds: f64,
     /// Host time spent enqueuing uploads.
     pub upload_seconds: f64,
     /// Host time spent blocked on fences (reclaim, close).
@@ -66,6 +74,10 @@ impl ArenaStats {
             upload_bytes: self.upload_bytes + later.upload_bytes,
             upload_copies: self.upload_copies + later.upload_copies,
             device_conversions: self.device_conversions + later.device_conversions,
+            device_decodes: self.device_decodes + later.device_decodes,
+            encoded_upload_bytes: self.encoded_upload_bytes + later.encoded_upload_bytes,
+            decoded_bytes: self.decoded_bytes + later.decoded_bytes,
+            decode_seconds: self.decode_seconds + later.decode_seconds,
             upload_seconds: self.upload_seconds + later.upload_seconds,
             wait_seconds: self.wait_seconds + later.wait_seconds,
             prefetch_hits: self.prefetch_hits + later.prefetch_hits,
@@ -92,6 +104,10 @@ impl ArenaStats {
             upload_bytes: Some(self.upload_bytes),
             upload_copies: Some(self.upload_copies),
             device_conversions: Some(self.device_conversions),
+            device_decodes: Some(self.device_decodes),
+            encoded_upload_bytes: Some(self.encoded_upload_bytes),
+            decoded_bytes: Some(self.decoded_bytes),
+            decode_seconds: Some(self.decode_seconds),
             upload_seconds: Some(self.upload_seconds),
             wait_seconds: Some(self.wait_seconds),
             prefetch_hits: Some(self.prefetch_hits),
