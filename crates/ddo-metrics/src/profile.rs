@@ -126,6 +126,19 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("gib", s.converted_bytes)
         .seconds("seconds", s.conversion_seconds)
         .render(&mut out, "");
+    let ratio = match (s.encoded_bytes, s.encoding_source_bytes) {
+        (Some(e), Some(d)) if d > 0 => Some(format!("{:.3}", e as f64 / d as f64)),
+        _ => None,
+    };
+    Line::new("encoding")
+        .text("mode", s.weight_encoding.as_ref())
+        .count("tensors", s.encoded_tensors)
+        .gib("from_gib", s.encoding_source_bytes)
+        .gib("gib", s.encoded_bytes)
+        .text("ratio", ratio)
+        .seconds("seconds", s.encoding_seconds.filter(|t| *t > 0.0))
+        .text("file", s.encoded_file.as_ref().filter(|f| !f.is_empty()))
+        .render(&mut out, "");
     if let Some(reason) = &s.unregistered_reason {
         let _ = writeln!(out, "  unregistered: {reason}");
     }
@@ -140,6 +153,22 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .gib("upload_gib", rt.upload_bytes)
         .count("copies", rt.upload_copies)
         .count("conversions", rt.device_conversions.filter(|c| *c > 0))
+        .count("decodes", rt.device_decodes.filter(|c| *c > 0))
+        .gib(
+            "saved_gib_per_pass",
+            match (rt.decoded_bytes, rt.encoded_upload_bytes, rt.passes) {
+                (Some(d), Some(e), Some(p)) if d > 0 && p > 0 => Some(d.saturating_sub(e) / p),
+                _ => None,
+            },
+        )
+        .seconds("decode_seconds", rt.decode_seconds.filter(|t| *t > 0.0))
+        .text(
+            "decode_gb_per_second",
+            match (rt.decoded_bytes, rt.decode_seconds) {
+                (Some(b), Some(t)) if t > 0.0 => Some(format!("{:.0}", b as f64 / t / 1e9)),
+                _ => None,
+            },
+        )
         .seconds("upload_seconds", rt.upload_seconds)
         .seconds("wait_seconds", rt.wait_seconds)
         .render(&mut out, "");

@@ -158,6 +158,19 @@ optional_section! {
         converted_bytes: u64,
         /// Seconds conversion took.
         conversion_seconds: f64,
+        /// Entropy-coded streaming (`vmm_weight_encoding`): `off`, or what was encoded and why
+        /// (`on`, `auto: transfer-bound`), or why nothing was (`auto: no decoder on this device`).
+        weight_encoding: String,
+        /// Tensors streamed encoded and decoded on the device.
+        encoded_tensors: u64,
+        /// Their bytes as served (bf16).
+        encoding_source_bytes: u64,
+        /// Bytes of their encodings, retained in host memory.
+        encoded_bytes: u64,
+        /// Seconds encoding took at load (0 when read from an encoded file).
+        encoding_seconds: f64,
+        /// The encoded file the encodings were read from or written to, when one is used.
+        encoded_file: String,
         /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `host_tensors`.
         host_source: String,
         /// The device the component runs on (`cuda:0`, `cpu`).
@@ -190,6 +203,14 @@ optional_section! {
         upload_copies: u64,
         /// Tensors converted on the device after their upload (checkpoint dtype -> parameter dtype).
         device_conversions: u64,
+        /// Tensors uploaded entropy-coded and decoded on the device.
+        device_decodes: u64,
+        /// Bytes of those encodings (part of `upload_bytes`).
+        encoded_upload_bytes: u64,
+        /// Bytes the decodes wrote: the link saved `decoded_bytes - encoded_upload_bytes`.
+        decoded_bytes: u64,
+        /// Device seconds the decodes took (their kernels, as the device timed them).
+        decode_seconds: f64,
         /// Host time spent enqueuing uploads, seconds.
         upload_seconds: f64,
         /// Time compute waited for uploads, seconds.
@@ -375,6 +396,10 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
                 "upload_bytes",
                 "upload_copies",
                 "device_conversions",
+                "device_decodes",
+                "encoded_upload_bytes",
+                "decoded_bytes",
+                "decode_seconds",
                 "upload_seconds",
                 "wait_seconds",
                 "prefetch_hits",

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::value::{
     AutoBudgetPolicy, ConversionSite, LinearRuntimeStrategy, OffloadType, ReadBackend, Selection,
-    SettingValue,
+    SettingValue, WeightEncoding,
 };
 
 /// Declares every setting once: its field, type, default, variable key and documentation; a
@@ -348,6 +348,16 @@ settings! {
     /// `auto` (widening on the device, the rest at load on the host unless the host is short),
     /// `host` (at load), `device` (on the GPU after each upload).
     dtype_conversion: ConversionSite = ConversionSite::Auto, "DTYPE_CONVERSION";
+    /// Entropy-coded streaming on the native route: bf16 tensors uploaded with Huffman-coded
+    /// exponents (about two thirds of their bytes) and decoded on the device, bit for bit.
+    /// `off`; `auto` (the tensors of the units the plan streams, when the device decodes);
+    /// `on` (every unit's). Only bf16 tensors of at least 1 MiB whose encoding is smaller are
+    /// encoded.
+    vmm_weight_encoding: WeightEncoding = WeightEncoding::Off, "VMM_WEIGHT_ENCODING";
+    /// Folder of encoded files (`vmm_weight_encoding`): the encodings of a checkpoint are read
+    /// from here when an earlier attach wrote them for the same checkpoint, else encoded and
+    /// written here. Empty: encoded at every attach, nothing written.
+    vmm_encoded_cache_dir: String = String::new(), "VMM_ENCODED_CACHE_DIR";
     /// Regex (Python `re.search` semantics on the module path) of the modules whose repeated
     /// blocks are streamed; other parameters stay resident. It must also compile as a Rust
     /// `regex` (no look-around, no back-references): resolution refuses one that does not.

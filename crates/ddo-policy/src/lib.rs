@@ -38,6 +38,7 @@ pub use resolve::{
 pub use route::{GroupOffload, Placement, Route, RouteChoice};
 pub use value::{
     AutoBudgetPolicy, ConversionSite, OffloadType, ReadBackend, Selection, SettingValue,
+    WeightEncoding,
 };
 
 /// The JSON Schema of [`DynamicOffloadConfig`], as users write it.

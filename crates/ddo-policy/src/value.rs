@@ -200,6 +200,18 @@ choice! {
 }
 
 choice! {
+    /// Which bf16 tensors the native route streams entropy-coded.
+    WeightEncoding {
+        /// None: every tensor uploads as its own bytes.
+        Off = "off",
+        /// The tensors of the units the plan streams, when the device decodes.
+        Auto = "auto",
+        /// Every unit's tensors.
+        On = "on"
+    }
+}
+
+choice! {
     /// The peer library's way of running a streamed layer; ddo publishes arena views as the
     /// parameters instead and accepts only the default.
     LinearRuntimeStrategy {
