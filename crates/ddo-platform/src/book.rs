@@ -75,6 +75,46 @@ impl AddressBook {
         Ok(n)
     }
 
+    /// Checks a decoding's ranges ([`ddo_core::Residency::decode`]): a destination of whole
+    /// bf16 elements at an even address, an encoding starting 4-byte aligned and at least as
+    /// long as the fixed parts of the layout for that many elements, no overlap, both inside
+    /// mappings. Returns the elements and the bytes of the encoding past its fixed parts (where
+    /// its coded exponents lie).
+    pub(crate) fn check_decode(
+        &self,
+        src: DeviceRange,
+        dst: DeviceRange,
+    ) -> Result<(u64, u64), DeviceError> {
+        if !dst.len.is_multiple_of(2) || !dst.start.0.is_multiple_of(2) {
+            return Err(invalid(format!(
+                "a decoding's destination of {} bytes at {:#x} is not whole 2-byte-aligned bf16 \
+                 elements",
+                dst.len, dst.start.0
+            )));
+        }
+        if !src.start.0.is_multiple_of(4) {
+            return Err(invalid(format!(
+                "an encoding at {:#x} does not start 4-byte aligned",
+                src.start.0
+            )));
+        }
+        let elements = dst.len / 2;
+        let fixed = ddo_codec::Layout::of(elements).coded;
+        if src.len < fixed {
+            return Err(invalid(format!(
+                "an encoding of {elements} bf16 elements takes at least {fixed} bytes; the \
+                 source has {}",
+                src.len
+            )));
+        }
+        if src.start.0 < dst.end() && dst.start.0 < src.end() {
+            return Err(invalid("a decoding's source and destination overlap".into()));
+        }
+        self.check_mapped(src)?;
+        self.check_mapped(dst)?;
+        Ok((elements, src.len - fixed))
+    }
+
     pub(crate) fn add_reservation(&mut self, start: u64, len: u64) {
         self.reservations.insert(start, len);
     }

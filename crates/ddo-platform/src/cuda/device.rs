@@ -39,6 +39,9 @@ struct State {
     /// Conversion kernels by dtype pair: the function, or `None` where the driver could not
     /// compile it for this device (an older GPU).
     kernels: HashMap<(Dtype, Dtype), Option<usize>>,
+    /// The decoding kernel once loaded: the function, or `None` where the driver could not
+    /// load its PTX (a driver older than CUDA 12.0, a GPU older than Ampere).
+    decoder: Option<Option<usize>>,
     /// Modules loaded for the kernels, unloaded at drop.
     modules: Vec<usize>,
 }
@@ -155,6 +158,24 @@ impl CudaDevice {
             unsafe { driver::module::get_function(module, super::convert::KERNEL.to_owned()) }.ok()
         })();
         state.kernels.insert((from, to), loaded.map(|f| f as usize));
+        loaded
+    }
+
+    /// The decoding kernel, loaded on first use.
+    fn decoder(&self, state: &mut State) -> Option<sys::CUfunction> {
+        if let Some(k) = state.decoder {
+            return k.map(|f| f as sys::CUfunction);
+        }
+        let loaded = (|| {
+            let ptx = std::ffi::CString::new(super::decode::PTX).ok()?;
+            self.bind().ok()?;
+            // SAFETY: a NUL-terminated PTX image; the driver copies what it needs.
+            let module = unsafe { driver::module::load_data(ptx.as_ptr().cast()) }.ok()?;
+            state.modules.push(module as usize);
+            // SAFETY: `module` was just loaded and stays loaded until drop.
+            unsafe { driver::module::get_function(module, super::decode::KERNEL.to_owned()) }.ok()
+        })();
+        state.decoder = Some(loaded.map(|f| f as usize));
         loaded
     }
 
@@ -369,6 +390,55 @@ impl Residency for CudaDevice {
             driver::launch_kernel(f, (blocks, 1, 1), (THREADS as u32, 1, 1), 0, raw, &mut params)
         }
         .named("cuLaunchKernel")?;
+        Ok(())
+    }
+
+    fn decodes(&self) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.decoder(&mut state).is_some()
+    }
+
+    fn decode(
+        &self,
+        src: DeviceRange,
+        dst: DeviceRange,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (mut elements, mut coded_bytes) = state.book.check_decode(src, dst)?;
+        let raw = Self::known_stream(&state, stream)?;
+        let Some(f) = self.decoder(&mut state) else {
+            return Err(DeviceError::Unsupported(
+                "this GPU's driver cannot load the decoding kernel (PTX 8.0 for sm_80: a driver \
+                 of CUDA 12.0 or later and an Ampere or newer GPU)"
+                    .into(),
+            ));
+        };
+        let blocks = super::decode::blocks(elements);
+        if blocks == 0 {
+            return Ok(());
+        }
+        let blocks = u32::try_from(blocks).ok().filter(|&b| b < 1 << 31).ok_or_else(|| {
+            DeviceError::InvalidUse(format!(
+                "{elements} bf16 elements are too many to decode at once"
+            ))
+        })?;
+        self.bind()?;
+        let (mut a, mut b) = (src.start.0, dst.start.0);
+        let mut params: [*mut c_void; 4] = [
+            (&raw mut a).cast(),
+            (&raw mut b).cast(),
+            (&raw mut elements).cast(),
+            (&raw mut coded_bytes).cast(),
+        ];
+        let threads = super::decode::THREADS;
+        // SAFETY: `f` takes (u64 blob, u64 dst, u64 elements, u64 coded_bytes), matching
+        // `params`; `src` (4-byte aligned, at least the layout's fixed parts plus `coded_bytes`)
+        // and `dst` (`elements` bf16, 2-byte aligned) lie inside live mappings and do not
+        // overlap (checked); the kernel reads only `src` and writes only `dst` whatever the
+        // bytes hold; its shared memory is static; the stream is known.
+        unsafe { driver::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, raw, &mut params) }
+            .named("cuLaunchKernel")?;
         Ok(())
     }
 

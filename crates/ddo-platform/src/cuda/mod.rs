@@ -16,6 +16,8 @@
 #[cfg(feature = "cuda")]
 mod convert;
 #[cfg(feature = "cuda")]
+mod decode;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod error;

@@ -244,6 +244,40 @@ impl Residency for HostDevice {
         Ok(())
     }
 
+    fn decodes(&self) -> bool {
+        true
+    }
+
+    /// Decodes at once, as every host operation runs: parses the encoding (its CRC checked) and
+    /// decodes it with [`ddo_codec::decode_bf16`]. A damaged encoding is refused, naming what is
+    /// wrong, with `dst` perhaps partly written.
+    fn decode(
+        &self,
+        src: DeviceRange,
+        dst: DeviceRange,
+        _stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_decode(src, dst)?;
+        // SAFETY: both ranges lie inside live mappings of this device (checked under the lock,
+        // which keeps them mapped) and do not overlap (checked).
+        let (s, d) = unsafe {
+            (
+                std::slice::from_raw_parts(src.start.0 as *const u8, src.len as usize),
+                std::slice::from_raw_parts_mut(dst.start.0 as *mut u8, dst.len as usize),
+            )
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        ddo_codec::EncodedBf16::parse(s)
+            .and_then(|encoding| ddo_codec::decode_bf16(&encoding, d, threads))
+            .map_err(|e| {
+                Self::invalid(format!(
+                    "the encoding of {} bytes at {:#x} does not decode into {} bytes: {e}",
+                    src.len, src.start.0, dst.len
+                ))
+            })
+    }
+
     fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
         AddressBook::check_lengths("read", dst.len(), src.len)?;
         let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -337,6 +371,42 @@ mod tests {
         device.unregister_host(&registration).unwrap();
         drop(registration);
         assert!(alive.upgrade().is_none(), "unregistered memory is the caller's again");
+    }
+
+    #[test]
+    fn decoding_gives_the_bf16_bytes_back_and_refuses_a_damaged_encoding() {
+        let device = HostDevice::with_granularity(64 << 10);
+        assert!(device.decodes());
+        let bf16: Vec<u8> =
+            (0..3000u32).flat_map(|i| (0x3c00 + (i % 700) as u16).to_le_bytes()).collect();
+        let encoding = ddo_codec::encode_bf16(&bf16, 2).unwrap().to_bytes();
+        let g = device.granularity().unwrap();
+        let r = device.reserve(g).unwrap().range;
+        let b = device.create_backing(g).unwrap();
+        device.map(r, b).unwrap();
+        let src = DeviceRange { start: r.start, len: encoding.len() as u64 };
+        let dst = DeviceRange { start: r.start.offset(32 << 10), len: bf16.len() as u64 };
+        let upload = |bytes: Vec<u8>| {
+            let host = HostSlice::whole(Arc::new(HostBytes::from(bytes)) as Arc<dyn HostRegion>);
+            device.copy_to_device(host, src, StreamId(0)).unwrap();
+        };
+        upload(encoding.clone());
+        device.decode(src, dst, StreamId(0)).unwrap();
+        let mut out = vec![0u8; bf16.len()];
+        device.read_back(dst, &mut out).unwrap();
+        assert!(out == bf16, "the decoded bytes");
+
+        let mut damaged = encoding.clone();
+        *damaged.last_mut().unwrap() ^= 1;
+        upload(damaged);
+        let e = device.decode(src, dst, StreamId(0)).unwrap_err();
+        assert!(matches!(e, DeviceError::InvalidUse(_)), "{e:?}");
+        assert!(e.to_string().contains("corrupt encoding: the body's CRC-32"), "{e}");
+
+        upload(encoding);
+        let shorter = DeviceRange { start: dst.start, len: dst.len - 2 };
+        let e = device.decode(src, shorter, StreamId(0)).unwrap_err().to_string();
+        assert!(e.contains("the decoded tensor is 6000 bytes; the destination has 5998"), "{e}");
     }
 
     #[test]
