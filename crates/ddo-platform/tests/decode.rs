@@ -116,6 +116,13 @@ fn decode_guarded(
     let decoded = r.decode(m.src, m.dst, stream);
     // A device fault would fail this wait (and every call after it).
     env.platform.fences.wait(env.platform.fences.record(stream).unwrap()).unwrap();
+    let (bytes, seconds) = r.decode_totals(stream);
+    if decoded.is_ok() {
+        assert_eq!(bytes, m.dst.len, "the decode totals count the decoded bytes");
+        assert!(seconds > 0.0, "and its time");
+    } else {
+        assert_eq!((bytes, seconds), (0, 0.0), "a refused decode counts nothing");
+    }
     let mut after = vec![0u8; rest.len as usize];
     r.read_back(rest, &mut after).unwrap();
     let dst_at = (m.dst.start.0 - rest.start.0) as usize;

@@ -44,6 +44,22 @@ struct State {
     decoder: Option<Option<usize>>,
     /// Modules loaded for the kernels, unloaded at drop.
     modules: Vec<usize>,
+    /// Decodes enqueued and not yet known complete, in enqueue order, each between two timing
+    /// events.
+    timed: Vec<TimedDecode>,
+    /// Bytes written and device seconds of the decodes known complete, by stream.
+    decoded: HashMap<u64, (u64, f64)>,
+    /// Timing events free for reuse.
+    free_timing: Vec<usize>,
+}
+
+/// A decode between two timing events recorded on its stream.
+#[derive(Debug)]
+struct TimedDecode {
+    stream: u64,
+    start: usize,
+    end: usize,
+    bytes: u64,
 }
 
 /// A CUDA device (its primary context) implementing [`Residency`] and [`Fence`].
@@ -219,6 +235,42 @@ impl CudaDevice {
             }
         }
         Ok(())
+    }
+
+    /// A timing event from the free list or new (timed events cost more than fences' and
+    /// serve only the decode totals).
+    fn timing_event(state: &mut State) -> Result<usize, CudaError> {
+        match state.free_timing.pop() {
+            Some(e) => Ok(e),
+            None => Ok(driver::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .named("cuEventCreate")? as usize),
+        }
+    }
+
+    /// Adds the decodes known complete to their stream's totals, in each stream's order (a
+    /// decode completes after those enqueued before it on its stream); a failed query proves
+    /// nothing and keeps the decode outstanding.
+    fn retire_decodes(state: &mut State) {
+        let mut waiting: Vec<u64> = Vec::new();
+        let mut kept = Vec::new();
+        for t in std::mem::take(&mut state.timed) {
+            // SAFETY: `end` is a live timing event of this device, outstanding (not recycled).
+            let done = !waiting.contains(&t.stream)
+                && unsafe { Self::event_complete(t.end) }.unwrap_or(false);
+            if !done {
+                waiting.push(t.stream);
+                kept.push(t);
+                continue;
+            }
+            // SAFETY: both are live timing events of this device, both complete.
+            let ms =
+                unsafe { driver::event::elapsed(t.start as sys::CUevent, t.end as sys::CUevent) };
+            let total = state.decoded.entry(t.stream).or_default();
+            total.0 += t.bytes;
+            total.1 += f64::from(ms.unwrap_or(0.0)) / 1e3;
+            state.free_timing.extend([t.start, t.end]);
+        }
+        state.timed = kept;
     }
 
     /// Marks `value` complete: recycles its event and drops the host slices it held.
@@ -424,6 +476,17 @@ impl Residency for CudaDevice {
             ))
         })?;
         self.bind()?;
+        if state.timed.len() > RETIRE_AFTER {
+            Self::retire_decodes(&mut state);
+        }
+        let start = Self::timing_event(&mut state)?;
+        let end = match Self::timing_event(&mut state) {
+            Ok(e) => e,
+            Err(e) => {
+                state.free_timing.push(start);
+                return Err(e.into());
+            }
+        };
         let (mut a, mut b) = (src.start.0, dst.start.0);
         let mut params: [*mut c_void; 4] = [
             (&raw mut a).cast(),
@@ -432,14 +495,35 @@ impl Residency for CudaDevice {
             (&raw mut coded_bytes).cast(),
         ];
         let threads = super::decode::THREADS;
-        // SAFETY: `f` takes (u64 blob, u64 dst, u64 elements, u64 coded_bytes), matching
-        // `params`; `src` (4-byte aligned, at least the layout's fixed parts plus `coded_bytes`)
-        // and `dst` (`elements` bf16, 2-byte aligned) lie inside live mappings and do not
-        // overlap (checked); the kernel reads only `src` and writes only `dst` whatever the
-        // bytes hold; its shared memory is static; the stream is known.
-        unsafe { driver::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, raw, &mut params) }
+        let launched = (|| {
+            // SAFETY: a live timing event and a known stream of this context.
+            unsafe { driver::event::record(start as sys::CUevent, raw) }.named("cuEventRecord")?;
+            // SAFETY: `f` takes (u64 blob, u64 dst, u64 elements, u64 coded_bytes), matching
+            // `params`; `src` (4-byte aligned, at least the layout's fixed parts plus
+            // `coded_bytes`) and `dst` (`elements` bf16, 2-byte aligned) lie inside live
+            // mappings and do not overlap (checked); the kernel reads only `src` and writes only
+            // `dst` whatever the bytes hold; its shared memory is static; the stream is known.
+            unsafe {
+                driver::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, raw, &mut params)
+            }
             .named("cuLaunchKernel")?;
+            // SAFETY: as for `start`.
+            unsafe { driver::event::record(end as sys::CUevent, raw) }.named("cuEventRecord")
+        })();
+        if let Err(e) = launched {
+            state.free_timing.extend([start, end]);
+            return Err(e.into());
+        }
+        state.timed.push(TimedDecode { stream: stream.0, start, end, bytes: dst.len });
         Ok(())
+    }
+
+    fn decode_totals(&self, stream: StreamId) -> (u64, f64) {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.bind().is_ok() {
+            Self::retire_decodes(&mut state);
+        }
+        state.decoded.get(&stream.0).copied().unwrap_or_default()
     }
 
     fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
@@ -654,6 +738,10 @@ impl Drop for CudaDevice {
                 let _ = driver::event::destroy(event as sys::CUevent);
             }
             for event in state.free_events.drain(..) {
+                let _ = driver::event::destroy(event as sys::CUevent);
+            }
+            let timed = std::mem::take(&mut state.timed).into_iter().flat_map(|t| [t.start, t.end]);
+            for event in timed.chain(state.free_timing.drain(..)) {
                 let _ = driver::event::destroy(event as sys::CUevent);
             }
             for (&s, &owned) in &state.streams {

@@ -35,6 +35,8 @@ struct State {
     /// as the CUDA adapter does.
     registered: HashMap<u64, HostSlice>,
     next_registration: u64,
+    /// Bytes written and wall seconds of the decodes done, by stream.
+    decoded: HashMap<u64, (u64, f64)>,
 }
 
 impl State {
@@ -255,10 +257,11 @@ impl Residency for HostDevice {
         &self,
         src: DeviceRange,
         dst: DeviceRange,
-        _stream: StreamId,
+        stream: StreamId,
     ) -> Result<(), DeviceError> {
-        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.book.check_decode(src, dst)?;
+        let started = std::time::Instant::now();
         // SAFETY: both ranges lie inside live mappings of this device (checked under the lock,
         // which keeps them mapped) and do not overlap (checked).
         let (s, d) = unsafe {
@@ -275,7 +278,16 @@ impl Residency for HostDevice {
                     "the encoding of {} bytes at {:#x} does not decode into {} bytes: {e}",
                     src.len, src.start.0, dst.len
                 ))
-            })
+            })?;
+        let total = state.decoded.entry(stream.0).or_default();
+        total.0 += dst.len;
+        total.1 += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn decode_totals(&self, stream: StreamId) -> (u64, f64) {
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.decoded.get(&stream.0).copied().unwrap_or_default()
     }
 
     fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
@@ -395,6 +407,10 @@ mod tests {
         let mut out = vec![0u8; bf16.len()];
         device.read_back(dst, &mut out).unwrap();
         assert!(out == bf16, "the decoded bytes");
+        let (bytes, seconds) = device.decode_totals(StreamId(0));
+        assert_eq!(bytes, bf16.len() as u64);
+        assert!(seconds > 0.0);
+        assert_eq!(device.decode_totals(StreamId(1)), (0, 0.0), "another stream decoded nothing");
 
         let mut damaged = encoding.clone();
         *damaged.last_mut().unwrap() ^= 1;
@@ -407,6 +423,11 @@ mod tests {
         let shorter = DeviceRange { start: dst.start, len: dst.len - 2 };
         let e = device.decode(src, shorter, StreamId(0)).unwrap_err().to_string();
         assert!(e.contains("the decoded tensor is 6000 bytes; the destination has 5998"), "{e}");
+        assert_eq!(
+            device.decode_totals(StreamId(0)).0,
+            bf16.len() as u64,
+            "refusals count nothing"
+        );
     }
 
     #[test]
