@@ -204,9 +204,10 @@ impl EncodedBf16 {
         let code = Code::from_lengths(lengths).ok_or_else(|| corrupt("code lengths"))?;
         let layout = Layout::of(elements);
         let table = field(layout.table as usize, 2 * TABLE_ENTRIES)?;
-        let consistent = code.decoding_table().iter().zip(table.chunks_exact(2)).all(|(&(s, l), e)| {
-            u16::from_le_bytes([e[0], e[1]]) == u16::from(s) | u16::from(l) << 8
-        });
+        let consistent =
+            code.decoding_table().iter().zip(table.chunks_exact(2)).all(|(&(s, l), e)| {
+                u16::from_le_bytes([e[0], e[1]]) == u16::from(s) | u16::from(l) << 8
+            });
         if !consistent {
             return Err(corrupt("the decoding table does not match the code lengths"));
         }

@@ -354,10 +354,6 @@ settings! {
     /// `on` (every unit's). Only bf16 tensors of at least 1 MiB whose encoding is smaller are
     /// encoded.
     vmm_weight_encoding: WeightEncoding = WeightEncoding::Off, "VMM_WEIGHT_ENCODING";
-    /// Folder of encoded files (`vmm_weight_encoding`): the encodings of a checkpoint are read
-    /// from here when an earlier attach wrote them for the same checkpoint, else encoded and
-    /// written here. Empty: encoded at every attach, nothing written.
-    vmm_encoded_cache_dir: String = String::new(), "VMM_ENCODED_CACHE_DIR";
     /// Regex (Python `re.search` semantics on the module path) of the modules whose repeated
     /// blocks are streamed; other parameters stay resident. It must also compile as a Rust
     /// `regex` (no look-around, no back-references): resolution refuses one that does not.

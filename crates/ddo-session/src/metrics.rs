@@ -116,6 +116,13 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
                 "the host could not hold the checkpoint converted to the module's dtypes: its tensors stream as stored and are converted on the device after each upload".into(),
             );
         }
+        setup.weight_encoding = a.encoding_note.map(str::to_owned);
+        if let Some(e) = a.encoding {
+            setup.encoded_tensors = Some(e.tensors);
+            setup.encoding_source_bytes = Some(e.source_bytes);
+            setup.encoded_bytes = Some(e.encoded_bytes);
+            setup.encoding_seconds = Some(e.seconds);
+        }
         if let Some(note) = a.staging_note {
             setup.warnings.get_or_insert_with(Vec::new).push(note.to_owned());
         }

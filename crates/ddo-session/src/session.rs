@@ -1,6 +1,6 @@
 //! The component session: one component's weights streamed through one arena.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -9,11 +9,12 @@ use ddo_arena::{Arena, ArenaError, Budget, Layout, Lease, ReclaimReport, UnitSpe
 use ddo_core::{
     Dtype, HostRegion, HostSlice, SourceError, StreamId, TensorSlice, UnitId, WeightSource,
 };
-use ddo_policy::{ConversionSite, Origin, Plan, ReadBackend, Route};
+use ddo_policy::{ConversionSite, Origin, Plan, ReadBackend, Route, WeightEncoding};
 use ddo_source::{
-    Checkpoint, CheckpointSource, ConversionReport, ConvertedSource, HostTensor, HostTensorSource,
-    MmapChoice, PackReport, REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar,
-    RetainedReport, RetainedSource, RetainedStore, StagedSource, StagingOptions, StagingPool,
+    Checkpoint, CheckpointSource, ConversionReport, ConvertedSource, EncodedSource, EncodingReport,
+    HostTensor, HostTensorSource, MmapChoice, PackReport, REGISTRATION_SEGMENT, ReadOptions,
+    RegisteredRange, Registrar, RetainedReport, RetainedSource, RetainedStore, StagedSource,
+    StagingOptions, StagingPool,
 };
 
 use crate::SessionError;
@@ -164,6 +165,10 @@ struct HostReport {
     staging: Option<Arc<StagingPool>>,
     /// Why the unretained rest is read on demand instead of ahead (no staging buffer fits).
     staging_note: Option<String>,
+    /// What `vmm_weight_encoding` chose, and why.
+    encoding_note: Option<String>,
+    /// What encoding the chosen tensors did.
+    encoding: Option<EncodingReport>,
 }
 
 /// The device memory of one attach and the host registrations its copies use. Shared by the
@@ -428,39 +433,7 @@ impl ComponentSession {
         *on_device = !host.device_conversions.is_empty();
         let slices = self.bind(source.slices(), &host.device_conversions)?;
         let specs = self.unit_specs(&*source);
-        let granularity = p.residency.granularity()?;
-        let budget_override = *self.budget_override.lock().unwrap_or_else(|p| p.into_inner());
-        // With the automatic budget the headroom is kept outside the arena, not inside it.
-        let mut headroom = match s.auto_budget_policy {
-            ddo_policy::AutoBudgetPolicy::Balanced => 0,
-            _ => gib("auto_vram_headroom_gb", s.auto_vram_headroom_gb)?,
-        };
-        let total = match (budget_override, self.route) {
-            (Some(total), _) => {
-                headroom = 0;
-                total
-            }
-            (None, SessionRoute::Native | SessionRoute::Disk) => {
-                gib("vmm_resident_weight_budget_gb", s.vmm_resident_weight_budget_gb)?
-            }
-            (None, SessionRoute::Linear) => {
-                let layout = Layout::build(source.slices(), &specs, granularity)?;
-                let largest =
-                    layout.units.iter().filter(|u| !u.pinned).map(|u| u.len).max().unwrap_or(0);
-                let pinned: u64 = layout.units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
-                let slots = u64::from(s.prefetch_depth.saturating_add(1).max(2));
-                // Headroom is kept free inside this budget: it shrinks the resident blocks.
-                let resident = gib("resident_module_budget_gb", s.resident_module_budget_gb)?;
-                largest
-                    .checked_mul(slots)
-                    .and_then(|v| v.checked_add(pinned))
-                    .and_then(|v| v.checked_add(resident))
-                    .ok_or_else(|| SessionError::Capacity {
-                        setting: "resident_module_budget_gb",
-                        message: "the budget overflows".into(),
-                    })?
-            }
-        };
+        let budget = self.budget(source.slices(), &specs)?;
         // Register host bytes before the arena exists, so the first uploads run at link speed.
         let registrar = self.registrar(&ranges)?;
         let mut registered = Vec::new();
@@ -491,7 +464,6 @@ impl ComponentSession {
                 }
             }
         }
-        let budget = Budget { total, headroom, prefetch_depth: s.prefetch_depth };
         let arena = match Arena::with_conversions(
             p,
             source.clone(),
@@ -543,6 +515,109 @@ impl ComponentSession {
         })
     }
 
+    /// The arena's budget: a budget set after opening, else the route's setting (the linear
+    /// route's from its slots, pinned units and `resident_module_budget_gb`).
+    fn budget(&self, slices: &[TensorSlice], specs: &[UnitSpec]) -> Result<Budget, SessionError> {
+        let s = &self.plan.settings;
+        let budget_override = *self.budget_override.lock().unwrap_or_else(|p| p.into_inner());
+        // With the automatic budget the headroom is kept outside the arena, not inside it.
+        let mut headroom = match s.auto_budget_policy {
+            ddo_policy::AutoBudgetPolicy::Balanced => 0,
+            _ => gib("auto_vram_headroom_gb", s.auto_vram_headroom_gb)?,
+        };
+        let total = match (budget_override, self.route) {
+            (Some(total), _) => {
+                headroom = 0;
+                total
+            }
+            (None, SessionRoute::Native | SessionRoute::Disk) => {
+                gib("vmm_resident_weight_budget_gb", s.vmm_resident_weight_budget_gb)?
+            }
+            (None, SessionRoute::Linear) => {
+                let granularity = self.platform.platform.residency.granularity()?;
+                let layout = Layout::build(slices, specs, granularity)?;
+                let largest =
+                    layout.units.iter().filter(|u| !u.pinned).map(|u| u.len).max().unwrap_or(0);
+                let pinned: u64 = layout.units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
+                let slots = u64::from(s.prefetch_depth.saturating_add(1).max(2));
+                // Headroom is kept free inside this budget: it shrinks the resident blocks.
+                let resident = gib("resident_module_budget_gb", s.resident_module_budget_gb)?;
+                largest
+                    .checked_mul(slots)
+                    .and_then(|v| v.checked_add(pinned))
+                    .and_then(|v| v.checked_add(resident))
+                    .ok_or_else(|| SessionError::Capacity {
+                        setting: "resident_module_budget_gb",
+                        message: "the budget overflows".into(),
+                    })?
+            }
+        };
+        Ok(Budget { total, headroom, prefetch_depth: s.prefetch_depth })
+    }
+
+    /// The tensors to stream entropy-coded (`vmm_weight_encoding`), unit by unit in upload
+    /// order, and what the profile says of the choice.
+    fn encoding_choice(
+        &self,
+        slices: &[TensorSlice],
+        converted: &HashSet<usize>,
+    ) -> Result<(Vec<usize>, String), SessionError> {
+        let mode = self.plan.settings.vmm_weight_encoding;
+        if mode == WeightEncoding::Off {
+            return Ok((Vec::new(), "off".into()));
+        }
+        if self.route != SessionRoute::Native {
+            let route = self.route.name();
+            return Ok((Vec::new(), format!("{mode}: the {route} route streams bytes as read")));
+        }
+        let residency = &self.platform.platform.residency;
+        if !residency.decodes() {
+            return Ok((Vec::new(), format!("{mode}: this device cannot load the decoder")));
+        }
+        let specs = self.assignment.unit_specs(slices);
+        let streamed: Vec<bool> = match mode {
+            WeightEncoding::On => vec![true; specs.len()],
+            _ => {
+                // The plan of the raw bytes says which units stream: their tensors cross the
+                // link every pass, a resident unit's once.
+                let budget = self.budget(slices, &specs)?;
+                let layout = Layout::build(slices, &specs, residency.granularity()?)?;
+                match ddo_arena::ResidencyPlan::new(&layout, budget) {
+                    Ok(plan) => plan.resident.iter().map(|r| !r).collect(),
+                    // The arena names the budget that cannot work.
+                    Err(_) => vec![true; specs.len()],
+                }
+            }
+        };
+        let mut chosen = Vec::new();
+        for (spec, _) in specs
+            .iter()
+            .zip(&streamed)
+            .filter(|(u, s)| **s && !u.pinned || mode == WeightEncoding::On)
+        {
+            let mut tensors: Vec<usize> = spec
+                .tensors
+                .iter()
+                .copied()
+                .filter(|t| {
+                    let slice = &slices[*t];
+                    slice.dtype == Dtype::BF16
+                        && slice.len >= MIN_ENCODED_BYTES
+                        && !converted.contains(t)
+                })
+                .collect();
+            tensors.sort_by_key(|&t| (slices[t].file, slices[t].offset));
+            chosen.extend(tensors);
+        }
+        let why = match (mode, chosen.is_empty()) {
+            (WeightEncoding::On, false) => "on: every unit's bf16 tensors of 1 MiB or more",
+            (WeightEncoding::On, true) => "on: no bf16 tensor of 1 MiB or more",
+            (_, false) => "auto: the streamed units' bf16 tensors of 1 MiB or more",
+            (_, true) => "auto: no streamed unit holds a bf16 tensor of 1 MiB or more",
+        };
+        Ok((chosen, why.into()))
+    }
+
     fn arena_error(&self, e: ArenaError) -> SessionError {
         match e.original() {
             ArenaError::BudgetTooSmall { .. } => SessionError::Capacity {
@@ -576,7 +651,8 @@ impl ComponentSession {
     }
 
     /// The checkpoint's source: retained windows under `vmm_source_cache_gb`, else the mapping
-    /// (`load_safetensors_backend` auto/mmap) or reads on demand (pread/direct).
+    /// (`load_safetensors_backend` auto/mmap) or reads on demand (pread/direct); the tensors
+    /// `vmm_weight_encoding` chooses served from their encodings.
     #[allow(clippy::type_complexity)]
     fn checkpoint_source(
         &self,
@@ -584,11 +660,73 @@ impl ComponentSession {
         mmap: MmapChoice,
         host_only: bool,
     ) -> Result<(Arc<dyn WeightSource>, Vec<(HostSlice, bool)>, HostReport), SessionError> {
+        let checkpoint = Arc::new(Checkpoint::open(path)?);
+        let all = self.conversions(checkpoint.slices())?;
+        let converted: HashSet<usize> = all.iter().map(|&(i, _)| i).collect();
+        let (encode, note) = self.encoding_choice(checkpoint.slices(), &converted)?;
+        let (source, mapped, mut ranges, mut host) =
+            self.stored_source(checkpoint, all, mmap, host_only, &encode)?;
+        host.encoding_note = Some(note);
+        if encode.is_empty() {
+            return Ok((source, ranges, host));
+        }
+        let encoded = self.encoded_source(source, &encode, mapped.as_deref())?;
+        ranges.extend(encoded.windows().into_iter().map(|w| (w, false)));
+        host.encoding = Some(encoded.report());
+        Ok((Arc::new(encoded), ranges, host))
+    }
+
+    /// `source` with the tensors of `encode` also held entropy-coded, encoded on every core; a
+    /// tensor's pages of `mapped` are dropped once read (its encoding serves it).
+    fn encoded_source(
+        &self,
+        source: Arc<dyn WeightSource>,
+        encode: &[usize],
+        mapped: Option<&CheckpointSource>,
+    ) -> Result<EncodedSource, SessionError> {
+        let p = &self.platform.platform;
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let workers = cores.max(self.plan.settings.pin_cpu_workers as usize);
+        let store = RetainedStore::new(u64::MAX, p.admission.clone());
+        let drop_pages = |i: usize| {
+            if let Some(m) = mapped {
+                let t = &m.slices()[i];
+                if let Some(file) = m.mapping(t.file.0 as usize) {
+                    file.drop_pages(t.offset as usize, t.len as usize);
+                }
+            }
+        };
+        EncodedSource::encode(source, encode, &store, workers, &drop_pages).map_err(|e| match e {
+            e @ (SourceError::Refused(_) | SourceError::CeilingExceeded { .. }) => {
+                SessionError::Capacity {
+                    setting: "vmm_weight_encoding",
+                    message: format!(
+                        "the host cannot hold the encodings of {} tensors: {e}; set vmm_weight_encoding to off",
+                        encode.len()
+                    ),
+                }
+            }
+            e => SessionError::Source(e),
+        })
+    }
+
+    /// The checkpoint's source as stored (or converted at load), the tensors of `encode` left
+    /// unregistered and unretained (their encodings serve them), with the mapping it reads.
+    #[allow(clippy::type_complexity)]
+    fn stored_source(
+        &self,
+        checkpoint: Arc<Checkpoint>,
+        all: Vec<(usize, Dtype)>,
+        mmap: MmapChoice,
+        host_only: bool,
+        encode: &[usize],
+    ) -> Result<
+        (Arc<dyn WeightSource>, Option<Arc<CheckpointSource>>, Vec<(HostSlice, bool)>, HostReport),
+        SessionError,
+    > {
         let s = &self.plan.settings;
         let p = &self.platform.platform;
-        let checkpoint = Arc::new(Checkpoint::open(path)?);
         let workers = s.pin_cpu_workers.max(1) as usize;
-        let all = self.conversions(checkpoint.slices())?;
         let slices = checkpoint.slices();
         let device_can = |&(i, to): &(usize, Dtype)| p.residency.converts(slices[i].dtype, to);
         let (on_device, targets): (Vec<_>, Vec<_>) = match s.dtype_conversion {
@@ -618,11 +756,13 @@ impl ComponentSession {
                 to.size_bytes() > slices[i].dtype.size_bytes() && device_can(&(i, to))
             }),
         };
+        let skip: HashSet<usize> =
+            targets.iter().map(|&(i, _)| i).chain(encode.iter().copied()).collect();
         let (source, mapped, ranges, mut host) =
-            self.checkpoint_bytes(checkpoint.clone(), mmap, &targets)?;
+            self.checkpoint_bytes(checkpoint.clone(), mmap, &skip)?;
         host.device_conversions = on_device.iter().copied().collect();
         if targets.is_empty() {
-            return Ok((source, ranges, host));
+            return Ok((source, mapped, ranges, host));
         }
         let store = RetainedStore::new(u64::MAX, p.admission.clone());
         // A converted tensor's pages of the mapping are not needed again: drop them, so the
@@ -652,10 +792,12 @@ impl ComponentSession {
             {
                 // What the first attempt holds (retained windows count against admission).
                 drop((source, ranges, mapped));
-                let (source, _, ranges, mut host) = self.checkpoint_bytes(checkpoint, mmap, &[])?;
+                let skip = encode.iter().copied().collect();
+                let (source, mapped, ranges, mut host) =
+                    self.checkpoint_bytes(checkpoint, mmap, &skip)?;
                 host.device_conversions = all.into_iter().collect();
                 host.host_short = true;
-                return Ok((source, ranges, host));
+                return Ok((source, mapped, ranges, host));
             }
             Err(e @ (SourceError::Refused(_) | SourceError::CeilingExceeded { .. })) => {
                 return Err(SessionError::Capacity {
@@ -673,7 +815,7 @@ impl ComponentSession {
             .into_iter()
             .chain(converted.buffers().iter().map(|b| (b.clone(), false)))
             .collect();
-        Ok((Arc::new(converted), ranges, host))
+        Ok((Arc::new(converted), mapped, ranges, host))
     }
 
     /// The checkpoint's tensors whose parameters have another floating dtype: `(slice, dtype)`.
@@ -714,7 +856,7 @@ impl ComponentSession {
         &self,
         checkpoint: Arc<Checkpoint>,
         mmap: MmapChoice,
-        targets: &[(usize, Dtype)],
+        skip: &HashSet<usize>,
     ) -> Result<CheckpointBytes, SessionError> {
         let s = &self.plan.settings;
         let p = &self.platform.platform;
@@ -731,12 +873,11 @@ impl ComponentSession {
             let reader =
                 CheckpointSource::new(checkpoint.clone(), reads(s.load_safetensors_backend))?;
             let store = RetainedStore::new(cache, p.admission.clone());
-            // Tensors converted at load are served converted: their stored bytes are not retained.
-            let converted: std::collections::HashSet<usize> =
-                targets.iter().map(|&(i, _)| i).collect();
+            // Tensors converted at load are served converted, encoded ones from their encodings:
+            // their stored bytes are not retained.
             let (source, report) =
                 RetainedSource::retain_only(Arc::new(reader), &store, RETAINED_WINDOW, |i| {
-                    !converted.contains(&i)
+                    !skip.contains(&i)
                 })?;
             let mut windows: Vec<(HostSlice, bool)> =
                 source.windows().into_iter().map(|w| (w, false)).collect();
@@ -788,10 +929,10 @@ impl ComponentSession {
                         Some(map)
                     })
                     .collect::<Vec<_>>();
-                let ranges = if targets.is_empty() {
+                let ranges = if skip.is_empty() {
                     maps.into_iter().map(|m| (m, true)).collect()
                 } else {
-                    stored_runs(checkpoint.slices(), targets, &maps)
+                    stored_runs(checkpoint.slices(), skip, &maps)
                 };
                 Ok((
                     source.clone() as Arc<dyn WeightSource>,
@@ -1330,6 +1471,8 @@ impl ComponentSession {
                     read_workers: a.host.read_workers,
                     staging: a.host.staging.as_ref().map(|p| (p.stats(), p.is_direct())),
                     staging_note: a.host.staging_note.as_deref(),
+                    encoding_note: a.host.encoding_note.as_deref(),
+                    encoding: a.host.encoding,
                     setup_seconds: a.setup_seconds,
                     total_bytes: a.total_bytes,
                     tensor_count: a.tensor_count,
@@ -1376,6 +1519,8 @@ pub(crate) struct AttachedView<'a> {
     /// The staging pool's counters and whether it reads with O_DIRECT.
     pub(crate) staging: Option<(ddo_source::StagingStats, bool)>,
     pub(crate) staging_note: Option<&'a str>,
+    pub(crate) encoding_note: Option<&'a str>,
+    pub(crate) encoding: Option<EncodingReport>,
     pub(crate) setup_seconds: f64,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,
@@ -1386,15 +1531,18 @@ pub(crate) struct AttachedView<'a> {
 type CheckpointBytes =
     (Arc<dyn WeightSource>, Option<Arc<CheckpointSource>>, Vec<(HostSlice, bool)>, HostReport);
 
-/// The ranges of file mappings `maps` holding tensors served as stored (not in `converted`):
-/// what a host registers when the rest is converted.
+/// The smallest tensor streamed entropy-coded: its encoding carries an 8 KiB decoding table, and
+/// decoding a small tensor is a kernel launch for little.
+const MIN_ENCODED_BYTES: u64 = 1 << 20;
+
+/// The ranges of file mappings `maps` holding tensors served as stored (not in `skip`): what a
+/// host registers when the rest is converted or encoded.
 fn stored_runs(
     slices: &[TensorSlice],
-    converted: &[(usize, Dtype)],
+    skip: &HashSet<usize>,
     maps: &[HostSlice],
 ) -> Vec<(HostSlice, bool)> {
-    let skip: std::collections::HashSet<&str> =
-        converted.iter().map(|&(i, _)| slices[i].name.as_str()).collect();
+    let skip: HashSet<&str> = skip.iter().map(|&i| slices[i].name.as_str()).collect();
     maps.iter()
         .enumerate()
         .flat_map(|(file, map)| {

@@ -1022,3 +1022,85 @@ fn weights_around_a_converted_tensor(device: &str) {
         }
     }
 }
+
+// ---- entropy-coded streaming -------------------------------------------------------------------
+
+#[test]
+fn encoded_streaming_serves_the_checkpoints_bytes() {
+    encoded_streaming("cpu");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn on_cuda_encoded_streaming_serves_the_checkpoints_bytes() {
+    encoded_streaming("cuda:0");
+}
+
+fn encoded_streaming(device: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bf16.safetensors");
+    let mut names = vec![("embed.weight".to_owned(), vec![1024, 8])];
+    for b in 0..6 {
+        names.push((format!("blocks.{b}.attn.weight"), vec![1024, 1024]));
+        names.push((format!("blocks.{b}.norm.weight"), vec![1024]));
+    }
+    names.push(("norm_out.weight".into(), vec![1024]));
+    // Weight-like bf16: a few exponents (high bytes near 0x3c), random mantissas and signs.
+    let hash =
+        |t: usize, i: u64| (t as u64 * 0x9e37_79b9 + i).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+    let byte = |t: usize, i: u64| {
+        let h = hash(t, i / 2);
+        if i % 2 == 0 {
+            h as u8
+        } else {
+            (0x3b + (h >> 8) % 3) as u8 | (((h >> 12) & 1) << 7) as u8
+        }
+    };
+    testing::write_dtype(&path, Dtype::BF16, &names, byte).unwrap();
+    let source = ddo_source::CheckpointSource::new(
+        ddo_source::Checkpoint::open(&path).unwrap().into(),
+        ddo_source::ReadOptions::default(),
+    )
+    .unwrap();
+    let expect = |name: &str| {
+        use ddo_core::WeightSource;
+        let i = source.slices().iter().position(|t| t.name == name).unwrap();
+        let mut raw = vec![0; source.slices()[i].len as usize];
+        source.read(i, &mut raw).unwrap();
+        raw
+    };
+    for (mode, cache) in [("on", "0"), ("auto", "0"), ("auto", "1"), ("off", "0")] {
+        let extra = [
+            ("execution_device", device),
+            ("vmm_weight_encoding", mode),
+            ("vmm_source_cache_gb", cache),
+            ("vmm_resident_weight_budget_gb", "0.02"),
+        ];
+        let session = native_with(&path, &extra, None).unwrap();
+        let s = setup(&session);
+        let case = format!("{mode}, cache {cache}: {s:?}");
+        assert!(s.streamed_units.unwrap() >= 2, "{case}");
+        run_and_compare(&session, 3, &expect, None);
+        let rt = session.metrics(None).runtime;
+        if mode == "off" {
+            assert_eq!(s.weight_encoding.as_deref(), Some("off"));
+            assert_eq!((s.encoded_tensors, rt.device_decodes), (None, Some(0)), "{case}");
+            continue;
+        }
+        // The six 2 MiB matrices (of the streamed units under auto) are encoded, to ~2/3.
+        let n = s.encoded_tensors.unwrap();
+        assert!(if mode == "on" { n == 6 } else { (2..=6).contains(&n) }, "{case}");
+        let ratio = s.encoded_bytes.unwrap() as f64 / s.encoding_source_bytes.unwrap() as f64;
+        assert!(ratio < 0.8, "{ratio} {case}");
+        assert!(s.weight_encoding.as_deref().unwrap().starts_with(mode), "{case}");
+        assert!(rt.device_decodes.unwrap() > 0, "{rt:?}");
+        assert!(rt.encoded_upload_bytes.unwrap() < rt.decoded_bytes.unwrap(), "{rt:?}");
+        assert!(rt.decode_seconds.unwrap() > 0.0, "{rt:?}");
+        let profile = session.metrics(None).format_profile();
+        assert!(profile.contains("encoding=mode=") && profile.contains("decodes="), "{profile}");
+        // Unload and reload encode again, to the same bytes.
+        assert!(session.unload().unwrap());
+        session.reload().unwrap();
+        run_and_compare(&session, 1, &expect, None);
+    }
+}

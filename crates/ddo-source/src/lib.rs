@@ -26,6 +26,7 @@
 
 mod checkpoint;
 mod convert;
+mod encoded_source;
 mod fault;
 mod gguf;
 mod header;
@@ -42,6 +43,7 @@ mod staging;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
 pub use convert::{ConversionReport, ConvertedSource, convert, convertible};
+pub use encoded_source::{EncodedSource, EncodingReport};
 pub use gguf::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufHeader, parse_gguf};
 pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
 pub use host_tensors::{HostTensor, HostTensorSource, PackReport};
