@@ -13,7 +13,7 @@ const USAGE: &str = "usage: cargo xtask test-gpu [--bundle DIR] [--bench]
                  cargo-nextest binary, the benchmark programs and run.sh; on the GPU machine,
                  from a copy of this repository: bash DIR/run.sh [--bench]
   --bench        also run the GPU benchmarks (stream_gemm --bench, read_bench, session_gemm,
-                 disk_gemm)";
+                 disk_gemm, decode_rate)";
 
 pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
     let mut bundle: Option<PathBuf> = None;
@@ -69,10 +69,25 @@ pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
                     &["run", "--release", "-p", "ddo-session", "--example", "session_gemm"],
                 )?;
                 run("cargo", &["run", "--release", "-p", "ddo-session", "--example", "disk_gemm"])?;
+                run(
+                    "cargo",
+                    &["run", "--release", "-p", "ddo-platform", "--example", "decode_rate"],
+                )?;
             }
             Ok(())
         }
     }
+}
+
+/// Builds the decode_rate example into `dir`, stripped: both bundles run it.
+fn build_decode_rate(dir: &Path) -> Result<(), String> {
+    run("cargo", &["build", "--release", "-p", "ddo-platform", "--example", "decode_rate"])?;
+    let program = dir.join("decode_rate");
+    copy(Path::new("target/release/examples/decode_rate"), &program)?;
+    if Command::new("strip").arg(&program).status().is_ok_and(|s| s.success()) {
+        eprintln!("stripped {}", program.display());
+    }
+    Ok(())
 }
 
 fn write_bundle(dir: &Path) -> Result<(), String> {
@@ -97,6 +112,7 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
     run("cargo", &["build", "--release", "-p", "ddo-source", "--example", "read_bench"])?;
     run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "session_gemm"])?;
     run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "disk_gemm"])?;
+    build_decode_rate(&dir)?;
     for example in ["stream_gemm", "read_bench", "session_gemm", "disk_gemm"] {
         copy(&Path::new("target/release/examples").join(example), &dir.join(example))?;
     }
@@ -182,6 +198,8 @@ if [ "${1:-}" = "--bench" ]; then
   "$bundle/session_gemm" --size-gib 4 --dir "$DDO_TEST_TMPDIR" || status=1
   # The disk route against the disk's own O_DIRECT speed (DDO_DISK_BENCH_GIB: the checkpoint).
   "$bundle/disk_gemm" --size-gib "${DDO_DISK_BENCH_GIB:-16}" --dir "$DDO_TEST_TMPDIR" || status=1
+  # Decoding encoded weights on the GPU against the pinned upload of the same bytes.
+  "$bundle/decode_rate" || status=1
 fi
 exit $status
 "#;
@@ -195,6 +213,8 @@ const BENCH_USAGE: &str =
   bash DIR/run.sh features        pipelines, text encoders, LoRA and conversion against resident runs
   bash DIR/run.sh pipeline [GIB]  a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
   bash DIR/run.sh dropin          the host example, timer, phase helpers, profiles, doctor and bench
+  bash DIR/run.sh decode [ARGS]   the GPU decoding rate of encoded weights beside the pinned link
+                                   (1 to 256 MiB; ARGS go to decode_rate: --sizes, --repeat)
   bash DIR/run.sh bench [CONFIGS] [VARIANTS]  rows of the side-by-side table (one model size per
                                    call fits a 10-minute limit; rows accumulate under target/)
   bash DIR/run.sh table           the table of every row measured so far
@@ -269,6 +289,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
     ] {
         copy(&Path::new("crates/ddo-py/examples").join(script), &dir.join(script))?;
     }
+    build_decode_rate(&dir)?;
     let run_sh = BENCH_RUN_SH.replace("@CONFIGS@", &configs);
     std::fs::write(dir.join("run.sh"), run_sh).map_err(|e| format!("writing run.sh: {e}"))?;
     println!(
@@ -295,6 +316,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh boundaries        kept weights, reads between passes, refusals, interrupts, threads, rewrites
 #   bash run.sh pipeline [GIB]    a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
 #   bash run.sh dropin            the host example, timer, phase helpers, profiles, doctor and bench
+#   bash run.sh decode [ARGS]     the GPU decoding rate of encoded weights beside the pinned link
 #   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
 #   bash run.sh table             the table of every row measured so far
 case "${1:-bench}" in
@@ -303,10 +325,11 @@ case "${1:-bench}" in
   boundaries) cmd=(python3 "$bundle/gpu_boundaries.py") ;;
   pipeline) cmd=(python3 "$bundle/gpu_pipeline.py" --dir "$work" --budget-gb "${2:-10}") ;;
   dropin) cmd=(python3 "$bundle/gpu_dropin.py") ;;
+  decode) cmd=("$bundle/decode_rate" "${@:2}") ;;
   bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work")
          [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

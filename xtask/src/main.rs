@@ -5,12 +5,14 @@
 //! - `test-gpu`: the CUDA tests and GPU benchmarks, here or as a bundle for a GPU machine.
 //! - `bench-gpu`: the side-by-side benchmark as a bundle for a GPU machine.
 //! - `fuzz`: every fuzz target on a nightly toolchain.
+//! - `kernels`: the CUDA C kernels compiled to the PTX ddo ships (NVRTC from PyPI, no toolkit).
 
 use std::process::{Command, ExitCode};
 
 mod demo;
 mod fuzz;
 mod gpu;
+mod kernels;
 mod python;
 
 const USAGE: &str = "usage: cargo xtask <task>
@@ -22,7 +24,8 @@ tasks:
           pipeline's plan and stream a checkpoint through the Rust arena
   test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)
   bench-gpu the side-by-side GPU benchmark as a bundle for a GPU machine (--help)
-  fuzz    every fuzz target on the nightly toolchain with cargo-fuzz (--help)";
+  fuzz    every fuzz target on the nightly toolchain with cargo-fuzz (--help)
+  kernels compile the CUDA C kernels to the PTX shipped beside them, with NVRTC from PyPI (--help)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
         Some("test-gpu") => gpu::test_gpu(&args[1..]),
         Some("bench-gpu") => gpu::bench_gpu(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
+        Some("kernels") => kernels::run_task(&args[1..]),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())

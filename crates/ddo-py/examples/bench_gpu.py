@@ -245,7 +245,7 @@ def child(a: argparse.Namespace) -> int:
             else:
                 budget = float(m.group(1)) if m.group(1) else STREAMING_BUDGET_GB
             if m.group(4):
-                extra_config["vmm_weight_encoding"] = "on"
+                os.environ["DDO_VMM_WEIGHT_ENCODING"] = "on"
             config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget, **extra_config)
         extra = {"gguf_file": gguf_file(a.path)} if quantized else {}
         model = ddo.from_pretrained_with_dynamic_offload(
