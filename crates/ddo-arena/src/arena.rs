@@ -180,16 +180,17 @@ impl Arena {
         let residency = &platform.residency;
         let granularity =
             residency.granularity().map_err(device("query the mapping granularity"))?;
-        let encodings: HashMap<usize, ddo_core::FileRange> = if residency.decodes() {
-            units
-                .iter()
-                .flat_map(|u| &u.tensors)
-                .filter(|t| !conversions.contains_key(t))
-                .filter_map(|&t| Some((t, source.encoding(t)?)))
-                .collect()
-        } else {
-            HashMap::new()
-        };
+        let mut encodings: HashMap<usize, ddo_core::FileRange> = units
+            .iter()
+            .flat_map(|u| &u.tensors)
+            .filter(|t| !conversions.contains_key(t))
+            .filter_map(|&t| Some((t, source.encoding(t)?)))
+            .collect();
+        // Asked only of a source with encodings: they upload as their tensors' own bytes on a
+        // device that does not decode.
+        if !encodings.is_empty() && !residency.decodes() {
+            encodings.clear();
+        }
         let mut layout =
             Layout::build_staged(source.slices(), units, granularity, conversions, &encodings)?;
         let plan = ResidencyPlan::new(&layout, budget)?;
