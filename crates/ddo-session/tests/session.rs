@@ -1050,7 +1050,7 @@ fn encoded_streaming(device: &str) {
         |t: usize, i: u64| (t as u64 * 0x9e37_79b9 + i).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
     let byte = |t: usize, i: u64| {
         let h = hash(t, i / 2);
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             h as u8
         } else {
             (0x3b + (h >> 8) % 3) as u8 | (((h >> 12) & 1) << 7) as u8
