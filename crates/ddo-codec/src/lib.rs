@@ -12,6 +12,10 @@
 //! GPU thread, or one CPU thread, per chunk). Decoding gives back every input bit pattern exactly:
 //! NaN payloads, infinities, subnormals and both zeros included.
 //!
+//! The split is by bit position, so fp16 encodes through the same functions, bit for bit: its
+//! coded byte holds the 5-bit exponent and the top 3 mantissa bits, which the code cannot
+//! compress, so fp16 weights shrink less (to about 0.85x against bf16's 0.66x).
+//!
 //! The crate is pure computation (no I/O, no `unsafe`): the same [`decode_bf16`] serves the host
 //! backend and the tests the GPU decoder is checked against, and [`EncodedBf16::parse`] refuses a
 //! corrupt encoding with an error instead of panicking or reading out of bounds.

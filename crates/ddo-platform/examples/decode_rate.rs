@@ -49,34 +49,6 @@ fn args() -> Result<Args, String> {
     Ok(a)
 }
 
-/// Little-endian bf16 of a normal spread of scale 0.02, as initialised weights have, made on
-/// `threads` threads.
-fn weights(bytes: usize, threads: usize) -> Vec<u8> {
-    let mut out = vec![0u8; bytes];
-    let per = (bytes / 2).div_ceil(threads.max(1)) * 2;
-    std::thread::scope(|s| {
-        for (part, slot) in out.chunks_mut(per.max(2)).enumerate() {
-            s.spawn(move || {
-                let mut state = (part as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-                let mut uniform = || {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state >> 11) as f64 / (1u64 << 53) as f64
-                };
-                for e in slot.chunks_exact_mut(2) {
-                    let (u, v) = (uniform().max(1e-300), uniform());
-                    let z = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
-                    e.copy_from_slice(
-                        &((((z * 0.02) as f32).to_bits() >> 16) as u16).to_le_bytes(),
-                    );
-                }
-            });
-        }
-    });
-    out
-}
-
 /// Seconds per operation of the fastest of three rounds of `repeat` operations, each round
 /// timed from the first enqueue to the completion of the last.
 fn seconds_each(
@@ -118,7 +90,7 @@ fn main() -> Result<(), String> {
     let stream = r.create_stream().map_err(|e| e.to_string())?;
     let g = r.granularity().map_err(|e| e.to_string())?;
     let largest = sizes.iter().copied().max().unwrap_or(0) << 20;
-    let all = weights(largest, threads);
+    let all = ddo_platform::samples::weight_like_bf16(largest, threads);
     println!(
         "decode_rate on the {} device: weight-like bf16 (normal, scale 0.02); GB/s of bf16 bytes",
         platform.name

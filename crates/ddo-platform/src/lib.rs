@@ -8,6 +8,7 @@
 //!   machines without a GPU and for tests.
 //! - [`linux`]: host-memory observation and admission from `/proc`, cgroup v2 and rlimits, read
 //!   under an injectable root directory so every decision is testable on fixture trees.
+//! - [`samples`]: weight-like bytes for probes and benchmarks of the device.
 //!
 //! Adapters are values: a host builds them once and puts them in a [`ddo_core::Platform`]
 //! ([`host_platform`], [`cuda_platform`]). `unsafe` here is confined to FFI and raw memory, each
@@ -17,6 +18,7 @@ mod book;
 pub mod cuda;
 pub mod host;
 pub mod linux;
+pub mod samples;
 
 use std::sync::Arc;
 
