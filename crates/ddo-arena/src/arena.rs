@@ -783,7 +783,7 @@ impl Arena {
                     DeviceWork::Convert { from, to } => residency
                         .convert(src, from, dst, to, convert)
                         .map_err(device("enqueue a weight conversion"))?,
-                    DeviceWork::DecodeBf16 => residency
+                    DeviceWork::Decode => residency
                         .decode(src, dst, convert)
                         .map_err(device("enqueue a weight decode"))?,
                 }
@@ -840,9 +840,11 @@ impl Arena {
             .collect();
         // A tensor's encoding is only in the source's host memory; reading the tensor would
         // put its decoded bytes where the decoder expects the encoding.
-        if let Some(c) = u.conversions.iter().find(|c| {
-            c.work == DeviceWork::DecodeBf16 && requests.iter().any(|r| r.slice == c.slice)
-        }) {
+        if let Some(c) = u
+            .conversions
+            .iter()
+            .find(|c| c.work == DeviceWork::Decode && requests.iter().any(|r| r.slice == c.slice))
+        {
             return Err(ArenaError::Source(ddo_core::SourceError::InvalidBatch(format!(
                 "the source no longer holds the encoding of tensor {:?} in host memory",
                 self.source.slices()[c.slice].name

@@ -78,9 +78,9 @@ pub enum DeviceWork {
         /// The dtype the tensor is served in.
         to: Dtype,
     },
-    /// Decodes the source's entropy-coded form of a bf16 tensor into its bf16 elements
+    /// Decodes the source's entropy-coded form of a bf16 or fp16 tensor into its elements
     /// ([`ddo_core::Residency::decode`]).
-    DecodeBf16,
+    Decode,
 }
 
 /// A tensor converted or decoded on the device after upload: its stored bytes land at
@@ -136,7 +136,7 @@ impl UnitLayout {
     pub fn decoded(&self) -> (u64, u64, u64) {
         self.conversions
             .iter()
-            .filter(|c| c.work == DeviceWork::DecodeBf16)
+            .filter(|c| c.work == DeviceWork::Decode)
             .fold((0, 0, 0), |(n, enc, dec), c| (n + 1, enc + c.staged_len, dec + c.served_len))
     }
 
@@ -223,8 +223,8 @@ impl Layout {
                 return (s.file, s.offset, s.len, Some(DeviceWork::Convert { from: s.dtype, to }));
             }
             match encodings.get(&t) {
-                Some(r) if s.dtype == Dtype::BF16 => {
-                    (r.file, r.offset, r.len, Some(DeviceWork::DecodeBf16))
+                Some(r) if matches!(s.dtype, Dtype::BF16 | Dtype::F16) => {
+                    (r.file, r.offset, r.len, Some(DeviceWork::Decode))
                 }
                 _ => (s.file, s.offset, s.len, None),
             }
@@ -310,7 +310,7 @@ impl Layout {
                             DeviceWork::Convert { from, to } => {
                                 len / from.size_bytes().max(1) * to.size_bytes()
                             }
-                            DeviceWork::DecodeBf16 => slices[t].len,
+                            DeviceWork::Decode => slices[t].len,
                         };
                         converted.push(DeviceConversion {
                             slice: t,

@@ -139,7 +139,7 @@ fn every_lease_sees_the_checkpoint_bytes_of_encoded_tensors(platform: &Platform)
     // Every matrix is decoded: its encoding lands in staging, its elements in the unit.
     let block = &layout.units[1];
     let decoded: Vec<_> =
-        block.conversions.iter().filter(|c| c.work == DeviceWork::DecodeBf16).collect();
+        block.conversions.iter().filter(|c| c.work == DeviceWork::Decode).collect();
     assert_eq!(decoded.len(), 3, "{block:?}");
     for c in &decoded {
         assert_eq!(c.staged_len, source.encoding(c.slice).unwrap().len);

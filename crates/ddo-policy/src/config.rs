@@ -348,11 +348,11 @@ settings! {
     /// `auto` (widening on the device, the rest at load on the host unless the host is short),
     /// `host` (at load), `device` (on the GPU after each upload).
     dtype_conversion: ConversionSite = ConversionSite::Auto, "DTYPE_CONVERSION";
-    /// Entropy-coded streaming on the native route: bf16 tensors uploaded with Huffman-coded
-    /// exponents (about two thirds of their bytes) and decoded on the device, bit for bit.
-    /// `off`; `auto` (the tensors of the units the plan streams, when the device decodes);
-    /// `on` (every unit's). Only bf16 tensors of at least 1 MiB whose encoding is smaller are
-    /// encoded.
+    /// Entropy-coded streaming on the native route: bf16 and fp16 tensors uploaded with
+    /// Huffman-coded exponents (bf16: about two thirds of their bytes) and decoded on the
+    /// device, bit for bit. `off`; `auto` (the tensors of the units the plan streams that the
+    /// device decodes faster than the link copies them, timed at attach; 1 MiB or more on the
+    /// host backend); `on` (every unit's). A tensor is encoded only when its encoding is smaller.
     vmm_weight_encoding: WeightEncoding = WeightEncoding::Off, "VMM_WEIGHT_ENCODING";
     /// Regex (Python `re.search` semantics on the module path) of the modules whose repeated
     /// blocks are streamed; other parameters stay resident. It must also compile as a Rust

@@ -40,3 +40,117 @@ pub(crate) fn measure(platform: &Platform) -> Result<f64, DeviceError> {
     r.unregister_host(&registration)?;
     result
 }
+
+/// Tensor sizes the decoding probe times: a launch's latency dominates the first, the rate the
+/// last.
+const DECODE_PROBE_BYTES: [usize; 3] = [1 << 20, 4 << 20, 16 << 20];
+
+/// How long the device takes to decode one encoded tensor, measured on weight-like bf16 at a few
+/// sizes and interpolated between them.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct DecodeSpeed {
+    /// (bf16 bytes, seconds from enqueue to completion), by size.
+    points: Vec<(u64, f64)>,
+}
+
+impl DecodeSpeed {
+    /// Seconds to decode a tensor of `bytes`: the smallest size's time below it (a launch costs
+    /// that much), linear between sizes, and the largest size's rate beyond it (larger tensors
+    /// decode at least that fast).
+    pub(crate) fn seconds(&self, bytes: u64) -> f64 {
+        let Some(&(b0, s0)) = self.points.first() else { return f64::INFINITY };
+        if bytes <= b0 {
+            return s0;
+        }
+        for w in self.points.windows(2) {
+            let ((b1, s1), (b2, s2)) = (w[0], w[1]);
+            if bytes <= b2 {
+                return s1 + (s2 - s1) * (bytes - b1) as f64 / (b2 - b1) as f64;
+            }
+        }
+        let &(bn, sn) = self.points.last().expect("one point");
+        sn * bytes as f64 / bn as f64
+    }
+
+    /// Bytes of bf16 per second at the largest size measured.
+    pub(crate) fn rate(&self) -> f64 {
+        self.points.last().map_or(0.0, |&(b, s)| b as f64 / s)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn of(points: Vec<(u64, f64)>) -> Self {
+        DecodeSpeed { points }
+    }
+}
+
+/// Best of three decodes of each probe size, each timed from enqueue to completion.
+pub(crate) fn decode_speed(platform: &Platform) -> Result<DecodeSpeed, DeviceError> {
+    let r = &platform.residency;
+    let granularity = r.granularity()?;
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let largest = DECODE_PROBE_BYTES[DECODE_PROBE_BYTES.len() - 1];
+    let weights = ddo_platform::samples::weight_like_bf16(largest, threads);
+    let stream = r.create_stream()?;
+    let mut points = Vec::new();
+    for bytes in DECODE_PROBE_BYTES {
+        let encoding = ddo_codec::encode_bf16(&weights[..bytes], threads)
+            .map_err(|e| DeviceError::Unsupported(format!("the decoding probe: {e}")))?
+            .to_bytes();
+        let at = (encoding.len() as u64).next_multiple_of(256);
+        let len = (at + bytes as u64).next_multiple_of(granularity);
+        let encoded_len = encoding.len() as u64;
+        let host = HostSlice::whole(Arc::new(HostBytes::from(encoding)) as Arc<dyn HostRegion>);
+        let registration = r.register_host(host.clone(), true)?;
+        let reservation = r.reserve(len)?;
+        let backing = r.create_backing(len)?;
+        let whole = DeviceRange { start: reservation.range.start, len };
+        let result = (|| -> Result<f64, DeviceError> {
+            r.map(whole, backing)?;
+            let src = DeviceRange { start: whole.start, len: encoded_len };
+            let dst = DeviceRange { start: whole.start.offset(at), len: bytes as u64 };
+            r.copy_to_device(host.clone(), src, stream)?;
+            platform.fences.wait(platform.fences.record(stream)?)?;
+            let mut best = f64::INFINITY;
+            // The first decode loads the kernel; it is not counted.
+            for round in 0..4 {
+                let t = Instant::now();
+                r.decode(src, dst, stream)?;
+                platform.fences.wait(platform.fences.record(stream)?)?;
+                if round > 0 {
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+            }
+            r.unmap(whole)?;
+            Ok(best)
+        })();
+        r.release_backing(backing)?;
+        r.release_reservation(reservation)?;
+        r.unregister_host(&registration)?;
+        points.push((bytes as u64, result?));
+    }
+    Ok(DecodeSpeed { points })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_time_is_the_launch_below_the_probes_and_the_last_rate_above() {
+        let s = DecodeSpeed::of(vec![(1 << 20, 30e-6), (4 << 20, 40e-6), (16 << 20, 50e-6)]);
+        assert_eq!(s.seconds(1000), 30e-6);
+        assert!((s.seconds(((1 << 20) + (4 << 20)) / 2) - 35e-6).abs() < 1e-12);
+        assert!((s.seconds(32 << 20) - 100e-6).abs() < 1e-12);
+        assert!((s.rate() - (16 << 20) as f64 / 50e-6).abs() < 1.0);
+        assert_eq!(DecodeSpeed::of(Vec::new()).seconds(1), f64::INFINITY);
+    }
+
+    #[test]
+    fn the_host_backend_is_timed_at_every_probe_size() {
+        let device = Arc::new(ddo_platform::host::HostDevice::new());
+        let platform = ddo_platform::host_platform(device);
+        let speed = decode_speed(&platform).unwrap();
+        assert_eq!(speed.points.len(), DECODE_PROBE_BYTES.len());
+        assert!(speed.points.iter().all(|&(_, s)| s > 0.0 && s.is_finite()));
+    }
+}

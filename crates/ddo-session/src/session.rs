@@ -589,33 +589,68 @@ impl ComponentSession {
                 }
             }
         };
+        // `auto` weighs each tensor on this device: it streams encoded where decoding it takes
+        // less time than copying its bf16 bytes over the link (decoding then hides under the
+        // copies). Without a measured link (the host backend) it keeps tensors of 1 MiB or more.
+        let weigh = match (mode, self.link_bytes_per_second) {
+            (WeightEncoding::Auto, Some(link)) => Some((
+                link,
+                crate::link::decode_speed(&self.platform.platform).map_err(|e| {
+                    SessionError::Capacity {
+                        setting: "vmm_weight_encoding",
+                        message: format!(
+                            "the device could not time its decoding: {e}; set vmm_weight_encoding to off or on"
+                        ),
+                    }
+                })?,
+            )),
+            _ => None,
+        };
+        let pays = |len: u64| match (&weigh, mode) {
+            (_, WeightEncoding::On) => true,
+            (Some((link, speed)), _) => speed.seconds(len) < len as f64 / link,
+            (None, _) => len >= MIN_ENCODED_BYTES,
+        };
         let mut chosen = Vec::new();
+        let mut declined = 0usize;
         for (spec, _) in specs
             .iter()
             .zip(&streamed)
             .filter(|(u, s)| **s && !u.pinned || mode == WeightEncoding::On)
         {
-            let mut tensors: Vec<usize> = spec
-                .tensors
-                .iter()
-                .copied()
-                .filter(|t| {
-                    let slice = &slices[*t];
-                    slice.dtype == Dtype::BF16
-                        && slice.len >= MIN_ENCODED_BYTES
-                        && !converted.contains(t)
-                })
-                .collect();
+            let mut tensors: Vec<usize> = Vec::new();
+            for &t in &spec.tensors {
+                let slice = &slices[t];
+                if !matches!(slice.dtype, Dtype::BF16 | Dtype::F16) || converted.contains(&t) {
+                    continue;
+                }
+                if pays(slice.len) {
+                    tensors.push(t);
+                } else {
+                    declined += 1;
+                }
+            }
             tensors.sort_by_key(|&t| (slices[t].file, slices[t].offset));
             chosen.extend(tensors);
         }
-        let why = match (mode, chosen.is_empty()) {
-            (WeightEncoding::On, false) => "on: every unit's bf16 tensors of 1 MiB or more",
-            (WeightEncoding::On, true) => "on: no bf16 tensor of 1 MiB or more",
-            (_, false) => "auto: the streamed units' bf16 tensors of 1 MiB or more",
-            (_, true) => "auto: no streamed unit holds a bf16 tensor of 1 MiB or more",
+        let why = match (mode, &weigh, chosen.is_empty()) {
+            (WeightEncoding::On, _, false) => "on: every unit's bf16 and fp16 tensors".to_owned(),
+            (WeightEncoding::On, _, true) => "on: no unit holds a bf16 or fp16 tensor".to_owned(),
+            (_, Some((link, speed)), _) => format!(
+                "auto: the streamed units' bf16 and fp16 tensors this device decodes faster than \
+                 the link copies them ({:.0} GB/s of decoding at 16 MiB, {:.1} GB/s link; {declined} \
+                 smaller tensors stay raw)",
+                speed.rate() / 1e9,
+                link / 1e9
+            ),
+            (_, None, false) => {
+                "auto: the streamed units' bf16 and fp16 tensors of 1 MiB or more".to_owned()
+            }
+            (_, None, true) => {
+                "auto: no streamed unit holds a bf16 or fp16 tensor of 1 MiB or more".to_owned()
+            }
         };
-        Ok((chosen, why.into()))
+        Ok((chosen, why))
     }
 
     fn arena_error(&self, e: ArenaError) -> SessionError {
@@ -1531,8 +1566,9 @@ pub(crate) struct AttachedView<'a> {
 type CheckpointBytes =
     (Arc<dyn WeightSource>, Option<Arc<CheckpointSource>>, Vec<(HostSlice, bool)>, HostReport);
 
-/// The smallest tensor streamed entropy-coded: its encoding carries an 8 KiB decoding table, and
-/// decoding a small tensor is a kernel launch for little.
+/// The smallest tensor `auto` streams entropy-coded where no link was measured to weigh it
+/// against: its encoding carries an 8 KiB decoding table, and decoding a small tensor is a
+/// kernel launch for little.
 const MIN_ENCODED_BYTES: u64 = 1 << 20;
 
 /// The ranges of file mappings `maps` holding tensors served as stored (not in `skip`): what a

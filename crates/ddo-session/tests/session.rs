@@ -1037,15 +1037,22 @@ fn on_cuda_encoded_streaming_serves_the_checkpoints_bytes() {
 }
 
 fn encoded_streaming(device: &str) {
+    let every = [("on", "0"), ("auto", "0"), ("auto", "1"), ("off", "0")];
+    encoded_streaming_of(device, Dtype::BF16, &every);
+    // fp16 encodes through the same split of bits.
+    encoded_streaming_of(device, Dtype::F16, &every[..2]);
+}
+
+fn encoded_streaming_of(device: &str, dtype: Dtype, modes: &[(&str, &str)]) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("bf16.safetensors");
+    let path = dir.path().join("weights.safetensors");
     let mut names = vec![("embed.weight".to_owned(), vec![1024, 8])];
     for b in 0..6 {
-        names.push((format!("blocks.{b}.attn.weight"), vec![1024, 1024]));
+        names.push((format!("blocks.{b}.attn.weight"), vec![2048, 1024]));
         names.push((format!("blocks.{b}.norm.weight"), vec![1024]));
     }
     names.push(("norm_out.weight".into(), vec![1024]));
-    // Weight-like bf16: a few exponents (high bytes near 0x3c), random mantissas and signs.
+    // Weight-like: a few exponents (high bytes near 0x3c), random mantissas and signs.
     let hash =
         |t: usize, i: u64| (t as u64 * 0x9e37_79b9 + i).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
     let byte = |t: usize, i: u64| {
@@ -1056,7 +1063,7 @@ fn encoded_streaming(device: &str) {
             (0x3b + (h >> 8) % 3) as u8 | (((h >> 12) & 1) << 7) as u8
         }
     };
-    testing::write_dtype(&path, Dtype::BF16, &names, byte).unwrap();
+    testing::write_dtype(&path, dtype, &names, byte).unwrap();
     let source = ddo_source::CheckpointSource::new(
         ddo_source::Checkpoint::open(&path).unwrap().into(),
         ddo_source::ReadOptions::default(),
@@ -1069,7 +1076,7 @@ fn encoded_streaming(device: &str) {
         source.read(i, &mut raw).unwrap();
         raw
     };
-    for (mode, cache) in [("on", "0"), ("auto", "0"), ("auto", "1"), ("off", "0")] {
+    for &(mode, cache) in modes {
         let extra = [
             ("execution_device", device),
             ("vmm_weight_encoding", mode),
@@ -1078,7 +1085,7 @@ fn encoded_streaming(device: &str) {
         ];
         let session = native_with(&path, &extra, None).unwrap();
         let s = setup(&session);
-        let case = format!("{mode}, cache {cache}: {s:?}");
+        let case = format!("{dtype:?}, {mode}, cache {cache}: {s:?}");
         assert!(s.streamed_units.unwrap() >= 2, "{case}");
         run_and_compare(&session, 3, &expect, None);
         let rt = session.metrics(None).runtime;
@@ -1087,7 +1094,7 @@ fn encoded_streaming(device: &str) {
             assert_eq!((s.encoded_tensors, rt.device_decodes), (None, Some(0)), "{case}");
             continue;
         }
-        // The six 2 MiB matrices (of the streamed units under auto) are encoded, to ~2/3.
+        // The six 4 MiB matrices (of the streamed units under auto) are encoded, to ~2/3.
         let n = s.encoded_tensors.unwrap();
         assert!(if mode == "on" { n == 6 } else { (2..=6).contains(&n) }, "{case}");
         let ratio = s.encoded_bytes.unwrap() as f64 / s.encoding_source_bytes.unwrap() as f64;

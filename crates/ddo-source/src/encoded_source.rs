@@ -167,14 +167,14 @@ impl EncodedSource {
     }
 }
 
-/// Tensor `i`'s encoding, or `None` when it is not bf16 or its encoding is not smaller.
+/// Tensor `i`'s encoding, or `None` when it is not bf16 or fp16 or its encoding is not smaller.
 fn encode_tensor(
     inner: &dyn WeightSource,
     i: usize,
     scratch: &mut Vec<u8>,
 ) -> Result<Option<Vec<u8>>, SourceError> {
     let s = &inner.slices()[i];
-    if s.dtype != Dtype::BF16 || s.len == 0 {
+    if !matches!(s.dtype, Dtype::BF16 | Dtype::F16) || s.len == 0 {
         return Ok(None);
     }
     let bytes: &[u8] = match inner.host_bytes(i) {
