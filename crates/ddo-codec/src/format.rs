@@ -7,7 +7,9 @@ use crate::huffman::{Code, MAX_CODE_BITS};
 pub const CHUNK_ELEMENTS: u32 = 256;
 
 const MAGIC: &[u8; 4] = b"DDOE";
-const VERSION: u8 = 1;
+/// The version of the encoded form this build writes and reads.
+pub const ENCODING_VERSION: u8 = 1;
+const VERSION: u8 = ENCODING_VERSION;
 const DTYPE_BF16: u8 = 1;
 /// Magic, version, dtype, code bits, reserved, elements, chunk elements, chunks, coded bytes,
 /// the CRC-32 of everything after the header, reserved.
@@ -59,6 +61,14 @@ pub enum CodecError {
     #[error("the decoded tensor is {expected} bytes; the destination has {got}")]
     Destination {
         /// Bytes the decoded tensor has.
+        expected: u64,
+        /// Bytes the destination has.
+        got: usize,
+    },
+    /// The destination does not have the encoding's length.
+    #[error("the encoding is {expected} bytes; the destination has {got}")]
+    EncodedDestination {
+        /// Bytes the encoding has.
         expected: u64,
         /// Bytes the destination has.
         got: usize,
@@ -134,99 +144,139 @@ impl EncodedBf16 {
 
     /// The encoding as bytes (little-endian fields), as [`parse`](Self::parse) reads it.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.encoded_len() as usize);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&[VERSION, DTYPE_BF16, MAX_CODE_BITS, 0]);
-        out.extend_from_slice(&self.elements.to_le_bytes());
-        out.extend_from_slice(&CHUNK_ELEMENTS.to_le_bytes());
-        out.extend_from_slice(&(self.offsets.len() as u32 - 1).to_le_bytes());
-        out.extend_from_slice(&(self.coded.len() as u64).to_le_bytes());
-        out.extend_from_slice(&[0; 8]);
-        out.extend_from_slice(self.code.lengths());
+        let mut out = vec![0; self.encoded_len() as usize];
+        self.write_into(&mut out).expect("the buffer has the encoding's length");
+        out
+    }
+
+    /// Writes the encoding, as [`to_bytes`](Self::to_bytes) gives it, into `out`, which must
+    /// have exactly [`encoded_len`](Self::encoded_len) bytes.
+    pub fn write_into(&self, out: &mut [u8]) -> Result<(), CodecError> {
+        if out.len() as u64 != self.encoded_len() {
+            return Err(CodecError::EncodedDestination {
+                expected: self.encoded_len(),
+                got: out.len(),
+            });
+        }
+        let mut at = 0;
+        let mut put = |bytes: &[u8]| {
+            out[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        };
+        put(MAGIC);
+        put(&[VERSION, DTYPE_BF16, MAX_CODE_BITS, 0]);
+        put(&self.elements.to_le_bytes());
+        put(&CHUNK_ELEMENTS.to_le_bytes());
+        put(&(self.offsets.len() as u32 - 1).to_le_bytes());
+        put(&(self.coded.len() as u64).to_le_bytes());
+        // The CRC-32 goes in the first 4 of these once the body is written.
+        put(&[0; 8]);
+        put(self.code.lengths());
         for (symbol, len) in self.code.decoding_table() {
-            out.extend_from_slice(&(u16::from(symbol) | u16::from(len) << 8).to_le_bytes());
+            put(&(u16::from(symbol) | u16::from(len) << 8).to_le_bytes());
         }
         for o in &self.offsets {
-            out.extend_from_slice(&o.to_le_bytes());
+            put(&o.to_le_bytes());
         }
-        out.extend_from_slice(&self.raw);
-        out.extend_from_slice(&self.coded);
+        put(&self.raw);
+        put(&self.coded);
         let crc = crc32fast::hash(&out[HEADER..]);
         out[32..36].copy_from_slice(&crc.to_le_bytes());
-        out
+        Ok(())
     }
 
     /// Reads an encoding written by [`to_bytes`](Self::to_bytes), checking every field and the
     /// CRC-32 of the body: a damaged encoding is refused, never decoded into other values.
     pub fn parse(bytes: &[u8]) -> Result<EncodedBf16, CodecError> {
-        let field = |at: usize, len: usize| {
-            bytes
-                .get(at..at + len)
-                .ok_or_else(|| corrupt(format!("{} bytes end early", bytes.len())))
-        };
-        if field(0, 4)? != MAGIC {
-            return Err(corrupt("not a ddo encoding (magic)"));
-        }
-        let kind = field(4, 4)?;
-        if kind[3] != 0 || field(36, 4)? != [0; 4] {
-            return Err(corrupt("reserved header bytes are not zero"));
-        }
-        if kind[0] != VERSION || kind[1] != DTYPE_BF16 || kind[2] != MAX_CODE_BITS {
-            return Err(corrupt(format!(
-                "version {}, dtype {}, {}-bit codes: this build reads version {VERSION} bf16 with \
-                 {MAX_CODE_BITS}-bit codes",
-                kind[0], kind[1], kind[2]
-            )));
-        }
-        let u64_at = |at| field(at, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8")));
-        let u32_at = |at| field(at, 4).map(|b| u32::from_le_bytes(b.try_into().expect("4")));
-        let elements = u64_at(8)?;
-        if u32_at(16)? != CHUNK_ELEMENTS {
-            return Err(corrupt("chunk size"));
-        }
-        let chunks = u64::from(u32_at(20)?);
-        if chunks != elements.div_ceil(u64::from(CHUNK_ELEMENTS)) {
-            return Err(corrupt(format!("{chunks} chunks for {elements} elements")));
-        }
-        let coded_len = u64_at(24)?;
-        let expected = Layout::of(elements).coded.checked_add(coded_len);
-        if expected != Some(bytes.len() as u64) {
-            return Err(corrupt(format!(
-                "{} bytes, the header describes {}",
-                bytes.len(),
-                expected.map_or("more than 2^64".into(), |n| n.to_string())
-            )));
-        }
-        if u32_at(32)? != crc32fast::hash(&bytes[HEADER..]) {
-            return Err(corrupt("the body's CRC-32 differs from the header's: the bytes changed"));
-        }
-        let lengths: [u8; 256] = field(HEADER, 256)?.try_into().expect("256");
-        let code = Code::from_lengths(lengths).ok_or_else(|| corrupt("code lengths"))?;
+        let Checked { elements, code, coded_len } = check(bytes)?;
         let layout = Layout::of(elements);
-        let table = field(layout.table as usize, 2 * TABLE_ENTRIES)?;
-        let consistent =
-            code.decoding_table().iter().zip(table.chunks_exact(2)).all(|(&(s, l), e)| {
-                u16::from_le_bytes([e[0], e[1]]) == u16::from(s) | u16::from(l) << 8
-            });
-        if !consistent {
-            return Err(corrupt("the decoding table does not match the code lengths"));
-        }
-        let mut at = layout.offsets as usize;
-        let mut offsets = Vec::with_capacity(chunks as usize + 1);
-        for _ in 0..=chunks {
-            offsets.push(u32_at(at)?);
-            at += 4;
-        }
-        if offsets[0] != 0
-            || offsets.windows(2).any(|w| w[0] > w[1])
-            || u64::from(*offsets.last().expect("one")) != coded_len
-        {
-            return Err(corrupt("chunk offsets"));
-        }
-        let raw = field(at, elements as usize)?.to_vec();
-        let coded = field(at + elements as usize, coded_len as usize)?.to_vec();
+        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4"));
+        let offsets =
+            (0..=layout.chunks as usize).map(|c| u32_at(layout.offsets as usize + 4 * c)).collect();
+        let raw = bytes[layout.raw as usize..layout.coded as usize].to_vec();
+        let coded = bytes[layout.coded as usize..(layout.coded + coded_len) as usize].to_vec();
         Ok(EncodedBf16 { elements, code, offsets, raw, coded })
     }
+
+    /// Checks encoded bytes in place as [`parse`](Self::parse) does (every field, the CRC-32 of
+    /// the body, the table and the chunk offsets), without copying their parts: what a decoder
+    /// reading them in place (the GPU kernel) relies on. Gives the tensor's elements.
+    pub fn check(bytes: &[u8]) -> Result<u64, CodecError> {
+        check(bytes).map(|c| c.elements)
+    }
+}
+
+/// What a check of encoded bytes read from their header.
+struct Checked {
+    elements: u64,
+    code: Code,
+    coded_len: u64,
+}
+
+/// Checks every field of encoded bytes and the CRC-32 of their body.
+fn check(bytes: &[u8]) -> Result<Checked, CodecError> {
+    let field = |at: usize, len: usize| {
+        bytes.get(at..at + len).ok_or_else(|| corrupt(format!("{} bytes end early", bytes.len())))
+    };
+    if field(0, 4)? != MAGIC {
+        return Err(corrupt("not a ddo encoding (magic)"));
+    }
+    let kind = field(4, 4)?;
+    if kind[3] != 0 || field(36, 4)? != [0; 4] {
+        return Err(corrupt("reserved header bytes are not zero"));
+    }
+    if kind[0] != VERSION || kind[1] != DTYPE_BF16 || kind[2] != MAX_CODE_BITS {
+        return Err(corrupt(format!(
+            "version {}, dtype {}, {}-bit codes: this build reads version {VERSION} bf16 with \
+             {MAX_CODE_BITS}-bit codes",
+            kind[0], kind[1], kind[2]
+        )));
+    }
+    let u64_at = |at| field(at, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8")));
+    let u32_at = |at| field(at, 4).map(|b| u32::from_le_bytes(b.try_into().expect("4")));
+    let elements = u64_at(8)?;
+    if u32_at(16)? != CHUNK_ELEMENTS {
+        return Err(corrupt("chunk size"));
+    }
+    let chunks = u64::from(u32_at(20)?);
+    if chunks != elements.div_ceil(u64::from(CHUNK_ELEMENTS)) {
+        return Err(corrupt(format!("{chunks} chunks for {elements} elements")));
+    }
+    let coded_len = u64_at(24)?;
+    let expected = Layout::of(elements).coded.checked_add(coded_len);
+    if expected != Some(bytes.len() as u64) {
+        return Err(corrupt(format!(
+            "{} bytes, the header describes {}",
+            bytes.len(),
+            expected.map_or("more than 2^64".into(), |n| n.to_string())
+        )));
+    }
+    if u32_at(32)? != crc32fast::hash(&bytes[HEADER..]) {
+        return Err(corrupt("the body's CRC-32 differs from the header's: the bytes changed"));
+    }
+    let lengths: [u8; 256] = field(HEADER, 256)?.try_into().expect("256");
+    let code = Code::from_lengths(lengths).ok_or_else(|| corrupt("code lengths"))?;
+    let layout = Layout::of(elements);
+    let table = field(layout.table as usize, 2 * TABLE_ENTRIES)?;
+    let consistent =
+        code.decoding_table().iter().zip(table.chunks_exact(2)).all(|(&(s, l), e)| {
+            u16::from_le_bytes([e[0], e[1]]) == u16::from(s) | u16::from(l) << 8
+        });
+    if !consistent {
+        return Err(corrupt("the decoding table does not match the code lengths"));
+    }
+    let mut last = 0u32;
+    for c in 0..=chunks as usize {
+        let o = u32_at(layout.offsets as usize + 4 * c)?;
+        if (c == 0 && o != 0) || o < last {
+            return Err(corrupt("chunk offsets"));
+        }
+        last = o;
+    }
+    if u64::from(last) != coded_len {
+        return Err(corrupt("chunk offsets"));
+    }
+    Ok(Checked { elements, code, coded_len })
 }
 
 /// Encodes little-endian bf16 bytes, the chunks coded on up to `threads` threads.

@@ -17,13 +17,16 @@
 //! compress, so fp16 weights shrink less (to about 0.85x against bf16's 0.66x).
 //!
 //! The crate is pure computation (no I/O, no `unsafe`): the same [`decode_bf16`] serves the host
-//! backend and the tests the GPU decoder is checked against, and [`EncodedBf16::parse`] refuses a
-//! corrupt encoding with an error instead of panicking or reading out of bounds.
+//! backend and the tests the GPU decoder is checked against, and [`EncodedBf16::parse`] (or
+//! [`EncodedBf16::check`], in place) refuses a corrupt encoding with an error instead of panicking
+//! or reading out of bounds.
 #![forbid(unsafe_code)]
 
 mod bits;
 mod format;
 mod huffman;
 
-pub use format::{CHUNK_ELEMENTS, CodecError, EncodedBf16, Layout, decode_bf16, encode_bf16};
+pub use format::{
+    CHUNK_ELEMENTS, CodecError, ENCODING_VERSION, EncodedBf16, Layout, decode_bf16, encode_bf16,
+};
 pub use huffman::{Code, MAX_CODE_BITS};

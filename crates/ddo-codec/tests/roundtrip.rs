@@ -6,8 +6,14 @@ use proptest::prelude::*;
 
 fn roundtrip(bytes: &[u8], threads: usize) -> EncodedBf16 {
     let enc = encode_bf16(bytes, threads).unwrap();
-    let parsed = EncodedBf16::parse(&enc.to_bytes()).unwrap();
+    let encoded = enc.to_bytes();
+    assert_eq!(EncodedBf16::check(&encoded), Ok(enc.elements()));
+    let parsed = EncodedBf16::parse(&encoded).unwrap();
     assert_eq!(parsed, enc);
+    // Written in place, at an offset of a larger buffer, the bytes are the same.
+    let mut placed = vec![0x5au8; encoded.len() + 3];
+    enc.write_into(&mut placed[3..]).unwrap();
+    assert!(placed[3..] == encoded[..] && placed[..3] == [0x5a; 3]);
     let mut out = vec![0xa5u8; bytes.len()];
     decode_bf16(&parsed, &mut out, threads).unwrap();
     assert!(out == bytes, "decoded bytes differ");
@@ -76,6 +82,13 @@ fn an_odd_length_and_a_wrong_destination_are_refused() {
         decode_bf16(&enc, &mut small, 1),
         Err(CodecError::Destination { expected: 4, got: 2 })
     );
+    let len = enc.encoded_len();
+    for got in [0, len as usize - 1, len as usize + 1] {
+        assert_eq!(
+            enc.write_into(&mut vec![0; got]),
+            Err(CodecError::EncodedDestination { expected: len, got })
+        );
+    }
 }
 
 #[test]
@@ -86,10 +99,15 @@ fn every_damaged_byte_is_refused() {
         let mut damaged = bytes.clone();
         damaged[at] ^= 0x10;
         assert!(EncodedBf16::parse(&damaged).is_err(), "a flip at byte {at} was accepted");
+        assert!(EncodedBf16::check(&damaged).is_err(), "a flip at byte {at} was checked");
     }
     for len in 0..bytes.len() {
         assert!(EncodedBf16::parse(&bytes[..len]).is_err(), "a cut at {len} was accepted");
+        assert!(EncodedBf16::check(&bytes[..len]).is_err(), "a cut at {len} was checked");
     }
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(EncodedBf16::check(&longer).is_err() && EncodedBf16::parse(&longer).is_err());
 }
 
 proptest! {
@@ -107,7 +125,9 @@ proptest! {
 
     #[test]
     fn parsing_any_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..2000)) {
-        let _ = EncodedBf16::parse(&bytes);
+        let parsed = EncodedBf16::parse(&bytes);
+        let checked = EncodedBf16::check(&bytes);
+        prop_assert_eq!(parsed.map(|e| e.elements()), checked);
     }
 }
 
