@@ -2,7 +2,7 @@
 //! (`ddo_codec`), in retained host memory, for uploads that carry the encoding and decode it on
 //! the device ([`WeightSource::encoding`]).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
 use ddo_core::{
@@ -16,6 +16,15 @@ use crate::RetainedStore;
 const ENCODING_ALIGN: usize = 256;
 /// An encoding is kept only below this fraction of the tensor's bytes.
 const KEEP_BELOW: f64 = 0.95;
+
+/// Where encodings are placed: the next tensor (in the order asked) to place, and the bytes
+/// after those placed.
+struct Placement<'a> {
+    next: usize,
+    rest: &'a mut [u8],
+    /// A worker failed: the others stop.
+    failed: bool,
+}
 
 /// What encoding did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -60,8 +69,14 @@ impl EncodedSource {
     /// source can drop those pages). A tensor that is not bf16, or whose encoding is not
     /// smaller, is served as its own bytes.
     ///
+    /// The buffer is reserved first, for the most the encodings can take (every asked tensor's
+    /// bytes, each from a multiple of 256: an encoding is kept only when smaller), and each
+    /// encoding is written into it as soon as the ones before it are placed; what they did not
+    /// take is then given back. Host memory holds the encodings once, plus one tensor's bytes
+    /// and encoding per worker.
+    ///
     /// Refused, with nothing kept, when a slice does not exist, a read fails, or the store's
-    /// ceiling or the host refuses the bytes.
+    /// ceiling or the host refuses the bytes (then before any tensor is read).
     pub fn encode(
         inner: Arc<dyn WeightSource>,
         slices: &[usize],
@@ -76,36 +91,40 @@ impl EncodedSource {
         }
         let file = CheckpointFileId(inner.slices().iter().map(|s| s.file.0 + 1).max().unwrap_or(0));
         let workers = workers.max(1);
-        let encoded = Self::encode_all(&*inner, slices, workers, done)?;
+        let most = slices
+            .iter()
+            .try_fold(0u64, |sum, &i| {
+                sum.checked_add(
+                    inner.slices()[i].len.checked_next_multiple_of(ENCODING_ALIGN as u64)?,
+                )
+            })
+            .ok_or_else(|| SourceError::InvalidBatch("the tensors' bytes overflow".into()))?;
+        let mut buffer = if most > 0 { Some(store.reserve(most)?) } else { None };
+        let out: &mut [u8] = match &mut buffer {
+            Some(b) => b.bytes_mut(),
+            None => &mut [],
+        };
+        let placed = Self::encode_all(&*inner, slices, workers, done, out)?;
         let mut report = EncodingReport { workers: workers as u64, ..EncodingReport::default() };
         let mut ranges = vec![None; count];
-        let mut cursor = 0usize;
-        let mut placed = Vec::new();
-        for (&i, enc) in slices.iter().zip(&encoded) {
-            match enc {
-                Some(bytes) => {
-                    cursor = cursor.div_ceil(ENCODING_ALIGN) * ENCODING_ALIGN;
-                    ranges[i] =
-                        Some(FileRange { file, offset: cursor as u64, len: bytes.len() as u64 });
-                    placed.push((cursor, bytes));
+        let mut end = 0usize;
+        for (&i, at) in slices.iter().zip(&placed) {
+            match *at {
+                Some((offset, len)) => {
+                    ranges[i] = Some(FileRange { file, offset: offset as u64, len: len as u64 });
                     report.tensors += 1;
                     report.source_bytes += inner.slices()[i].len;
-                    report.encoded_bytes += bytes.len() as u64;
-                    cursor += bytes.len();
+                    report.encoded_bytes += len as u64;
+                    end = offset + len;
                 }
                 None => report.raw_tensors += 1,
             }
         }
-        let buffer = if cursor > 0 {
-            let mut buffer = store.reserve(cursor as u64)?;
-            let out = buffer.bytes_mut();
-            for (at, bytes) in placed {
-                out[at..at + bytes.len()].copy_from_slice(bytes);
-            }
-            Some(HostSlice::whole(Arc::new(buffer)))
-        } else {
-            None
-        };
+        // What the encodings did not take goes back to the store.
+        let buffer = buffer.filter(|_| end > 0).map(|mut b| {
+            b.truncate(end);
+            HostSlice::whole(Arc::new(b))
+        });
         // The bytes were read from the source: a file that changed under the reads is noticed
         // before its encodings are used.
         inner.check_unchanged()?;
@@ -113,39 +132,84 @@ impl EncodedSource {
         Ok(EncodedSource { inner, file, buffer, ranges, report })
     }
 
-    /// Each tensor's encoding (`None`: served raw), `workers` threads taking tensors in turn.
+    /// Encodes the tensors on `workers` threads taking them in turn, and writes each encoding
+    /// into `out` in the order of `slices`, each from a multiple of [`ENCODING_ALIGN`] right
+    /// after the one before: a worker whose tensor's predecessors are not placed yet waits for
+    /// them. Gives where each encoding lies (`None`: served raw).
     fn encode_all(
         inner: &dyn WeightSource,
         slices: &[usize],
         workers: usize,
         done: &(dyn Fn(usize) + Sync),
-    ) -> Result<Vec<Option<Vec<u8>>>, SourceError> {
-        let results: Mutex<Vec<Option<Vec<u8>>>> = Mutex::new(vec![None; slices.len()]);
+        out: &mut [u8],
+    ) -> Result<Vec<Option<(usize, usize)>>, SourceError> {
+        let size = out.len();
+        let placement = Mutex::new(Placement { next: 0, rest: out, failed: false });
+        let placed_in_turn = Condvar::new();
+        let results: Mutex<Vec<Option<(usize, usize)>>> = Mutex::new(vec![None; slices.len()]);
         let next = Mutex::new(slices.iter().enumerate());
         let first_error = Mutex::new(None::<SourceError>);
+        let fail = |e: SourceError| {
+            first_error.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
+            placement.lock().unwrap_or_else(PoisonError::into_inner).failed = true;
+            placed_in_turn.notify_all();
+        };
         std::thread::scope(|scope| {
             for _ in 0..workers.min(slices.len().max(1)) {
                 scope.spawn(|| {
                     let mut scratch = Vec::new();
                     loop {
-                        if first_error.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+                        if placement.lock().unwrap_or_else(PoisonError::into_inner).failed {
                             break;
                         }
                         let item = next.lock().unwrap_or_else(PoisonError::into_inner).next();
                         let Some((k, &i)) = item else { break };
-                        match encode_tensor(inner, i, &mut scratch) {
-                            Ok(enc) => {
-                                done(i);
-                                results.lock().unwrap_or_else(PoisonError::into_inner)[k] = enc;
-                            }
+                        let enc = match encode_tensor(inner, i, &mut scratch) {
+                            Ok(enc) => enc,
                             Err(e) => {
-                                first_error
-                                    .lock()
-                                    .unwrap_or_else(PoisonError::into_inner)
-                                    .get_or_insert(e);
+                                fail(e);
                                 break;
                             }
+                        };
+                        done(i);
+                        // Wait for the tensors before this one, then take the bytes after theirs.
+                        let mut p = placement.lock().unwrap_or_else(PoisonError::into_inner);
+                        while p.next != k && !p.failed {
+                            p = placed_in_turn.wait(p).unwrap_or_else(PoisonError::into_inner);
                         }
+                        if p.failed {
+                            break;
+                        }
+                        let placed = size - p.rest.len();
+                        let offset = placed.next_multiple_of(ENCODING_ALIGN);
+                        let mine = match &enc {
+                            Some(enc) => {
+                                let taken = offset - placed + enc.encoded_len() as usize;
+                                match std::mem::take(&mut p.rest).split_at_mut_checked(taken) {
+                                    Some((mine, rest)) => {
+                                        p.rest = rest;
+                                        Some(&mut mine[offset - placed..])
+                                    }
+                                    None => {
+                                        drop(p);
+                                        fail(SourceError::InvalidBatch(format!(
+                                            "the encodings outgrew the {size} bytes reserved for them"
+                                        )));
+                                        break;
+                                    }
+                                }
+                            }
+                            None => None,
+                        };
+                        p.next += 1;
+                        drop(p);
+                        placed_in_turn.notify_all();
+                        // Each worker writes its own bytes, beside the others.
+                        let at = enc.zip(mine).map(|(enc, dst)| {
+                            enc.write_into(dst).expect("the bytes taken are the encoding's");
+                            (offset, dst.len())
+                        });
+                        results.lock().unwrap_or_else(PoisonError::into_inner)[k] = at;
                     }
                 });
             }
@@ -172,7 +236,7 @@ fn encode_tensor(
     inner: &dyn WeightSource,
     i: usize,
     scratch: &mut Vec<u8>,
-) -> Result<Option<Vec<u8>>, SourceError> {
+) -> Result<Option<ddo_codec::EncodedBf16>, SourceError> {
     let s = &inner.slices()[i];
     if !matches!(s.dtype, Dtype::BF16 | Dtype::F16) || s.len == 0 {
         return Ok(None);
@@ -192,7 +256,7 @@ fn encode_tensor(
     let enc = ddo_codec::encode_bf16(bytes, 1).map_err(|e| {
         SourceError::InvalidBatch(format!("tensor {:?} cannot be encoded: {e}", s.name))
     })?;
-    Ok((enc.ratio() < KEEP_BELOW).then(|| enc.to_bytes()))
+    Ok((enc.ratio() < KEEP_BELOW).then_some(enc))
 }
 
 impl WeightSource for EncodedSource {
@@ -373,8 +437,100 @@ mod tests {
         let e = EncodedSource::encode(source(), &[9], &store, 1, &|_| {}).unwrap_err();
         assert!(matches!(e, SourceError::NoSuchTensor { index: 9, .. }), "{e}");
         let small = RetainedStore::new(1024, Arc::new(Generous));
-        let e = EncodedSource::encode(source(), &[0], &small, 1, &|_| {}).unwrap_err();
+        let read = std::sync::atomic::AtomicUsize::new(0);
+        let note = |_: usize| {
+            read.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        };
+        let e = EncodedSource::encode(source(), &[0], &small, 1, &note).unwrap_err();
         assert!(matches!(e, SourceError::CeilingExceeded { .. }), "{e}");
         assert_eq!(small.used(), 0);
+        // The store refused before any tensor was read.
+        assert_eq!(read.into_inner(), 0);
+    }
+
+    /// A probe that grants every growth and records it, with the tensors read by then.
+    #[derive(Debug, Default)]
+    struct Recording {
+        read: std::sync::atomic::AtomicUsize,
+        grants: Mutex<Vec<(GrowthRequest, usize)>>,
+    }
+    impl AdmissionProbe for Recording {
+        fn admit(&self, request: &GrowthRequest) -> Admission {
+            let read = self.read.load(std::sync::atomic::Ordering::SeqCst);
+            self.grants.lock().unwrap().push((*request, read));
+            Admission::Granted { headroom: u64::MAX }
+        }
+        fn observe(&self) -> HostMemoryObservation {
+            HostMemoryObservation::default()
+        }
+    }
+
+    #[test]
+    fn encodings_are_written_into_one_reservation_made_before_any_read_and_cut_to_their_end() {
+        let inner = source();
+        let asked = [3, 1, 2, 0];
+        for workers in [1, 2, 4] {
+            let probe = Arc::new(Recording::default());
+            let store = RetainedStore::new(u64::MAX, probe.clone());
+            let note = |_: usize| {
+                probe.read.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            };
+            let enc = EncodedSource::encode(inner.clone(), &asked, &store, workers, &note).unwrap();
+            // One reservation, asked before the first tensor was read, for every asked
+            // tensor's bytes from a multiple of 256: the encodings never lie anywhere else.
+            let most: u64 =
+                asked.iter().map(|&i| inner.slices()[i].len.next_multiple_of(256)).sum();
+            let grants = probe.grants.lock().unwrap().clone();
+            assert_eq!(grants.len(), 1, "{grants:?}");
+            assert_eq!((grants[0].0.bytes, grants[0].1), (most, 0), "{grants:?}");
+            // What the encodings did not take went back: the store holds the buffer, which
+            // ends with the last encoding.
+            let window = enc.windows();
+            let (b, a) = (enc.encoding(3).unwrap(), enc.encoding(0).unwrap());
+            assert_eq!(window[0].len() as u64, a.offset + a.len);
+            assert_eq!(store.used(), window[0].len() as u64);
+            assert_eq!(enc.report().encoded_bytes, a.len + b.len);
+            // Adjacent, in the order asked.
+            assert_eq!(a.offset, (b.offset + b.len).next_multiple_of(256));
+            drop((enc, window));
+            assert_eq!(store.used(), 0);
+        }
+        // Nothing to encode keeps no buffer.
+        let store = RetainedStore::new(u64::MAX, Arc::new(Generous));
+        let enc = EncodedSource::encode(inner, &[1, 2], &store, 2, &|_| {}).unwrap();
+        assert!(enc.windows().is_empty());
+        assert_eq!((store.used(), enc.report().raw_tensors), (0, 2));
+    }
+
+    /// A source whose reads of one tensor fail.
+    struct Failing(Arc<dyn WeightSource>, usize);
+    impl WeightSource for Failing {
+        fn slices(&self) -> &[TensorSlice] {
+            self.0.slices()
+        }
+        fn check_unchanged(&self) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
+            if slice == self.1 {
+                return Err(SourceError::InvalidBatch("the disk is gone".into()));
+            }
+            self.0.read(slice, dst)
+        }
+        fn host_bytes(&self, _: usize) -> Option<HostSlice> {
+            None
+        }
+    }
+
+    #[test]
+    fn a_failed_read_keeps_nothing() {
+        // First (the others wait for it to be placed) or last.
+        for (workers, order) in [(1, [3, 1, 0]), (3, [3, 1, 0]), (3, [0, 3, 1])] {
+            let store = RetainedStore::new(u64::MAX, Arc::new(Generous));
+            let inner = Arc::new(Failing(source(), 0));
+            let e = EncodedSource::encode(inner, &order, &store, workers, &|_| {}).unwrap_err();
+            assert!(e.to_string().contains("the disk is gone"), "{e}");
+            assert_eq!(store.used(), 0);
+        }
     }
 }

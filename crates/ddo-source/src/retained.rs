@@ -124,4 +124,14 @@ impl RetainedBuffer {
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         &mut self.map[..self.len]
     }
+
+    /// Shortens the buffer to its first `len` bytes (before it is shared), giving the rest back
+    /// to the store's count. Pages of the mapping past them that were never written hold no
+    /// memory, so nothing is unmapped.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            self.used.fetch_sub((self.len - len) as u64, Ordering::AcqRel);
+            self.len = len;
+        }
+    }
 }
