@@ -730,24 +730,76 @@ impl Arena {
     ) -> Result<(FenceValue, u64), ArenaError> {
         let u = &self.layout.units[unit.0 as usize];
         let base = self.reservation.range.start.offset(u.offset);
-        // Staged bytes go to the staging buffer after its last conversions have read it.
-        let b = state.staging_next;
-        let staging = self
-            .reservation
-            .range
-            .start
-            .offset(self.layout.staging_offset + b as u64 * self.layout.staging_buffer);
-        if !u.conversions.is_empty() {
-            if let Some(f) = state.staging_read[b].take()
-                && let Err(e) = self.platform.fences.stream_wait(self.copy_stream, f)
-            {
-                state.staging_read[b] = Some(f);
-                return Err(device("make the copy stream wait for the staging buffer")(e));
-            }
-            state.staging_next = 1 - b;
-        }
+        let fences = &self.platform.fences;
         let mut copies = 0;
-        for e in &u.extents {
+        // The unit's own bytes first, then its staged bytes round by round: each round's
+        // kernels run on the conversion stream while the next round crosses the link.
+        copies += self.copy_extents(u, base, |e| !e.staged)?;
+        let mut last = None;
+        if let Some(convert) = self.convert_stream {
+            for round in 0..u.rounds() {
+                // A round's bytes go to a staging buffer after its last kernels have read it.
+                let b = state.staging_next;
+                let staging = self
+                    .reservation
+                    .range
+                    .start
+                    .offset(self.layout.staging_offset + b as u64 * self.layout.staging_buffer);
+                if let Some(f) = state.staging_read[b].take()
+                    && let Err(e) = fences.stream_wait(self.copy_stream, f)
+                {
+                    state.staging_read[b] = Some(f);
+                    return Err(device("make the copy stream wait for the staging buffer")(e));
+                }
+                state.staging_next = 1 - b;
+                copies += self.copy_extents(u, staging, |e| e.staged && e.round == round)?;
+                let copied =
+                    fences.record(self.copy_stream).map_err(device("record the upload fence"))?;
+                fences
+                    .stream_wait(convert, copied)
+                    .map_err(device("make the conversion stream wait for the copies"))?;
+                for c in u.conversions.iter().filter(|c| c.round == round) {
+                    let t =
+                        u.tensors.iter().find(|t| t.slice == c.slice).expect("a converted tensor");
+                    let src = DeviceRange { start: staging.offset(c.staging), len: c.staged_len };
+                    let dst = DeviceRange { start: base.offset(t.offset), len: t.len };
+                    let residency = &self.platform.residency;
+                    match c.work {
+                        DeviceWork::Convert { from, to } => residency
+                            .convert(src, from, dst, to, convert)
+                            .map_err(device("enqueue a weight conversion"))?,
+                        DeviceWork::Decode => residency
+                            .decode(src, dst, convert)
+                            .map_err(device("enqueue a weight decode"))?,
+                    }
+                }
+                let f = fences.record(convert).map_err(device("record the conversion fence"))?;
+                state.staging_read[b] = Some(f);
+                last = Some(f);
+            }
+        }
+        // Host-side copies (the host backend, pageable memory) have read the source by now: a
+        // file that changed under them is noticed before the unit is used.
+        self.source.check_unchanged()?;
+        // The conversion stream waited for every copy before its last round, so its last fence
+        // covers the whole unit.
+        let f = match last {
+            Some(f) => f,
+            None => fences.record(self.copy_stream).map_err(device("record the upload fence"))?,
+        };
+        Ok((f, copies))
+    }
+
+    /// Enqueues the copies of `u`'s extents that `which` picks, each landing at its offset from
+    /// `to`; returns how many copies it took.
+    fn copy_extents(
+        &self,
+        u: &crate::UnitLayout,
+        to: ddo_core::DeviceAddress,
+        which: impl Fn(&crate::layout::Extent) -> bool,
+    ) -> Result<u64, ArenaError> {
+        let mut copies = 0;
+        for e in u.extents.iter().filter(|e| which(e)) {
             let pieces = match self.source.host_pieces(e.file, e.file_offset, e.len) {
                 Some(p) => p,
                 None => match self.tensor_run_pieces(u, e) {
@@ -755,7 +807,6 @@ impl Arena {
                     None => vec![(0, self.read_extent(u, e)?)],
                 },
             };
-            let to = if e.staged { staging } else { base };
             for (at, host) in pieces {
                 let dst = DeviceRange { start: to.offset(e.offset + at), len: host.len() as u64 };
                 self.platform
@@ -765,33 +816,7 @@ impl Arena {
                 copies += 1;
             }
         }
-        // Host-side copies (the host backend, pageable memory) have read the source by now: a
-        // file that changed under them is noticed before the unit is used.
-        self.source.check_unchanged()?;
-        let fences = &self.platform.fences;
-        let mut f = fences.record(self.copy_stream).map_err(device("record the upload fence"))?;
-        if let (false, Some(convert)) = (u.conversions.is_empty(), self.convert_stream) {
-            fences
-                .stream_wait(convert, f)
-                .map_err(device("make the conversion stream wait for the copies"))?;
-            for c in &u.conversions {
-                let t = u.tensors.iter().find(|t| t.slice == c.slice).expect("a converted tensor");
-                let src = DeviceRange { start: staging.offset(c.staging), len: c.staged_len };
-                let dst = DeviceRange { start: base.offset(t.offset), len: t.len };
-                let residency = &self.platform.residency;
-                match c.work {
-                    DeviceWork::Convert { from, to } => residency
-                        .convert(src, from, dst, to, convert)
-                        .map_err(device("enqueue a weight conversion"))?,
-                    DeviceWork::Decode => residency
-                        .decode(src, dst, convert)
-                        .map_err(device("enqueue a weight decode"))?,
-                }
-            }
-            f = fences.record(convert).map_err(device("record the conversion fence"))?;
-            state.staging_read[b] = Some(f);
-        }
-        Ok((f, copies))
+        Ok(copies)
     }
 
     /// An extent's host bytes run by run of adjacent tensors, for a source that holds the
@@ -804,8 +829,10 @@ impl Arena {
     ) -> Option<Vec<(u64, HostSlice)>> {
         let mut tensors: Vec<(u64, u64)> = u
             .stored()
-            .filter(|&(_, staged, at, len)| {
-                staged == e.staged && at >= e.offset && at + len <= e.offset + e.len
+            .filter(|&(_, round, at, len)| {
+                round == e.staged.then_some(e.round)
+                    && at >= e.offset
+                    && at + len <= e.offset + e.len
             })
             .map(|(_, _, at, len)| (at - e.offset, len))
             .collect();
@@ -833,8 +860,10 @@ impl Arena {
     ) -> Result<HostSlice, ArenaError> {
         let requests: Vec<ReadRequest> = u
             .stored()
-            .filter(|&(_, staged, at, len)| {
-                staged == e.staged && at >= e.offset && at + len <= e.offset + e.len
+            .filter(|&(_, round, at, len)| {
+                round == e.staged.then_some(e.round)
+                    && at >= e.offset
+                    && at + len <= e.offset + e.len
             })
             .map(|(slice, _, at, _)| ReadRequest { slice, dst_offset: at - e.offset })
             .collect();

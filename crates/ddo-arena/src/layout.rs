@@ -19,6 +19,11 @@ pub const EXTENT_ALIGN: u64 = 256;
 /// a few hundred KiB, so bridging such a gap is never slower, and it halves the copies of a
 /// unit whose weights alternate with tensors served from elsewhere.
 pub const MAX_BRIDGED_GAP: u64 = 128 << 10;
+/// The stored bytes of a unit's tensors converted or decoded on the device go through the
+/// staging buffers in rounds of at most this much (or of its largest such tensor): each
+/// round's kernels run while the next round's bytes cross the link, and the two buffers take a
+/// round each, not a whole unit each, from the weight budget.
+pub const STAGING_ROUND: u64 = 64 << 20;
 
 /// What the caller asks for: the tensors of one unit, in any order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,6 +71,8 @@ pub struct Extent {
     pub offset: u64,
     /// Lands in the staging buffer (stored bytes of tensors converted on the device).
     pub staged: bool,
+    /// The staging round it belongs to (0 when not staged).
+    pub round: u32,
 }
 
 /// What a kernel makes of a tensor's staged bytes.
@@ -99,6 +106,8 @@ pub struct DeviceConversion {
     pub work: DeviceWork,
     /// Bytes the kernel writes (the tensor as served).
     pub served_len: u64,
+    /// The unit's staging round that carries its stored bytes.
+    pub round: u32,
 }
 
 /// One unit's layout.
@@ -120,7 +129,7 @@ pub struct UnitLayout {
     pub extents: Vec<Extent>,
     /// Tensors converted on the device after the copies.
     pub conversions: Vec<DeviceConversion>,
-    /// Bytes of the staging buffer its converted tensors' stored bytes take.
+    /// Bytes of the staging buffer its largest round of stored bytes takes.
     pub staging_len: u64,
     /// Always resident.
     pub pinned: bool,
@@ -140,13 +149,18 @@ impl UnitLayout {
             .fold((0, 0, 0), |(n, enc, dec), c| (n + 1, enc + c.staged_len, dec + c.served_len))
     }
 
-    /// Where each tensor's stored bytes land: `(slice, staged, offset, len)`, in the staging
-    /// buffer (`staged`) for a tensor converted on the device, else in the unit.
-    pub fn stored(&self) -> impl Iterator<Item = (usize, bool, u64, u64)> + '_ {
+    /// Where each tensor's stored bytes land: `(slice, staged round, offset, len)`, in the
+    /// staging buffer of that round for a tensor converted on the device, else in the unit.
+    pub fn stored(&self) -> impl Iterator<Item = (usize, Option<u32>, u64, u64)> + '_ {
         self.tensors.iter().map(|t| match self.conversions.iter().find(|c| c.slice == t.slice) {
-            Some(c) => (t.slice, true, c.staging, c.staged_len),
-            None => (t.slice, false, t.offset, t.len),
+            Some(c) => (t.slice, Some(c.round), c.staging, c.staged_len),
+            None => (t.slice, None, t.offset, t.len),
         })
+    }
+
+    /// Staging rounds its upload takes (0 without device conversions).
+    pub fn rounds(&self) -> u32 {
+        self.conversions.iter().map(|c| c.round + 1).max().unwrap_or(0)
     }
 }
 
@@ -229,6 +243,14 @@ impl Layout {
                 _ => (s.file, s.offset, s.len, None),
             }
         };
+        // A round holds STAGING_ROUND bytes, or the largest staged tensor with its alignment.
+        let round_cap = units
+            .iter()
+            .flat_map(|u| &u.tensors)
+            .filter_map(|&t| slices.get(t).map(|_| stored(t)))
+            .filter(|s| s.3.is_some())
+            .map(|s| s.2.saturating_add(EXTENT_ALIGN))
+            .fold(STAGING_ROUND, u64::max);
         let mut owner = vec![None::<usize>; slices.len()];
         let mut out = Vec::with_capacity(units.len());
         let mut offset = 0u64;
@@ -264,10 +286,21 @@ impl Layout {
             let mut extents: Vec<Extent> = Vec::new();
             // The unit's bytes, and the staging buffer's for tensors converted on the device.
             let (mut cursor, mut staged_cursor) = (0u64, 0u64);
+            let (mut round, mut unit_staging) = (0u32, 0u64);
             let mut converted = Vec::new();
             for &t in &tensors {
                 let (file, file_offset, len, work) = stored(t);
                 let staged = work.is_some();
+                // A staged tensor that would overfill its round starts the next one.
+                if staged
+                    && staged_cursor > 0
+                    && align_up(staged_cursor, EXTENT_ALIGN).saturating_add(EXTENT_ALIGN + len)
+                        > round_cap
+                {
+                    round += 1;
+                    staged_cursor = 0;
+                }
+                let tensor_round = if staged { round } else { 0 };
                 let cur = if staged { &mut staged_cursor } else { &mut cursor };
                 // Sizes beyond the limit would wrap in the sums below.
                 if len > MAX_LAYOUT
@@ -283,6 +316,7 @@ impl Layout {
                 let bridge = extents.last().and_then(|e| {
                     let gap = file_offset.checked_sub(e.file_offset + e.len)?;
                     (e.staged == staged
+                        && e.round == tensor_round
                         && e.file == file
                         && gap <= MAX_BRIDGED_GAP
                         && (e.offset + e.len + gap).is_multiple_of(MIN_TENSOR_ALIGN))
@@ -300,10 +334,20 @@ impl Layout {
                     } else {
                         align_up(*cur, EXTENT_ALIGN)
                     };
-                    extents.push(Extent { file, file_offset, len, offset: start, staged });
+                    extents.push(Extent {
+                        file,
+                        file_offset,
+                        len,
+                        offset: start,
+                        staged,
+                        round: tensor_round,
+                    });
                     start
                 };
                 *cur = at + len;
+                if staged {
+                    unit_staging = unit_staging.max(staged_cursor);
+                }
                 match work {
                     Some(work) => {
                         let served_len = match work {
@@ -318,6 +362,7 @@ impl Layout {
                             staged_len: len,
                             work,
                             served_len,
+                            round,
                         })
                     }
                     None => placements.push(TensorPlacement { slice: t, offset: at, len }),
@@ -333,7 +378,7 @@ impl Layout {
                     return Err(too_large(&spec.name));
                 }
             }
-            staging = staging.max(staged_cursor);
+            staging = staging.max(unit_staging);
             let len = align_up(cursor.max(1), granularity);
             out.push(UnitLayout {
                 id: UnitId(u as u32),
@@ -344,7 +389,7 @@ impl Layout {
                 tensors: placements,
                 extents,
                 conversions: converted,
-                staging_len: staged_cursor,
+                staging_len: unit_staging,
                 pinned: spec.pinned,
             });
             offset += len;
@@ -355,7 +400,7 @@ impl Layout {
         if out.is_empty() {
             return Err(ArenaError::InvalidUnits("no units".into()));
         }
-        // Two buffers: one fills while the other's conversions run.
+        // Two buffers: one round fills while the other's conversions run.
         let staging_buffer = align_up(staging, EXTENT_ALIGN);
         let staging_len = if staging > 0 { align_up(2 * staging_buffer, granularity) } else { 0 };
         Ok(Layout {
@@ -494,8 +539,8 @@ mod tests {
         );
         assert_eq!(layout.reserved, 2 * 65536);
         let stored: Vec<_> = u.stored().collect();
-        assert!(stored.contains(&(0, true, c.staging, 4096)));
-        assert!(stored.contains(&(1, false, b.offset, 1000)));
+        assert!(stored.contains(&(0, Some(0), c.staging, 4096)));
+        assert!(stored.contains(&(1, None, b.offset, 1000)));
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub use arena::{Arena, Lease, ReclaimReport, drop_failure};
 pub use error::ArenaError;
 pub use layout::{
     DeviceConversion, DeviceWork, EXTENT_ALIGN, Extent, Layout, MAX_BRIDGED_GAP, MAX_LAYOUT,
-    MIN_TENSOR_ALIGN, TensorPlacement, UnitLayout, UnitSpec,
+    MIN_TENSOR_ALIGN, STAGING_ROUND, TensorPlacement, UnitLayout, UnitSpec,
 };
 pub use plan::{Budget, ResidencyPlan};
 pub use stats::ArenaStats;

@@ -343,6 +343,7 @@ mod tests {
                         len,
                         offset: 0,
                         staged: false,
+                        round: 0,
                     }],
                     conversions: vec![],
                     staging_len: 0,

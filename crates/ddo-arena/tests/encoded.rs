@@ -41,6 +41,7 @@ macro_rules! backend_tests {
 
 backend_tests!(
     every_lease_sees_the_checkpoint_bytes_of_encoded_tensors,
+    a_unit_past_a_staging_round_decodes_round_by_round,
     a_lost_encoding_is_an_error_not_other_bytes,
 );
 
@@ -114,10 +115,11 @@ const WIDTH: usize = 128;
 fn encoded_arena(
     platform: &Platform,
     blocks: usize,
+    width: usize,
     holds: bool,
 ) -> (tempfile::TempDir, Arc<Encoded>, Arena) {
     let dir = scratch();
-    let mut source = Encoded::new(checkpoint(dir.path(), blocks, WIDTH), |s| s.shape.len() == 2);
+    let mut source = Encoded::new(checkpoint(dir.path(), blocks, width), |s| s.shape.len() == 2);
     source.holds = holds;
     let source = Arc::new(source);
     let units = UnitSpec::by_block(source.slices());
@@ -132,10 +134,41 @@ fn encoded_arena(
 }
 
 fn every_lease_sees_the_checkpoint_bytes_of_encoded_tensors(platform: &Platform) {
-    assert!(platform.residency.decodes(), "the host backend and CUDA decode");
-    let (_dir, source, arena) = encoded_arena(platform, 6, true);
-    let layout = arena.layout();
+    let (_dir, source, arena) = encoded_arena(platform, 6, WIDTH, true);
     assert!(arena.plan().streamed_units() >= 4, "{:?}", arena.plan());
+    // The block's encodings lie back to back in the source: one copy carries them.
+    let block = &arena.layout().units[1];
+    assert_eq!(block.extents.iter().filter(|e| e.staged).count(), 1, "{:?}", block.extents);
+    leases_see_the_checkpoint_bytes(platform, &source, arena);
+}
+
+fn a_unit_past_a_staging_round_decodes_round_by_round(platform: &Platform) {
+    // A block's three encodings (43 + 14 + 14 MiB) exceed one round of 64 MiB.
+    let (_dir, source, arena) = encoded_arena(platform, 2, 2688, true);
+    let layout = arena.layout();
+    let block = &layout.units[1];
+    assert_eq!(block.rounds(), 2, "{:?}", block.conversions);
+    assert!(layout.staging_buffer <= ddo_arena::STAGING_ROUND, "{}", layout.staging_buffer);
+    let staged: u64 = block.conversions.iter().map(|c| c.staged_len).sum();
+    assert!(layout.staging_buffer < staged, "a buffer holds a round, not the unit");
+    // A round's stored bytes lie inside the buffer, apart from each other.
+    for round in 0..block.rounds() {
+        let mut spans: Vec<(u64, u64)> = block
+            .conversions
+            .iter()
+            .filter(|c| c.round == round)
+            .map(|c| (c.staging, c.staging + c.staged_len))
+            .collect();
+        spans.sort_unstable();
+        assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "{spans:?}");
+        assert!(spans.last().unwrap().1 <= layout.staging_buffer);
+    }
+    leases_see_the_checkpoint_bytes(platform, &source, arena);
+}
+
+fn leases_see_the_checkpoint_bytes(platform: &Platform, source: &Encoded, arena: Arena) {
+    assert!(platform.residency.decodes(), "the host backend and CUDA decode");
+    let layout = arena.layout();
     // Every matrix is decoded: its encoding lands in staging, its elements in the unit.
     let block = &layout.units[1];
     let decoded: Vec<_> =
@@ -145,8 +178,6 @@ fn every_lease_sees_the_checkpoint_bytes_of_encoded_tensors(platform: &Platform)
         assert_eq!(c.staged_len, source.encoding(c.slice).unwrap().len);
         assert_eq!(c.served_len, source.slices()[c.slice].len);
     }
-    // The block's encodings lie back to back in the source: one copy carries them.
-    assert_eq!(block.extents.iter().filter(|e| e.staged).count(), 1, "{:?}", block.extents);
     let stream = platform.residency.create_stream().unwrap();
     for _ in 0..3 {
         arena.begin_pass();
@@ -181,7 +212,7 @@ fn every_lease_sees_the_checkpoint_bytes_of_encoded_tensors(platform: &Platform)
 
 fn a_lost_encoding_is_an_error_not_other_bytes(platform: &Platform) {
     // Building the arena does not need the encodings; uploading does.
-    let (_dir, _source, arena) = encoded_arena(platform, 6, false);
+    let (_dir, _source, arena) = encoded_arena(platform, 6, WIDTH, false);
     let stream = platform.residency.create_stream().unwrap();
     arena.begin_pass();
     let streamed = (0..arena.layout().units.len() as u32)
