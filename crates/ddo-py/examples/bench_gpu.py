@@ -71,9 +71,10 @@ OPTIONAL = ["vmm_retained"]
 # `vmm@auto` is auto_budget_policy = balanced (the budget from the card's free memory), and a
 # `%GIB` suffix simulates a smaller card: everything but GIB of the GPU's free memory is held by
 # another allocation before the model loads (`vmm@auto%16`, `vmm@6%16`). A `~enc` suffix streams
-# the bf16 weights entropy-coded (vmm_weight_encoding = on): its "x raw floor" column divides the
-# step by the floor of the bytes the raw route streams at the same budget.
-VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+|auto))?(?:\+d([0-9]+))?(?:%([0-9.]+))?(~enc)?$")
+# the bf16 weights entropy-coded (vmm_weight_encoding = on), `~auto` where the device decodes
+# faster than the link copies (auto): their "x raw floor" column divides the step by the floor
+# of the bytes the raw route streams at the same budget.
+VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+|auto))?(?:\+d([0-9]+))?(?:%([0-9.]+))?(~enc|~auto)?$")
 # The budget of `vmm`: every unit streamed for the 5 B model.
 STREAMING_BUDGET_GB = 3.0
 
@@ -245,7 +246,7 @@ def child(a: argparse.Namespace) -> int:
             else:
                 budget = float(m.group(1)) if m.group(1) else STREAMING_BUDGET_GB
             if m.group(4):
-                os.environ["DDO_VMM_WEIGHT_ENCODING"] = "on"
+                os.environ["DDO_VMM_WEIGHT_ENCODING"] = "on" if m.group(4) == "~enc" else "auto"
             config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget, **extra_config)
         extra = {"gguf_file": gguf_file(a.path)} if quantized else {}
         model = ddo.from_pretrained_with_dynamic_offload(
@@ -405,9 +406,10 @@ def table(rows: list[dict]) -> None:
             floor = max(resident["step"] if resident else 0.0, streamed / r["link"])
             arena = f" ({r['arena'] / 2**30:.2f})" if r.get("arena") else ""
             same = "" if resident is None else ("yes" if r["digest"] == resident["digest"] else "NO")
-            raw = next((q for q in group if q["variant"] == r["variant"].replace("~enc", "") and "step" in q), None)
+            plain = re.sub(r"~(enc|auto)$", "", r["variant"])
+            raw = next((q for q in group if q["variant"] == plain and "step" in q), None)
             raw_floor = ""
-            if r["variant"].endswith("~enc") and raw is not None:
+            if plain != r["variant"] and raw is not None:
                 raw_streamed = raw.get("streamed") or nbytes
                 raw_floor = f"; x raw floor {r['step'] / max(resident['step'] if resident else 0.0, raw_streamed / r['link']):.3f}"
             print(f"| {label(size)} | {res} | {r['variant']} | {streamed / 2**30:.2f} | {r['step']:.4f} | {r['step'] / floor:.3f}{raw_floor} | "
