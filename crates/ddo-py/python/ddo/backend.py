@@ -86,14 +86,15 @@ _FLAGS: tuple = (
     ("--ddo-vmm-execution-auxiliary-ownership", "vmm_execution_auxiliary_ownership", None, False, "stream non-Linear block parameters too (always on in ddo)"),
     ("--ddo-vmm-component-buffer-limit-mb", "vmm_component_buffer_limit_mb", int, 1, "the published component buffer cap, MiB (ddo keeps buffers on the device)"),
     ("--ddo-prefetch-depth", "prefetch_depth", int, None, "units kept in flight ahead of execution"),
+    ("--ddo-vmm-weight-encoding", "vmm_weight_encoding", str, None, "stream bf16/fp16 weights entropy-coded, decoded on the device: off, auto or on"),
 )
 
 
 def add_dynamic_offload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the published library's flags with its defaults (``--ddo-backend``,
     ``--ddo-preset``, the ``--ddo-vmm-*`` flags, ``--show-profile`` / ``--show-metrics``) and
-    ddo's ``--ddo-prefetch-depth``. Only flags given on the command line reach the config, so
-    variables and presets decide the rest."""
+    ddo's ``--ddo-prefetch-depth`` and ``--ddo-vmm-weight-encoding``. Only flags given on the
+    command line reach the config, so variables and presets decide the rest."""
     g = parser.add_argument_group("dynamic offload (ddo)")
     for flag, _field, kind, default, text in _FLAGS:
         if kind is None:
