@@ -706,7 +706,7 @@ impl ComponentSession {
             return Ok((source, ranges, host));
         }
         let encoded = self.encoded_source(source, &encode, mapped.as_deref())?;
-        ranges.extend(encoded.windows().into_iter().map(|w| (w, false)));
+        ranges.extend(encoded.windows());
         host.encoding = Some(encoded.report());
         Ok((Arc::new(encoded), ranges, host))
     }
@@ -1507,7 +1507,7 @@ impl ComponentSession {
                     staging: a.host.staging.as_ref().map(|p| (p.stats(), p.is_direct())),
                     staging_note: a.host.staging_note.as_deref(),
                     encoding_note: a.host.encoding_note.as_deref(),
-                    encoding: a.host.encoding,
+                    encoding: a.host.encoding.as_ref(),
                     setup_seconds: a.setup_seconds,
                     total_bytes: a.total_bytes,
                     tensor_count: a.tensor_count,
@@ -1555,7 +1555,7 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) staging: Option<(ddo_source::StagingStats, bool)>,
     pub(crate) staging_note: Option<&'a str>,
     pub(crate) encoding_note: Option<&'a str>,
-    pub(crate) encoding: Option<EncodingReport>,
+    pub(crate) encoding: Option<&'a EncodingReport>,
     pub(crate) setup_seconds: f64,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,

@@ -2,6 +2,7 @@
 //! (`ddo_codec`), in retained host memory, for uploads that carry the encoding and decode it on
 //! the device ([`WeightSource::encoding`]).
 
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -13,7 +14,7 @@ use ddo_core::{
 use crate::RetainedStore;
 
 /// Encodings start at multiples of this within their buffer (the decoder needs 4).
-const ENCODING_ALIGN: usize = 256;
+pub(crate) const ENCODING_ALIGN: usize = 256;
 /// An encoding is kept only below this fraction of the tensor's bytes.
 const KEEP_BELOW: f64 = 0.95;
 
@@ -27,7 +28,7 @@ struct Placement<'a> {
 }
 
 /// What encoding did.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct EncodingReport {
     /// Tensors held encoded.
     pub tensors: u64,
@@ -35,12 +36,20 @@ pub struct EncodingReport {
     pub raw_tensors: u64,
     /// Bytes of the encoded tensors as served (bf16).
     pub source_bytes: u64,
-    /// Bytes of their encodings (retained).
+    /// Bytes of their encodings (retained, or mapped from an encoded file).
     pub encoded_bytes: u64,
-    /// Wall seconds encoding took.
+    /// Wall seconds encoding took (0 when read from an encoded file).
     pub seconds: f64,
-    /// Threads that encoded.
+    /// Threads that encoded (or checked the encodings of an encoded file).
     pub workers: u64,
+    /// Whether the encodings were read from an encoded file instead of encoded.
+    pub from_file: bool,
+    /// The encoded file read, or written once encoded.
+    pub file: Option<PathBuf>,
+    /// Bytes of the encoded file read and checked (0 when encoded).
+    pub file_bytes_read: u64,
+    /// Wall seconds reading and checking the encoded file, or writing it, took.
+    pub file_seconds: f64,
 }
 
 /// A [`WeightSource`] over `inner` that also holds the entropy-coded form of chosen bf16
@@ -49,12 +58,14 @@ pub struct EncodingReport {
 /// [`encoding`](WeightSource::encoding) and [`host_pieces`](WeightSource::host_pieces) of that
 /// file is `inner`'s: the tensors' own bytes stay available.
 pub struct EncodedSource {
-    inner: Arc<dyn WeightSource>,
-    file: CheckpointFileId,
-    buffer: Option<HostSlice>,
+    pub(crate) inner: Arc<dyn WeightSource>,
+    pub(crate) file: CheckpointFileId,
+    pub(crate) buffer: Option<HostSlice>,
     /// Per slice: where its encoding lies in the buffer.
-    ranges: Vec<Option<FileRange>>,
-    report: EncodingReport,
+    pub(crate) ranges: Vec<Option<FileRange>>,
+    pub(crate) report: EncodingReport,
+    /// The encoded file the buffer maps, when read from one.
+    pub(crate) mapped: Option<crate::encoded_file::MappedEncodings>,
 }
 
 impl std::fmt::Debug for EncodedSource {
@@ -129,7 +140,7 @@ impl EncodedSource {
         // before its encodings are used.
         inner.check_unchanged()?;
         report.seconds = t.elapsed().as_secs_f64();
-        Ok(EncodedSource { inner, file, buffer, ranges, report })
+        Ok(EncodedSource { inner, file, buffer, ranges, report, mapped: None })
     }
 
     /// Encodes the tensors on `workers` threads taking them in turn, and writes each encoding
@@ -222,12 +233,13 @@ impl EncodedSource {
 
     /// What encoding did.
     pub fn report(&self) -> EncodingReport {
-        self.report
+        self.report.clone()
     }
 
-    /// The host memory of the encodings, to register for DMA.
-    pub fn windows(&self) -> Vec<HostSlice> {
-        self.buffer.iter().cloned().collect()
+    /// The host memory of the encodings, to register for DMA, and whether it is read-only (a
+    /// mapped encoded file).
+    pub fn windows(&self) -> Vec<(HostSlice, bool)> {
+        self.buffer.iter().map(|b| (b.clone(), self.mapped.is_some())).collect()
     }
 }
 
@@ -265,7 +277,8 @@ impl WeightSource for EncodedSource {
     }
 
     fn check_unchanged(&self) -> Result<(), SourceError> {
-        self.inner.check_unchanged()
+        self.inner.check_unchanged()?;
+        self.mapped.as_ref().map_or(Ok(()), |m| m.check_unchanged())
     }
 
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
@@ -426,6 +439,7 @@ mod tests {
         enc.read(2, &mut own).unwrap();
         assert_eq!(own, vec![7; 4096]);
         assert_eq!(enc.windows().len(), 1);
+        assert!(!enc.windows()[0].1, "retained memory is writable");
         let mut seen = done.into_inner().unwrap();
         seen.sort_unstable();
         assert_eq!(seen, vec![0, 1, 2, 3]);
@@ -485,7 +499,7 @@ mod tests {
             assert_eq!((grants[0].0.bytes, grants[0].1), (most, 0), "{grants:?}");
             // What the encodings did not take went back: the store holds the buffer, which
             // ends with the last encoding.
-            let window = enc.windows();
+            let window: Vec<HostSlice> = enc.windows().into_iter().map(|(w, _)| w).collect();
             let (b, a) = (enc.encoding(3).unwrap(), enc.encoding(0).unwrap());
             assert_eq!(window[0].len() as u64, a.offset + a.len);
             assert_eq!(store.used(), window[0].len() as u64);

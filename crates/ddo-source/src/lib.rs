@@ -12,6 +12,9 @@
 //!   place, small ones packed per unit so they upload in one copy.
 //! - GGUF files open as checkpoints too ([`parse_gguf`]): quantized tensors as opaque bytes,
 //!   shaped as their rows times the bytes of a row.
+//! - [`EncodedSource`] also holds chosen bf16 and fp16 tensors entropy-coded, in one retained
+//!   buffer, or mapped from an encoded file written by an earlier load
+//!   ([`EncodedFileIdentity`] says which file serves).
 //! - [`ConvertedSource`] serves tensors converted once at load to the module's dtypes (F32,
 //!   F16, BF16), from retained memory, and every other tensor from the source it wraps.
 //! - [`RetainedStore`] keeps host copies under a storage ceiling, admitted by the host first;
@@ -26,6 +29,7 @@
 
 mod checkpoint;
 mod convert;
+mod encoded_file;
 mod encoded_source;
 mod fault;
 mod gguf;
@@ -43,6 +47,7 @@ mod staging;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
 pub use convert::{ConversionReport, ConvertedSource, convert, convertible};
+pub use encoded_file::{BODY_ALIGN, ENCODED_FILE_VERSION, EncodedFileIdentity, EncodedFileRefusal};
 pub use encoded_source::{EncodedSource, EncodingReport};
 pub use gguf::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufHeader, parse_gguf};
 pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};

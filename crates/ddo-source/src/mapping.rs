@@ -26,10 +26,21 @@ impl MappedFile {
     /// batch and upload, which catches a changed file but cannot make concurrent modification
     /// safe. Truncation is survivable: the lost range reads as zeros and is reported as a change.
     pub unsafe fn map(path: &Path) -> Result<MappedFile, SourceError> {
+        let file =
+            File::open(path).map_err(|source| SourceError::Io { file: path.to_owned(), source })?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { Self::map_open(&file, path) }
+    }
+
+    /// Maps `file`, open at `path`, as [`map`](Self::map) maps the file at a path.
+    ///
+    /// # Safety
+    ///
+    /// As [`map`](Self::map).
+    pub(crate) unsafe fn map_open(file: &File, path: &Path) -> Result<MappedFile, SourceError> {
         let io = |source| SourceError::Io { file: path.to_owned(), source };
-        let file = File::open(path).map_err(io)?;
         // SAFETY: the caller promises the file is not modified while mapped.
-        let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
+        let map = unsafe { memmap2::MmapOptions::new().map(file) }.map_err(io)?;
         let guard = crate::fault::FaultGuard::new(map.as_ptr(), map.len());
         Ok(MappedFile { path: path.to_owned(), guard, map })
     }
