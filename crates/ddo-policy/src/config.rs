@@ -354,6 +354,14 @@ settings! {
     /// device decodes faster than the link copies them, timed at attach; 1 MiB or more on the
     /// host backend); `on` (every unit's). A tensor is encoded only when its encoding is smaller.
     vmm_weight_encoding: WeightEncoding = WeightEncoding::Off, "VMM_WEIGHT_ENCODING";
+    /// A folder of encoded files for `vmm_weight_encoding`: the encodings of a checkpoint's
+    /// chosen tensors are written there once (`<16 hex digits>.ddoenc`, named after the
+    /// checkpoint's files and the tensors), and a later load maps that file instead of encoding
+    /// again when it records the same checkpoint files (path, size, modification time), tensors
+    /// and format, and every encoding in it checks; otherwise it encodes and writes the file
+    /// again (atomically). A folder that cannot be written only leaves the encodings unsaved.
+    /// Empty (the default): encode at every load.
+    vmm_encoded_cache_dir: String = String::new(), "VMM_ENCODED_CACHE_DIR";
     /// Regex (Python `re.search` semantics on the module path) of the modules whose repeated
     /// blocks are streamed; other parameters stay resident. It must also compile as a Rust
     /// `regex` (no look-around, no back-references): resolution refuses one that does not.

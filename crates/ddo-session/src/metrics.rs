@@ -122,6 +122,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
             setup.encoding_source_bytes = Some(e.source_bytes);
             setup.encoded_bytes = Some(e.encoded_bytes);
             setup.encoding_seconds = Some(e.seconds);
+            setup.encoded_file = e.file.as_ref().map(|f| f.display().to_string());
         }
         if let Some(note) = a.staging_note {
             setup.warnings.get_or_insert_with(Vec::new).push(note.to_owned());

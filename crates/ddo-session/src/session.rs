@@ -1,7 +1,7 @@
 //! The component session: one component's weights streamed through one arena.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -11,10 +11,10 @@ use ddo_core::{
 };
 use ddo_policy::{ConversionSite, Origin, Plan, ReadBackend, Route, WeightEncoding};
 use ddo_source::{
-    Checkpoint, CheckpointSource, ConversionReport, ConvertedSource, EncodedSource, EncodingReport,
-    HostTensor, HostTensorSource, MmapChoice, PackReport, REGISTRATION_SEGMENT, ReadOptions,
-    RegisteredRange, Registrar, RetainedReport, RetainedSource, RetainedStore, StagedSource,
-    StagingOptions, StagingPool,
+    Checkpoint, CheckpointSource, ConversionReport, ConvertedSource, EncodedFileIdentity,
+    EncodedFileRefusal, EncodedSource, EncodingReport, HostTensor, HostTensorSource, MmapChoice,
+    PackReport, REGISTRATION_SEGMENT, ReadOptions, RegisteredRange, Registrar, RetainedReport,
+    RetainedSource, RetainedStore, StagedSource, StagingOptions, StagingPool,
 };
 
 use crate::SessionError;
@@ -700,28 +700,83 @@ impl ComponentSession {
         let converted: HashSet<usize> = all.iter().map(|&(i, _)| i).collect();
         let (encode, note) = self.encoding_choice(checkpoint.slices(), &converted)?;
         let (source, mapped, mut ranges, mut host) =
-            self.stored_source(checkpoint, all, mmap, host_only, &encode)?;
+            self.stored_source(checkpoint.clone(), all, mmap, host_only, &encode)?;
         host.encoding_note = Some(note);
         if encode.is_empty() {
             return Ok((source, ranges, host));
         }
-        let encoded = self.encoded_source(source, &encode, mapped.as_deref())?;
+        let (encoded, file_note) =
+            self.encoded_source(source, &checkpoint, &encode, mapped.as_deref())?;
+        if let (Some(note), Some(file_note)) = (&mut host.encoding_note, file_note) {
+            *note = format!("{note}; {file_note}");
+        }
         ranges.extend(encoded.windows());
         host.encoding = Some(encoded.report());
         Ok((Arc::new(encoded), ranges, host))
     }
 
     /// `source` with the tensors of `encode` also held entropy-coded, encoded on every core; a
-    /// tensor's pages of `mapped` are dropped once read (its encoding serves it).
+    /// tensor's pages of `mapped` are dropped once read (its encoding serves it). Under
+    /// `vmm_encoded_cache_dir` the encodings come from the encoded file of the same checkpoint
+    /// files and tensors when it checks, else they are encoded and the file written; with what
+    /// the profile says of the file.
     fn encoded_source(
+        &self,
+        source: Arc<dyn WeightSource>,
+        checkpoint: &Checkpoint,
+        encode: &[usize],
+        mapped: Option<&CheckpointSource>,
+    ) -> Result<(EncodedSource, Option<String>), SessionError> {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let workers = cores.max(self.plan.settings.pin_cpu_workers as usize);
+        let folder = Path::new(&self.plan.settings.vmm_encoded_cache_dir);
+        let file = (!folder.as_os_str().is_empty()).then(|| {
+            EncodedFileIdentity::of(checkpoint, source.slices(), encode).map(|identity| {
+                let path = folder.join(identity.file_name());
+                (identity, path)
+            })
+        });
+        let mut refused = None;
+        if let Some(Ok((identity, path))) = &file {
+            match EncodedSource::open_file(source.clone(), identity, path, workers) {
+                Ok(read) => return Ok((read, Some(format!("read from {}", path.display())))),
+                Err(EncodedFileRefusal::Missing) => {}
+                Err(why) => refused = Some(why),
+            }
+        }
+        let mut encoded = self.encode(source, encode, mapped, workers)?;
+        let note = match file {
+            None => None,
+            Some(Err(e)) => Some(format!("encoded (no encoded file: {e})")),
+            Some(Ok((identity, path))) => {
+                // A folder that cannot be written only leaves the encodings unsaved.
+                let saved =
+                    std::fs::create_dir_all(folder).and_then(|()| encoded.save(&identity, &path));
+                let shown = path.display();
+                Some(match (saved, refused) {
+                    (Ok(_), None) => format!("encoded (encoded file {shown} written)"),
+                    (Ok(_), Some(why)) => format!("re-encoded: {why} (written again)"),
+                    (Err(e), None) => {
+                        format!("encoded (the encoded file {shown} could not be written: {e})")
+                    }
+                    (Err(e), Some(why)) => {
+                        format!("re-encoded: {why} (it could not be written again: {e})")
+                    }
+                })
+            }
+        };
+        Ok((encoded, note))
+    }
+
+    /// `source` with the tensors of `encode` encoded on `workers` threads into retained memory.
+    fn encode(
         &self,
         source: Arc<dyn WeightSource>,
         encode: &[usize],
         mapped: Option<&CheckpointSource>,
+        workers: usize,
     ) -> Result<EncodedSource, SessionError> {
         let p = &self.platform.platform;
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let workers = cores.max(self.plan.settings.pin_cpu_workers as usize);
         let store = RetainedStore::new(u64::MAX, p.admission.clone());
         let drop_pages = |i: usize| {
             if let Some(m) = mapped {

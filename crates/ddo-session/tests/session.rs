@@ -1111,3 +1111,209 @@ fn encoded_streaming_of(device: &str, dtype: Dtype, modes: &[(&str, &str)]) {
         run_and_compare(&session, 1, &expect, None);
     }
 }
+
+// ---- encoded files -------------------------------------------------------------------------------
+
+/// Writes a checkpoint of six weight-like 2 MiB bf16 matrices in blocks (bytes drawn from
+/// `seed`); gives its bytes as read.
+fn weight_like(path: &Path, seed: u64) -> impl Fn(&str) -> Vec<u8> + use<> {
+    let mut names = vec![("embed.weight".to_owned(), vec![1024, 8])];
+    for b in 0..6 {
+        names.push((format!("blocks.{b}.attn.weight"), vec![1024, 1024]));
+        names.push((format!("blocks.{b}.norm.weight"), vec![1024]));
+    }
+    names.push(("norm_out.weight".into(), vec![1024]));
+    let byte = |t: usize, i: u64| {
+        let h = ((seed + t as u64) * 0x9e37_79b9 + i / 2).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+        if i.is_multiple_of(2) {
+            h as u8
+        } else {
+            (0x3b + (h >> 8) % 3) as u8 | (((h >> 12) & 1) << 7) as u8
+        }
+    };
+    testing::write_dtype(path, Dtype::BF16, &names, byte).unwrap();
+    bytes_of(path)
+}
+
+/// The bytes of the checkpoint at `path` as read.
+fn bytes_of(path: &Path) -> impl Fn(&str) -> Vec<u8> + use<> {
+    let source = ddo_source::CheckpointSource::new(
+        ddo_source::Checkpoint::open(path).unwrap().into(),
+        ddo_source::ReadOptions::default(),
+    )
+    .unwrap();
+    move |name: &str| {
+        use ddo_core::WeightSource;
+        let i = source.slices().iter().position(|t| t.name == name).unwrap();
+        let mut raw = vec![0; source.slices()[i].len as usize];
+        source.read(i, &mut raw).unwrap();
+        raw
+    }
+}
+
+/// The native route encoding every unit, its encoded files in `folder`.
+fn with_encoded_files(path: &Path, folder: &Path) -> ComponentSession {
+    let extra =
+        [("vmm_weight_encoding", "on"), ("vmm_encoded_cache_dir", folder.to_str().unwrap())];
+    native_with(path, &extra, None).unwrap()
+}
+
+/// The encoding line of the profile.
+fn encoding_note(session: &ComponentSession) -> String {
+    setup(session).weight_encoding.unwrap()
+}
+
+#[test]
+fn an_encoded_file_is_written_once_and_read_while_the_checkpoint_is_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.safetensors");
+    let expect = weight_like(&path, 0);
+    let folder = dir.path().join("encoded");
+    // The first load encodes and writes the file.
+    let first = with_encoded_files(&path, &folder);
+    let s = setup(&first);
+    let file = PathBuf::from(s.encoded_file.clone().unwrap());
+    assert_eq!(file.parent(), Some(folder.as_path()));
+    let note = encoding_note(&first);
+    assert!(
+        note.ends_with(&format!("; encoded (encoded file {} written)", file.display())),
+        "{note}"
+    );
+    assert!(s.encoding_seconds.unwrap() > 0.0, "{s:?}");
+    run_and_compare(&first, 2, &expect, None);
+    let written = std::fs::metadata(&file).unwrap().modified().unwrap();
+    let rt = first.metrics(None).runtime;
+    first.close().unwrap();
+    // The next one reads it: nothing is encoded, and the same bytes stream.
+    let second = with_encoded_files(&path, &folder);
+    let r = setup(&second);
+    let note = encoding_note(&second);
+    assert!(note.ends_with(&format!("; read from {}", file.display())), "{note}");
+    assert_eq!(r.encoded_file.as_deref(), s.encoded_file.as_deref());
+    assert_eq!(r.encoding_seconds, Some(0.0));
+    assert_eq!(
+        (r.encoded_tensors, r.encoded_bytes, r.encoding_source_bytes),
+        (s.encoded_tensors, s.encoded_bytes, s.encoding_source_bytes)
+    );
+    assert_eq!(s.encoded_tensors, Some(6));
+    run_and_compare(&second, 2, &expect, None);
+    let rt2 = second.metrics(None).runtime;
+    assert_eq!(
+        (rt2.decoded_bytes, rt2.encoded_upload_bytes, rt2.device_decodes),
+        (rt.decoded_bytes, rt.encoded_upload_bytes, rt.device_decodes)
+    );
+    let profile = second.metrics(None).format_profile();
+    assert!(profile.contains(&format!("file={}", file.display())), "{profile}");
+    assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), written);
+    // Reload maps it again.
+    assert!(second.unload().unwrap());
+    second.reload().unwrap();
+    assert!(encoding_note(&second).contains("; read from "));
+    run_and_compare(&second, 1, &expect, None);
+    second.close().unwrap();
+    // A checkpoint touched since is encoded again, and the file written again.
+    let f = std::fs::File::options().write(true).open(&path).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(10)).unwrap();
+    drop(f);
+    let expect = bytes_of(&path);
+    let third = with_encoded_files(&path, &folder);
+    let note = encoding_note(&third);
+    let changed =
+        format!("re-encoded: the checkpoint changed since {} was written", file.display());
+    assert!(note.contains(&changed) && note.ends_with("(written again)"), "{note}");
+    assert!(setup(&third).encoding_seconds.unwrap() > 0.0);
+    run_and_compare(&third, 1, &expect, None);
+    third.close().unwrap();
+    let fourth = with_encoded_files(&path, &folder);
+    assert!(encoding_note(&fourth).contains("; read from "), "{}", encoding_note(&fourth));
+    run_and_compare(&fourth, 1, &expect, None);
+    fourth.close().unwrap();
+    // A checkpoint whose bytes changed is encoded again.
+    let expect = weight_like(&path, 1);
+    let fifth = with_encoded_files(&path, &folder);
+    assert!(encoding_note(&fifth).contains(&changed), "{}", encoding_note(&fifth));
+    run_and_compare(&fifth, 1, &expect, None);
+}
+
+/// CRC-32 (IEEE), as encoded files checksum their header.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn a_damaged_truncated_or_other_version_encoded_file_is_never_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.safetensors");
+    let expect = weight_like(&path, 0);
+    let folder = dir.path().join("encoded");
+    let first = with_encoded_files(&path, &folder);
+    let file = PathBuf::from(setup(&first).encoded_file.unwrap());
+    first.close().unwrap();
+    let good = std::fs::read(&file).unwrap();
+    let header_len = u64::from_le_bytes(good[8..16].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&good[24..24 + header_len]).unwrap();
+    header["version"] = serde_json::json!(9);
+    let mut json = serde_json::to_vec(&header).unwrap();
+    json.resize(header_len, b' ');
+    let mut other_version = good.clone();
+    other_version[16..20].copy_from_slice(&crc32(&json).to_le_bytes());
+    other_version[24..24 + header_len].copy_from_slice(&json);
+    let flipped = |at: usize| {
+        let mut bytes = good.clone();
+        bytes[at] ^= 1;
+        bytes
+    };
+    let shown = file.display().to_string();
+    let cases: [(&str, Vec<u8>, String); 5] = [
+        (
+            "an encoding",
+            flipped(good.len() - 100),
+            format!("{shown} is damaged: the encoding of tensor"),
+        ),
+        (
+            "the first encoding's header",
+            flipped((24 + header_len).next_multiple_of(65536)),
+            format!("{shown} is damaged: the encoding"),
+        ),
+        ("the header", flipped(40), format!("{shown} is damaged: its header's CRC-32")),
+        ("truncated", good[..good.len() - 4096].to_vec(), format!("{shown} is damaged: it is")),
+        ("of another version", other_version, format!("{shown} was written in format version 9")),
+    ];
+    for (what, bytes, why) in cases {
+        std::fs::write(&file, &bytes).unwrap();
+        let session = with_encoded_files(&path, &folder);
+        let note = encoding_note(&session);
+        assert!(note.contains(&format!("; re-encoded: {why}")), "{what}: {note}");
+        assert!(note.ends_with("(written again)"), "{what}: {note}");
+        run_and_compare(&session, 1, &expect, None);
+        session.close().unwrap();
+        // Encoding is deterministic: the file is written again as it was.
+        assert!(std::fs::read(&file).unwrap() == good, "{what}");
+    }
+}
+
+#[test]
+fn a_folder_that_cannot_be_written_still_streams_encoded() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.safetensors");
+    let expect = weight_like(&path, 0);
+    // A folder inside a file cannot be made.
+    let folder = path.join("encoded");
+    let session = with_encoded_files(&path, &folder);
+    let s = setup(&session);
+    let note = encoding_note(&session);
+    assert!(note.contains("could not be written"), "{note}");
+    assert_eq!((s.encoded_tensors, s.encoded_file), (Some(6), None));
+    run_and_compare(&session, 2, &expect, None);
+    assert!(session.metrics(None).runtime.device_decodes.unwrap() > 0);
+    let names: Vec<_> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["weights.safetensors"]);
+}
