@@ -284,38 +284,63 @@ pub fn encode_bf16(bytes: &[u8], threads: usize) -> Result<EncodedBf16, CodecErr
     if !bytes.len().is_multiple_of(2) {
         return Err(CodecError::OddLength(bytes.len()));
     }
-    let elements = (bytes.len() / 2) as u64;
+    let elements = bytes.len() / 2;
+    let chunk = CHUNK_ELEMENTS as usize;
+    // Each thread takes a run of whole chunks.
+    let per = elements.div_ceil(chunk).div_ceil(threads.max(1)).max(1) * chunk;
+    let mut raw = vec![0u8; elements];
+    let parts: Vec<(&[u8], &mut [u8])> = bytes.chunks(2 * per).zip(raw.chunks_mut(per)).collect();
+    let histograms = in_parallel_mut(parts, threads, |(input, raw)| {
+        // Four histograms, so that runs of one exponent do not wait on one counter.
+        let mut h = [[0u64; 256]; 4];
+        for (k, (e, r)) in input.chunks_exact(2).zip(raw.iter_mut()).enumerate() {
+            let v = u16::from_le_bytes([e[0], e[1]]);
+            h[k & 3][usize::from((v >> 7) as u8)] += 1;
+            *r = (((v >> 15) as u8) << 7) | (v & 0x7f) as u8;
+        }
+        let mut sum = [0u64; 256];
+        for (s, i) in sum.iter_mut().zip(0..) {
+            *s = h[0][i] + h[1][i] + h[2][i] + h[3][i];
+        }
+        sum
+    });
     let mut histogram = [0u64; 256];
-    let mut raw = Vec::with_capacity(elements as usize);
-    for e in bytes.chunks_exact(2) {
-        let v = u16::from_le_bytes([e[0], e[1]]);
-        histogram[usize::from((v >> 7) as u8)] += 1;
-        raw.push((((v >> 15) as u8) << 7) | (v & 0x7f) as u8);
+    for h in &histograms {
+        for (t, v) in histogram.iter_mut().zip(h) {
+            *t += v;
+        }
     }
+    let elements = elements as u64;
     let code = Code::for_histogram(&histogram);
     if code.cost_bits(&histogram) / 8 + elements / u64::from(CHUNK_ELEMENTS) + 1
         > u64::from(u32::MAX)
     {
         return Err(CodecError::TooLarge(elements));
     }
-    let chunk_bytes = CHUNK_ELEMENTS as usize * 2;
-    let chunks: Vec<&[u8]> = bytes.chunks(chunk_bytes).collect();
-    let coded_chunks = in_parallel(&chunks, threads, |chunk| {
-        let mut out = Vec::with_capacity(chunk.len() / 4);
-        let mut w = BitWriter::new(&mut out);
-        for e in chunk.chunks_exact(2) {
-            let (c, l) = code.code((u16::from_le_bytes([e[0], e[1]]) >> 7) as u8);
-            w.put(c, l);
+    let codes: [(u16, u8); 256] = std::array::from_fn(|s| code.code(s as u8));
+    let inputs: Vec<&[u8]> = bytes.chunks(2 * per).collect();
+    // Per run: its coded chunks back to back, and where each chunk ends.
+    let runs = in_parallel(&inputs, threads, |input| {
+        let mut out = Vec::with_capacity(input.len() / 5);
+        let mut ends = Vec::with_capacity(input.len().div_ceil(2 * chunk));
+        for c in input.chunks(2 * chunk) {
+            let mut w = BitWriter::new(&mut out);
+            for e in c.chunks_exact(2) {
+                let (bits, len) = codes[usize::from((u16::from_le_bytes([e[0], e[1]]) >> 7) as u8)];
+                w.put(bits, len);
+            }
+            w.finish();
+            ends.push(out.len() as u32);
         }
-        w.finish();
-        out
+        (out, ends)
     });
-    let mut offsets = Vec::with_capacity(coded_chunks.len() + 1);
-    let mut coded = Vec::with_capacity(coded_chunks.iter().map(Vec::len).sum());
+    let mut coded = Vec::with_capacity(runs.iter().map(|(c, _)| c.len()).sum());
+    let mut offsets = Vec::with_capacity(elements.div_ceil(u64::from(CHUNK_ELEMENTS)) as usize + 1);
     offsets.push(0);
-    for c in &coded_chunks {
+    for (c, ends) in &runs {
+        let base = coded.len() as u32;
+        offsets.extend(ends.iter().map(|e| base + e));
         coded.extend_from_slice(c);
-        offsets.push(coded.len() as u32);
     }
     Ok(EncodedBf16 { elements, code, offsets, raw, coded })
 }
@@ -328,24 +353,28 @@ pub fn decode_bf16(enc: &EncodedBf16, dst: &mut [u8], threads: usize) -> Result<
         return Err(CodecError::Destination { expected: enc.decoded_len(), got: dst.len() });
     }
     let table = enc.code.decoding_table();
-    let chunk_bytes = CHUNK_ELEMENTS as usize * 2;
-    let work: Vec<(usize, &mut [u8])> = dst.chunks_mut(chunk_bytes).enumerate().collect();
-    let results = in_parallel_mut(work, threads, |(c, out)| {
-        let coded = &enc.coded[enc.offsets[c] as usize..enc.offsets[c + 1] as usize];
-        let raw = &enc.raw[c * CHUNK_ELEMENTS as usize..];
-        let mut r = BitReader::new(coded);
-        for (i, e) in out.chunks_exact_mut(2).enumerate() {
-            let (symbol, len) = table[r.peek(u32::from(MAX_CODE_BITS)) as usize];
-            if len == 0 {
-                return Err(corrupt(format!("chunk {c}: no code starts at element {i}")));
+    let chunk = CHUNK_ELEMENTS as usize;
+    let per = (enc.elements as usize).div_ceil(chunk).div_ceil(threads.max(1)).max(1) * chunk;
+    let work: Vec<(usize, &mut [u8])> = dst.chunks_mut(2 * per).enumerate().collect();
+    let results = in_parallel_mut(work, threads, |(part, out)| {
+        let first = part * per / chunk;
+        for (k, out) in out.chunks_mut(2 * chunk).enumerate() {
+            let c = first + k;
+            let coded = &enc.coded[enc.offsets[c] as usize..enc.offsets[c + 1] as usize];
+            let raw = &enc.raw[c * chunk..];
+            let mut r = BitReader::new(coded);
+            for (i, (e, &b)) in out.chunks_exact_mut(2).zip(raw).enumerate() {
+                let (symbol, len) = table[r.peek(u32::from(MAX_CODE_BITS)) as usize];
+                if len == 0 {
+                    return Err(corrupt(format!("chunk {c}: no code starts at element {i}")));
+                }
+                r.consume(u32::from(len));
+                let v = (u16::from(b >> 7) << 15) | (u16::from(symbol) << 7) | u16::from(b & 0x7f);
+                e.copy_from_slice(&v.to_le_bytes());
             }
-            r.consume(u32::from(len));
-            let b = raw[i];
-            let v = (u16::from(b >> 7) << 15) | (u16::from(symbol) << 7) | u16::from(b & 0x7f);
-            e.copy_from_slice(&v.to_le_bytes());
-        }
-        if r.overrun() {
-            return Err(corrupt(format!("chunk {c}: codes run past its bytes")));
+            if r.overrun() {
+                return Err(corrupt(format!("chunk {c}: codes run past its bytes")));
+            }
         }
         Ok(())
     });
