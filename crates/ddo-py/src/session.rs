@@ -297,6 +297,18 @@ impl Session {
         py.detach(|| self.inner.set_budget(total)).map_err(session_error)
     }
 
+    /// Whether `vmm_weight_encoding = auto` timed the passes as transfer-bound: the streamed
+    /// units should switch to encoded streaming between passes.
+    fn encoding_switch_due(&self) -> bool {
+        self.inner.encoding_switch_due()
+    }
+
+    /// Attaches again with the streamed units encoded (new addresses); `False` while tensors
+    /// view the arena's memory.
+    fn switch_encoding(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.inner.switch_encoding()).map_err(session_error)
+    }
+
     /// Whether the weights are unloaded.
     fn is_unloaded(&self) -> bool {
         self.inner.is_unloaded()

@@ -249,6 +249,9 @@ pub struct ComponentSession {
     /// arena's whole budget, no headroom inside it. Later attaches keep it.
     budget_override: Mutex<Option<u64>>,
     link_bytes_per_second: Option<f64>,
+    /// `vmm_weight_encoding = auto` on a device with a measured link: passes are timed raw
+    /// first, then the choice is made.
+    auto_encoding: Mutex<Option<AutoEncoding>>,
     warnings: Vec<String>,
 }
 
@@ -346,6 +349,11 @@ impl ComponentSession {
                 s.small_tensor_threshold_kb
             ));
         }
+        let auto_encoding = (s.vmm_weight_encoding == WeightEncoding::Auto
+            && route == SessionRoute::Native
+            && link_bytes_per_second.is_some()
+            && platform.platform.residency.decodes())
+        .then(AutoEncoding::timing);
         let session = ComponentSession {
             route,
             plan,
@@ -357,6 +365,7 @@ impl ComponentSession {
             state: Mutex::new(None),
             budget_override: Mutex::new(None),
             link_bytes_per_second,
+            auto_encoding: Mutex::new(auto_encoding),
             warnings,
         };
         let attached = session.attach()?;
@@ -574,6 +583,16 @@ impl ComponentSession {
         if !residency.decodes() {
             return Ok((Vec::new(), format!("{mode}: this device cannot load the decoder")));
         }
+        let timed = match &*self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()) {
+            None => None,
+            Some(AutoEncoding::Timing { .. }) => {
+                return Ok((Vec::new(), "auto: streaming raw while passes are timed".into()));
+            }
+            Some(AutoEncoding::Raw { why }) => {
+                return Ok((Vec::new(), format!("auto: raw: {why}")));
+            }
+            Some(AutoEncoding::Encode { why, .. }) => Some(why.clone()),
+        };
         let specs = self.assignment.unit_specs(slices);
         let streamed: Vec<bool> = match mode {
             WeightEncoding::On => vec![true; specs.len()],
@@ -649,6 +668,10 @@ impl ComponentSession {
             (_, None, true) => {
                 "auto: no streamed unit holds a bf16 or fp16 tensor of 1 MiB or more".to_owned()
             }
+        };
+        let why = match timed {
+            Some(timed) => format!("{why}; {timed}"),
+            None => why,
         };
         Ok((chosen, why))
     }
@@ -1357,6 +1380,14 @@ impl ComponentSession {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         Self::release_stale(a, stream)?;
+        if let Some(link) = self.link_bytes_per_second {
+            let streamed = a.memory.arena.plan().streamed_bytes;
+            if let Some(auto) =
+                self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()).as_mut()
+            {
+                auto.pass_begins(Instant::now(), streamed as f64 / link);
+            }
+        }
         a.memory.arena.begin_pass();
         for u in a.units.iter().filter(|u| u.pinned) {
             let lease = a.memory.arena.acquire(u.id, stream)?;
@@ -1481,6 +1512,64 @@ impl ComponentSession {
         }
         attached.memory = Arc::new(memory);
         *g = Some(attached);
+        result
+    }
+
+    /// Whether `vmm_weight_encoding = auto` timed the passes as transfer-bound and the streamed
+    /// units should switch to encoded streaming ([`switch_encoding`](Self::switch_encoding),
+    /// between passes).
+    pub fn encoding_switch_due(&self) -> bool {
+        matches!(
+            &*self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()),
+            Some(AutoEncoding::Encode { applied: false, .. })
+        )
+    }
+
+    /// Attaches again with the streamed units' tensors encoded, as `auto` decided: the arena is
+    /// rebuilt (new addresses) and its counters go on. `false` (nothing changed, and the
+    /// component stays raw) while tensors view its memory. Refused during a pass. When encoding
+    /// fails (the host cannot hold the encodings) the component attaches raw again, the reason
+    /// goes to the profile and the error is returned.
+    pub fn switch_encoding(&self) -> Result<bool, SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        if !a.leases.is_empty() || !a.pass.is_empty() {
+            return Err(SessionError::Lifecycle(format!(
+                "the weights switch to encoded streaming between passes ({} lease(s) live): end the pass first",
+                a.leases.len() + a.pass.len()
+            )));
+        }
+        let decide = |state: AutoEncoding| {
+            *self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()) = Some(state);
+        };
+        let why = match &*self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(AutoEncoding::Encode { applied: false, why }) => why.clone(),
+            _ => return Ok(false),
+        };
+        let mut attached = g.take().expect("attached");
+        let memory = match Arc::try_unwrap(attached.memory) {
+            Ok(m) => m,
+            Err(held) => {
+                attached.memory = held;
+                *g = Some(attached);
+                decide(AutoEncoding::Raw {
+                    why: format!("{why}, but tensors kept from the module view the arena"),
+                });
+                return Ok(false);
+            }
+        };
+        let earlier = attached.earlier.then(&memory.arena.stats());
+        memory.close()?;
+        decide(AutoEncoding::Encode { applied: true, why: why.clone() });
+        let (mut new, result) = match self.attach() {
+            Ok(new) => (new, Ok(true)),
+            Err(e) => {
+                decide(AutoEncoding::Raw { why: format!("{why}, but encoding failed: {e}") });
+                (self.attach()?, Err(e))
+            }
+        };
+        new.earlier = earlier;
+        *g = Some(new);
         result
     }
 
@@ -1621,6 +1710,66 @@ pub(crate) struct AttachedView<'a> {
 type CheckpointBytes =
     (Arc<dyn WeightSource>, Option<Arc<CheckpointSource>>, Vec<(HostSlice, bool)>, HostReport);
 
+/// Passes `auto` times before choosing (after the first, which loads kernels).
+const AUTO_TIMED_PASSES: u32 = 3;
+/// A pass within this factor of its copy floor is transfer-bound: encoding shortens it.
+const TRANSFER_BOUND: f64 = 1.15;
+
+/// `vmm_weight_encoding = auto` where the link is measured: the first passes stream raw and the
+/// time between their starts is compared with the copy floor of the bytes they stream. Passes at
+/// the floor are transfer-bound and switch to encoded streaming (fewer bytes cross the link);
+/// passes well above it are compute-bound and stay raw (decoding would only add device work).
+#[derive(Debug, Clone, PartialEq)]
+enum AutoEncoding {
+    /// Passes being timed: when the last began, the seconds between timed starts so far, and
+    /// the passes seen.
+    Timing { last: Option<Instant>, seconds: f64, passes: u32 },
+    /// Encode the streamed units (`applied` once attached so).
+    Encode { applied: bool, why: String },
+    /// Stay raw.
+    Raw { why: String },
+}
+
+impl AutoEncoding {
+    fn timing() -> AutoEncoding {
+        AutoEncoding::Timing { last: None, seconds: 0.0, passes: 0 }
+    }
+
+    /// A pass begins at `now`; the passes before it streamed at a copy floor of `floor` seconds.
+    fn pass_begins(&mut self, now: Instant, floor: f64) {
+        let AutoEncoding::Timing { last, seconds, passes } = self else { return };
+        *passes += 1;
+        // The first interval holds the first pass (kernel loading, first uploads): not timed.
+        if let Some(t) = last.replace(now)
+            && *passes > 2
+        {
+            *seconds += now.duration_since(t).as_secs_f64();
+        }
+        let timed = passes.saturating_sub(2);
+        if timed < AUTO_TIMED_PASSES {
+            return;
+        }
+        let pass = *seconds / f64::from(timed);
+        *self = if floor <= 0.0 {
+            AutoEncoding::Raw { why: "no unit streams".into() }
+        } else if pass <= TRANSFER_BOUND * floor {
+            AutoEncoding::Encode {
+                applied: false,
+                why: format!(
+                    "a raw pass took {pass:.4} s at its copy floor of {floor:.4} s (transfer-bound)"
+                ),
+            }
+        } else {
+            AutoEncoding::Raw {
+                why: format!(
+                    "a pass took {pass:.4} s, {:.2}x its copy floor of {floor:.4} s (compute-bound: decoding would add device work and save no time)",
+                    pass / floor
+                ),
+            }
+        };
+    }
+}
+
 /// The smallest tensor `auto` streams entropy-coded where no link was measured to weigh it
 /// against: its encoding carries an 8 KiB decoding table, and decoding a small tensor is a
 /// kernel launch for little.
@@ -1736,5 +1885,109 @@ fn refuse_unbound_scales(
             t.name
         ))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod auto_encoding_tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The state after pass starts `first` seconds, then `each` seconds apart, at a 0.1 s floor.
+    fn timed(first: f64, each: f64, starts: u32) -> AutoEncoding {
+        let mut auto = AutoEncoding::timing();
+        let mut t = Instant::now();
+        for k in 0..starts {
+            auto.pass_begins(t, 0.1);
+            t += Duration::from_secs_f64(if k == 0 { first } else { each });
+        }
+        auto
+    }
+
+    #[test]
+    fn passes_at_their_copy_floor_encode_and_slower_ones_stay_raw() {
+        // Decided at the start of the fifth pass: three passes timed after the first.
+        assert!(matches!(timed(5.0, 0.105, 4), AutoEncoding::Timing { .. }));
+        match timed(5.0, 0.105, 5) {
+            AutoEncoding::Encode { applied: false, why } => assert!(why.contains("transfer-bound")),
+            other => panic!("{other:?}"),
+        }
+        match timed(0.1, 0.3, 5) {
+            AutoEncoding::Raw { why } => assert!(why.contains("compute-bound"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // A decision stays.
+        let mut decided = timed(0.1, 0.3, 5);
+        decided.pass_begins(Instant::now(), 1.0);
+        assert!(matches!(decided, AutoEncoding::Raw { .. }));
+        let mut nothing = AutoEncoding::timing();
+        for _ in 0..5 {
+            nothing.pass_begins(Instant::now(), 0.0);
+        }
+        assert_eq!(nothing, AutoEncoding::Raw { why: "no unit streams".into() });
+    }
+
+    #[test]
+    fn a_switch_to_encoded_streaming_serves_the_same_bytes_and_keeps_the_counters() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let mut names = vec![("embed.weight".to_owned(), vec![1024, 8])];
+        for b in 0..8 {
+            names.push((format!("blocks.{b}.attn.weight"), vec![2048, 1024]));
+        }
+        // Weight-like: a few exponents, random signs and mantissas.
+        let byte = |t: usize, i: u64| {
+            let h = (t as u64 * 0x9e37_79b9 + i / 2).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+            if i.is_multiple_of(2) { h as u8 } else { (0x3b + (h >> 8) % 3) as u8 }
+        };
+        crate::testing::write_dtype(&path, Dtype::BF16, &names, byte).unwrap();
+        let plan = crate::testing::resolve_plan(&[
+            ("execution_device", "cpu"),
+            ("backend", "vmm"),
+            ("vmm_resident_weight_budget_gb", "0.02"),
+            ("vmm_weight_encoding", "auto"),
+        ])
+        .unwrap();
+        let weights = Weights::Checkpoint { path: path.clone(), mmap: MmapChoice::never() };
+        let session = ComponentSession::open(SessionSpec { plan, weights, tree: None }).unwrap();
+        // The host backend measures no link: make it time passes as a GPU's session does,
+        // attached raw.
+        *session.auto_encoding.lock().unwrap() = Some(AutoEncoding::timing());
+        assert!(session.unload().unwrap());
+        session.reload().unwrap();
+        let setup = |s: &ComponentSession| s.metrics(None).setup;
+        assert_eq!(setup(&session).encoded_tensors, None);
+        let stream = StreamId(0);
+        let pass = |s: &ComponentSession| {
+            s.begin_pass(stream).unwrap();
+            let mut seen = Vec::new();
+            for unit in s.units().unwrap().iter().filter(|u| !u.pinned) {
+                let lease = s.acquire(unit.id, stream).unwrap();
+                seen.push(s.read_tensor(&format!("{}.attn.weight", unit.name)).unwrap());
+                s.release(lease, stream).unwrap();
+            }
+            s.end_pass(stream).unwrap();
+            seen
+        };
+        let raw = pass(&session);
+        assert!(session.metrics(None).setup.streamed_units.unwrap() >= 2, "blocks stream");
+        assert!(!session.encoding_switch_due());
+        *session.auto_encoding.lock().unwrap() =
+            Some(AutoEncoding::Encode { applied: false, why: "passes at the floor".into() });
+        assert!(session.encoding_switch_due());
+        assert!(session.switch_encoding().unwrap());
+        assert!(!session.encoding_switch_due());
+        let s = setup(&session);
+        assert!(s.encoded_tensors.is_some_and(|n| n >= 2), "{s:?}");
+        assert!(s.weight_encoding.as_deref().unwrap().contains("passes at the floor"), "{s:?}");
+        for _ in 0..2 {
+            assert_eq!(pass(&session), raw);
+        }
+        let rt = session.metrics(None).runtime;
+        assert!(rt.device_decodes.unwrap() > 0, "{rt:?}");
+        assert!(rt.passes.unwrap() >= 3, "the counters go on: {rt:?}");
+        // Applied: a second call changes nothing.
+        assert!(!session.switch_encoding().unwrap());
     }
 }

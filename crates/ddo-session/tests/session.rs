@@ -1084,6 +1084,27 @@ fn encoded_streaming_of(device: &str, dtype: Dtype, modes: &[(&str, &str)]) {
             ("vmm_resident_weight_budget_gb", "0.02"),
         ];
         let session = native_with(&path, &extra, None).unwrap();
+        if mode == "auto" && device != "cpu" {
+            // Where the link is measured, auto streams raw while it times passes; these (no
+            // compute) run at their copy floor, so it switches to encoded streaming.
+            let note = setup(&session).weight_encoding.unwrap();
+            assert!(note.contains("while passes are timed"), "{note}");
+            for _ in 0..8 {
+                if session.encoding_switch_due() {
+                    break;
+                }
+                session.begin_pass(S).unwrap();
+                for unit in session.units().unwrap() {
+                    let lease = session.acquire(unit.id, S).unwrap();
+                    session.release(lease, S).unwrap();
+                }
+                session.end_pass(S).unwrap();
+            }
+            assert!(session.encoding_switch_due(), "{:?}", setup(&session));
+            assert!(session.switch_encoding().unwrap());
+            let note = setup(&session).weight_encoding.unwrap();
+            assert!(note.contains("transfer-bound"), "{note}");
+        }
         let s = setup(&session);
         let case = format!("{dtype:?}, {mode}, cache {cache}: {s:?}");
         assert!(s.streamed_units.unwrap() >= 2, "{case}");

@@ -1012,7 +1012,31 @@ class SessionRuntime:
         self.session.end_pass(stream)
         if self.auto_budget is not None:
             self.auto_budget.after_pass()
+        if self.session.encoding_switch_due():
+            try:
+                self.switch_encoding()
+            except _native.DynamicOffloadError as e:
+                # This pass's output stands; the session attached raw again (or says to reload).
+                warnings.warn(
+                    f"ddo: {type(self.module).__name__} could not switch to encoded streaming ({e}); it streams raw",
+                    stacklevel=3,
+                )
         return out
+
+    def switch_encoding(self) -> bool:
+        """``vmm_weight_encoding = auto`` found the passes transfer-bound: the session attaches
+        again with the streamed units encoded (new addresses) and the new views are published,
+        as a budget change does. ``False`` when tensors kept by the host still view the arena
+        (the component stays raw)."""
+        self.synchronize()
+        try:
+            self._publish_meta()
+            changed = self.session.switch_encoding()
+        finally:
+            if not self.session.is_unloaded():
+                self.streamed = dict(self.session.streamed_units())
+                self._republish()
+        return changed
 
     def set_budget(self, total: int) -> bool:
         """Plans the arena again under ``total`` bytes between passes (the caller holds the
