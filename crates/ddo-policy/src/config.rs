@@ -350,9 +350,11 @@ settings! {
     dtype_conversion: ConversionSite = ConversionSite::Auto, "DTYPE_CONVERSION";
     /// Entropy-coded streaming on the native route: bf16 and fp16 tensors uploaded with
     /// Huffman-coded exponents (bf16: about two thirds of their bytes) and decoded on the
-    /// device, bit for bit. `off`; `auto` (the tensors of the units the plan streams that the
-    /// device decodes faster than the link copies them, timed at attach; 1 MiB or more on the
-    /// host backend); `on` (every unit's). A tensor is encoded only when its encoding is smaller.
+    /// device, bit for bit. `off`; `on` (every unit's, at load); `auto` (on a GPU: raw while
+    /// the first passes are timed, then, if they run at their copy floor, the streamed units'
+    /// tensors the device decodes faster than the link copies them; on the host backend the
+    /// streamed units' tensors of 1 MiB or more, at load). A tensor is encoded only when its
+    /// encoding is smaller.
     vmm_weight_encoding: WeightEncoding = WeightEncoding::Off, "VMM_WEIGHT_ENCODING";
     /// A folder of encoded files for `vmm_weight_encoding`: the encodings of a checkpoint's
     /// chosen tensors are written there once (`<16 hex digits>.ddoenc`, named after the

@@ -269,6 +269,11 @@ def child(a: argparse.Namespace) -> int:
                 times, out = timed(lambda: model(**x)[0], a.steps)
                 copy_gbps = copies.copied / (time.perf_counter() - t) / 1e9
         else:
+            warm_up_s = None
+            if a.variant.endswith("~auto"):
+                # auto times raw passes first and may switch to encoded streaming after them
+                # (encoding then): those passes are not the steps measured.
+                warm_up_s = sum(timed(lambda: model(**x)[0], 6)[0])
             times, out = timed(lambda: model(**x)[0], a.steps)
         digest = hashlib.sha256(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
@@ -282,6 +287,8 @@ def child(a: argparse.Namespace) -> int:
             rss=peak_rss(), rss_base=rss_base, digest=digest,
             rss_parts_above_base={k: v - parts_base.get(k, 0) for k, v in rss_parts().items()},
         )
+        if not copying and warm_up_s is not None:
+            row["auto_warm_up_s"] = warm_up_s
         if held is not None:
             row["card_gib"], row["held_bytes"] = card, held.numel()
             row["peak_gpu"] -= held.numel()
