@@ -282,6 +282,19 @@ impl Layout {
                 let (file, offset, _, _) = stored(t);
                 (file, offset)
             });
+            // Where the unit's decoded tensors' own bytes lie in the checkpoint: their encodings
+            // carry them, so no copy bridges over those bytes (the link would carry the tensor
+            // twice, and the unit would hold its stored bytes beside its decoded elements).
+            let mut decoded: Vec<(CheckpointFileId, u64, u64)> = tensors
+                .iter()
+                .filter(|&&t| stored(t).3 == Some(DeviceWork::Decode))
+                .map(|&t| (slices[t].file, slices[t].offset, slices[t].offset + slices[t].len))
+                .collect();
+            decoded.sort_unstable();
+            let carries_decoded = |file: CheckpointFileId, start: u64, end: u64| {
+                let i = decoded.partition_point(|&(f, _, b)| (f, b) <= (file, start));
+                decoded.get(i).is_some_and(|&(f, a, _)| f == file && a < end)
+            };
             let mut placements = Vec::with_capacity(tensors.len());
             let mut extents: Vec<Extent> = Vec::new();
             // The unit's bytes, and the staging buffer's for tensors converted on the device.
@@ -311,15 +324,16 @@ impl Layout {
                     return Err(too_large(&spec.name));
                 }
                 // Bytes between the last extent's end and this tensor, when one copy can span
-                // them: same file and destination, a gap of at most MAX_BRIDGED_GAP, and the
-                // tensor still aligned where it lands.
+                // them: same file and destination, a gap of at most MAX_BRIDGED_GAP holding no
+                // decoded tensor's bytes, and the tensor still aligned where it lands.
                 let bridge = extents.last().and_then(|e| {
                     let gap = file_offset.checked_sub(e.file_offset + e.len)?;
                     (e.staged == staged
                         && e.round == tensor_round
                         && e.file == file
                         && gap <= MAX_BRIDGED_GAP
-                        && (e.offset + e.len + gap).is_multiple_of(MIN_TENSOR_ALIGN))
+                        && (e.offset + e.len + gap).is_multiple_of(MIN_TENSOR_ALIGN)
+                        && !carries_decoded(file, e.file_offset + e.len, file_offset))
                     .then_some(gap)
                 });
                 let at = if let Some(gap) = bridge {
@@ -505,6 +519,41 @@ mod tests {
         }
         assert_eq!(u.payload, 4 * w, "the gap is carried, not served");
         assert_eq!(u.link_bytes(), 4 * w + bias, "and counted as link bytes");
+    }
+
+    #[test]
+    fn no_copy_carries_the_bytes_of_a_tensor_decoded_from_its_encoding() {
+        // A block's small biases around a 64 KiB weight held encoded: the biases' copies stop
+        // at the weight, whose encoding alone crosses the link; another unit's tensor between
+        // them is still bridged.
+        let w = 64 << 10;
+        let mut slices = [
+            s("b0", 64, 512),
+            s("w", 64 + 512, w),
+            s("b1", 64 + 512 + w, 512),
+            s("other", 64 + 1024 + w, 4096),
+            s("b2", 64 + 1024 + w + 4096, 512),
+            s("w.enc", 0, 40 << 10),
+        ];
+        slices[1].dtype = Dtype::BF16;
+        slices[5].file = CheckpointFileId(1);
+        let encodings = HashMap::from([(
+            1,
+            FileRange { file: CheckpointFileId(1), offset: 0, len: slices[5].len },
+        )]);
+        let units = [
+            UnitSpec { name: "u".into(), tensors: vec![0, 1, 2, 4], pinned: false },
+            UnitSpec { name: "v".into(), tensors: vec![3, 5], pinned: false },
+        ];
+        let layout =
+            Layout::build_staged(&slices, &units, 65536, &HashMap::new(), &encodings).unwrap();
+        let u = &layout.units[0];
+        let [b0, rest, enc] = u.extents[..] else { panic!("{:?}", u.extents) };
+        assert_eq!((b0.file_offset, b0.len, b0.staged), (64, 512, false));
+        assert_eq!((rest.file_offset, rest.len), (slices[2].offset, 512 + 4096 + 512));
+        assert_eq!((enc.file, enc.len, enc.staged), (CheckpointFileId(1), 40 << 10, true));
+        assert_eq!(u.link_bytes(), (40 << 10) + 3 * 512 + 4096, "the weight crosses once");
+        assert_eq!(u.decoded(), (1, 40 << 10, w));
     }
 
     #[test]
