@@ -7,10 +7,11 @@ use crate::Lease;
 /// What went wrong in the arena. Every variant says what to change where the user can.
 #[derive(Debug, thiserror::Error)]
 pub enum ArenaError {
-    /// The budget cannot hold the pinned units plus two execution slots.
+    /// The budget cannot hold the pinned units plus two execution slots (and the staging
+    /// buffers of device conversions and decodes).
     #[error(
-        "GPU budget of {} ({} after {} of headroom) is too small: the resident units and two execution slots need at least {} (largest unit {}); raise the budget to {} or more",
-        ByteSize(*budget), ByteSize(budget.saturating_sub(*headroom)), ByteSize(*headroom), ByteSize(*needed), ByteSize(*largest_unit), ByteSize(needed.saturating_add(*headroom))
+        "GPU budget of {} ({} after {} of headroom) is too small: the resident units{} need at least {} (largest unit {}); raise the budget to {} or more",
+        ByteSize(*budget), ByteSize(budget.saturating_sub(*headroom)), ByteSize(*headroom), besides(*streams, *staging), ByteSize(*needed), ByteSize(*largest_unit), ByteSize(needed.saturating_add(*headroom))
     )]
     BudgetTooSmall {
         /// The budget.
@@ -21,6 +22,10 @@ pub enum ArenaError {
         needed: u64,
         /// The largest unit (mapped size).
         largest_unit: u64,
+        /// Bytes of the staging buffers inside `needed`.
+        staging: u64,
+        /// Some unit can stream (two execution slots are inside `needed`).
+        streams: bool,
     },
     /// A unit specification that cannot be laid out.
     #[error("invalid units: {0}")]
@@ -122,6 +127,19 @@ impl ArenaError {
     }
 }
 
+/// What the working set holds besides the resident units, for [`ArenaError::BudgetTooSmall`].
+fn besides(streams: bool, staging: u64) -> String {
+    let slots = if streams { "two execution slots" } else { "" };
+    if staging == 0 {
+        return if streams { format!(" and {slots}") } else { String::new() };
+    }
+    let staging = format!(
+        "{} of staging buffers (for tensors converted or decoded on the device)",
+        ByteSize(staging)
+    );
+    if streams { format!(", {slots} and {staging}") } else { format!(" and {staging}") }
+}
+
 /// Wraps a port error with what the arena was doing.
 pub(crate) fn device(op: &'static str) -> impl FnOnce(DeviceError) -> ArenaError {
     move |source| ArenaError::Device { op, source }
@@ -138,6 +156,8 @@ mod tests {
             headroom: u64::MAX - 1,
             needed: 5 << 20,
             largest_unit: 1 << 20,
+            staging: 0,
+            streams: true,
         };
         // Saturates at the largest byte count instead of wrapping to a small one.
         assert!(e.to_string().ends_with("raise the budget to 17179869184.00 GiB or more"), "{e}");

@@ -77,7 +77,8 @@ impl ResidencyPlan {
         // streamed units into one stretch the link cannot cover), then the most resident bytes,
         // then the most slots.
         let mut best: Option<(f64, u64, u32, Vec<bool>, u64)> = None;
-        let mut needed = u64::MAX;
+        // Without a unit that can stream, the pinned units are all there is to hold.
+        let mut needed = if candidates.is_empty() { all } else { u64::MAX };
         for &slot in sizes.iter().rev() {
             let mut resident: Vec<bool> = units.iter().map(|u| u.pinned).collect();
             let mut cost = pinned + 2 * slot;
@@ -126,6 +127,8 @@ impl ResidencyPlan {
                 headroom: budget.headroom,
                 needed: needed.saturating_add(layout.staging_len),
                 largest_unit: largest,
+                staging: layout.staging_len,
+                streams: !candidates.is_empty(),
             });
         };
         // Every streamed unit's range spans a whole slot: the placed layout must stay bounded.
@@ -410,6 +413,20 @@ mod tests {
             e.to_string(),
             "GPU budget of 30 B (24 B after 6 B of headroom) is too small: the resident units and two execution slots need at least 25 B (largest unit 10 B); raise the budget to 31 B or more"
         );
+    }
+
+    #[test]
+    fn a_budget_too_small_for_pinned_units_alone_says_what_they_need() {
+        // No unit can stream: the pinned units and the staging buffers are the whole need.
+        let mut l = layout(&[5, 10], &[true, true]);
+        l.staging_len = 4;
+        let e = ResidencyPlan::new(&l, budget(12, 1)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "GPU budget of 12 B (12 B after 0 B of headroom) is too small: the resident units and 4 B of staging buffers (for tensors converted or decoded on the device) need at least 19 B (largest unit 10 B); raise the budget to 19 B or more"
+        );
+        l.staging_len = 0;
+        assert!(ResidencyPlan::new(&l, budget(15, 1)).is_ok());
     }
 
     /// Slots of `n` equal streamed units over `k` slots, none resident.
