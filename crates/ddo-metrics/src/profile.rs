@@ -165,7 +165,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .text(
             "decode_gb_per_second",
             match (rt.decoded_bytes, rt.decode_seconds) {
-                (Some(b), Some(t)) if t > 0.0 => Some(format!("{:.0}", b as f64 / t / 1e9)),
+                (Some(b), Some(t)) if t > 0.0 => Some(format!("{:.2}", b as f64 / t / 1e9)),
                 _ => None,
             },
         )
