@@ -3,7 +3,7 @@
 //! the device ([`WeightSource::encoding`]).
 
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Instant;
 
 use ddo_core::{
@@ -17,15 +17,6 @@ use crate::RetainedStore;
 pub(crate) const ENCODING_ALIGN: usize = 256;
 /// An encoding is kept only below this fraction of the tensor's bytes.
 const KEEP_BELOW: f64 = 0.95;
-
-/// Where encodings are placed: the next tensor (in the order asked) to place, and the bytes
-/// after those placed.
-struct Placement<'a> {
-    next: usize,
-    rest: &'a mut [u8],
-    /// A worker failed: the others stop.
-    failed: bool,
-}
 
 /// What encoding did.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -82,9 +73,9 @@ impl EncodedSource {
     ///
     /// The buffer is reserved first, for the most the encodings can take (every asked tensor's
     /// bytes, each from a multiple of 256: an encoding is kept only when smaller), and each
-    /// encoding is written into it as soon as the ones before it are placed; what they did not
-    /// take is then given back. Host memory holds the encodings once, plus one tensor's bytes
-    /// and encoding per worker.
+    /// encoding is written into it as soon as it is made (tensors one at a time, each on every
+    /// worker); what they did not take is then given back. Host memory holds the encodings
+    /// once, plus one tensor's bytes and encoding.
     ///
     /// Refused, with nothing kept, when a slice does not exist, a read fails, or the store's
     /// ceiling or the host refuses the bytes (then before any tensor is read).
@@ -143,10 +134,11 @@ impl EncodedSource {
         Ok(EncodedSource { inner, file, buffer, ranges, report, mapped: None })
     }
 
-    /// Encodes the tensors on `workers` threads taking them in turn, and writes each encoding
-    /// into `out` in the order of `slices`, each from a multiple of [`ENCODING_ALIGN`] right
-    /// after the one before: a worker whose tensor's predecessors are not placed yet waits for
-    /// them. Gives where each encoding lies (`None`: served raw).
+    /// Encodes the tensors one after another, each on `workers` threads (its chunks split
+    /// between them), and writes each encoding into `out` in the order of `slices`, each from a
+    /// multiple of [`ENCODING_ALIGN`] right after the one before. Host memory holds one tensor's
+    /// bytes and encoding beyond `out` at any time. Gives where each encoding lies (`None`:
+    /// served raw).
     fn encode_all(
         inner: &dyn WeightSource,
         slices: &[usize],
@@ -155,80 +147,29 @@ impl EncodedSource {
         out: &mut [u8],
     ) -> Result<Vec<Option<(usize, usize)>>, SourceError> {
         let size = out.len();
-        let placement = Mutex::new(Placement { next: 0, rest: out, failed: false });
-        let placed_in_turn = Condvar::new();
-        let results: Mutex<Vec<Option<(usize, usize)>>> = Mutex::new(vec![None; slices.len()]);
-        let next = Mutex::new(slices.iter().enumerate());
-        let first_error = Mutex::new(None::<SourceError>);
-        let fail = |e: SourceError| {
-            first_error.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
-            placement.lock().unwrap_or_else(PoisonError::into_inner).failed = true;
-            placed_in_turn.notify_all();
-        };
-        std::thread::scope(|scope| {
-            for _ in 0..workers.min(slices.len().max(1)) {
-                scope.spawn(|| {
-                    let mut scratch = Vec::new();
-                    loop {
-                        if placement.lock().unwrap_or_else(PoisonError::into_inner).failed {
-                            break;
-                        }
-                        let item = next.lock().unwrap_or_else(PoisonError::into_inner).next();
-                        let Some((k, &i)) = item else { break };
-                        let enc = match encode_tensor(inner, i, &mut scratch) {
-                            Ok(enc) => enc,
-                            Err(e) => {
-                                fail(e);
-                                break;
-                            }
-                        };
-                        done(i);
-                        // Wait for the tensors before this one, then take the bytes after theirs.
-                        let mut p = placement.lock().unwrap_or_else(PoisonError::into_inner);
-                        while p.next != k && !p.failed {
-                            p = placed_in_turn.wait(p).unwrap_or_else(PoisonError::into_inner);
-                        }
-                        if p.failed {
-                            break;
-                        }
-                        let placed = size - p.rest.len();
-                        let offset = placed.next_multiple_of(ENCODING_ALIGN);
-                        let mine = match &enc {
-                            Some(enc) => {
-                                let taken = offset - placed + enc.encoded_len() as usize;
-                                match std::mem::take(&mut p.rest).split_at_mut_checked(taken) {
-                                    Some((mine, rest)) => {
-                                        p.rest = rest;
-                                        Some(&mut mine[offset - placed..])
-                                    }
-                                    None => {
-                                        drop(p);
-                                        fail(SourceError::InvalidBatch(format!(
-                                            "the encodings outgrew the {size} bytes reserved for them"
-                                        )));
-                                        break;
-                                    }
-                                }
-                            }
-                            None => None,
-                        };
-                        p.next += 1;
-                        drop(p);
-                        placed_in_turn.notify_all();
-                        // Each worker writes its own bytes, beside the others.
-                        let at = enc.zip(mine).map(|(enc, dst)| {
-                            enc.write_into(dst).expect("the bytes taken are the encoding's");
-                            (offset, dst.len())
-                        });
-                        results.lock().unwrap_or_else(PoisonError::into_inner)[k] = at;
-                    }
-                });
-            }
-        });
-        match first_error.into_inner().unwrap_or_else(PoisonError::into_inner) {
-            Some(e) => Err(e),
-            None => Ok(results.into_inner().unwrap_or_else(PoisonError::into_inner)),
+        let mut placed = Vec::with_capacity(slices.len());
+        let mut end = 0usize;
+        let mut scratch = Vec::new();
+        for &i in slices {
+            let enc = encode_tensor(inner, i, workers, &mut scratch)?;
+            done(i);
+            let Some(enc) = enc else {
+                placed.push(None);
+                continue;
+            };
+            let offset = end.next_multiple_of(ENCODING_ALIGN);
+            let len = enc.encoded_len() as usize;
+            let Some(dst) = out.get_mut(offset..offset + len) else {
+                return Err(SourceError::InvalidBatch(format!(
+                    "the encodings outgrew the {size} bytes reserved for them"
+                )));
+            };
+            enc.write_into(dst).expect("the bytes taken are the encoding's");
+            placed.push(Some((offset, len)));
+            end = offset + len;
         }
+        release_freed_memory();
+        Ok(placed)
     }
 
     /// What encoding did.
@@ -243,32 +184,43 @@ impl EncodedSource {
     }
 }
 
-/// Tensor `i`'s encoding, or `None` when it is not bf16 or fp16 or its encoding is not smaller.
+/// Tensor `i`'s encoding, made on `workers` threads, or `None` when it is not bf16 or fp16 or
+/// its encoding is not smaller. A tensor in host memory (a mapping) is encoded where it lies;
+/// another is read into `scratch` first.
 fn encode_tensor(
     inner: &dyn WeightSource,
     i: usize,
+    workers: usize,
     scratch: &mut Vec<u8>,
 ) -> Result<Option<ddo_codec::EncodedBf16>, SourceError> {
     let s = &inner.slices()[i];
     if !matches!(s.dtype, Dtype::BF16 | Dtype::F16) || s.len == 0 {
         return Ok(None);
     }
-    let bytes: &[u8] = match inner.host_bytes(i) {
-        Some(h) => {
-            scratch.clear();
-            scratch.extend_from_slice(h.as_bytes());
-            scratch
-        }
+    let held = inner.host_bytes(i);
+    let bytes: &[u8] = match &held {
+        Some(h) => h.as_bytes(),
         None => {
             scratch.resize(s.len as usize, 0);
             inner.read(i, scratch)?;
             scratch
         }
     };
-    let enc = ddo_codec::encode_bf16(bytes, 1).map_err(|e| {
+    let enc = ddo_codec::encode_bf16(bytes, workers).map_err(|e| {
         SourceError::InvalidBatch(format!("tensor {:?} cannot be encoded: {e}", s.name))
     })?;
     Ok((enc.ratio() < KEEP_BELOW).then_some(enc))
+}
+
+/// Gives the heap's free memory back to the host: the encoder's buffers, freed tensor by
+/// tensor, would otherwise stay resident in the allocator's arenas.
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the system; it touches no live
+    // allocation.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 impl WeightSource for EncodedSource {
@@ -328,6 +280,8 @@ impl WeightSource for EncodedSource {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
     use ddo_core::{
         Admission, AdmissionProbe, GrowthRequest, HostBytes, HostMemoryObservation, HostRegion,
