@@ -4,9 +4,9 @@
 //!
 //! A file is `MAGIC`, the header's length (`u64`), its CRC-32 (`u32`) and 4 zero bytes, the
 //! header (JSON: [`ENCODED_FILE_VERSION`], the codec's version, every checkpoint file's canonical
-//! path, size and modification time, and per chosen tensor its name, dtype, file, offset, length
-//! and where its encoding lies), then, from the next multiple of [`BODY_ALIGN`], the encodings
-//! byte for byte as the retained buffer lays them out.
+//! path, size, modification and status-change times, and per chosen tensor its name, dtype,
+//! file, offset, length and where its encoding lies), then, from the next multiple of
+//! [`BODY_ALIGN`], the encodings byte for byte as the retained buffer lays them out.
 
 use std::fs::File;
 use std::io::Write;
@@ -42,6 +42,10 @@ struct FileEntry {
     path: String,
     size: u64,
     mtime_ns: i64,
+    /// No user can set it: a file rewritten with its modification time restored differs here
+    /// (0 in a file that does not record it: stale).
+    #[serde(default)]
+    ctime_ns: i64,
 }
 
 /// One chosen tensor as an encoded file records it; `encoding`: where its encoding lies in the
@@ -67,8 +71,9 @@ struct Header {
 }
 
 /// What the encodings of chosen tensors are made from: the checkpoint's files (canonical path,
-/// size, modification time) and the tensors (name, dtype, file, offset, length), in the order
-/// they are encoded. An encoded file is used only for an identity equal to the one it records.
+/// size, modification and status-change times) and the tensors (name, dtype, file, offset,
+/// length), in the order they are encoded. An encoded file is used only for an identity equal
+/// to the one it records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EncodedFileIdentity {
     files: Vec<FileEntry>,
@@ -112,6 +117,7 @@ impl EncodedFileIdentity {
                 path: path.to_string_lossy().into_owned(),
                 size: f.identity.size,
                 mtime_ns: i64::try_from(f.identity.mtime_ns).unwrap_or(i64::MAX),
+                ctime_ns: i64::try_from(f.identity.ctime_ns).unwrap_or(i64::MAX),
             });
         }
         let mut tensors = Vec::with_capacity(chosen.len());
@@ -159,6 +165,7 @@ pub(crate) struct MappedEncodings {
     path: PathBuf,
     size: u64,
     mtime_ns: i128,
+    ctime_ns: i128,
     map: Arc<MappedFile>,
 }
 
@@ -167,7 +174,7 @@ impl MappedEncodings {
         let changed =
             |what: String| SourceError::CheckpointChanged { file: self.path.clone(), what };
         let m = self.file.metadata().map_err(|e| changed(format!("it cannot be read: {e}")))?;
-        if m.len() != self.size || mtime_ns(&m) != self.mtime_ns {
+        if m.len() != self.size || mtime_ns(&m) != self.mtime_ns || ctime_ns(&m) != self.ctime_ns {
             return Err(changed("the encoded file was written while mapped".into()));
         }
         if self.map.faulted() {
@@ -179,6 +186,10 @@ impl MappedEncodings {
 
 fn mtime_ns(m: &std::fs::Metadata) -> i128 {
     i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec())
+}
+
+fn ctime_ns(m: &std::fs::Metadata) -> i128 {
+    i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec())
 }
 
 impl EncodedSource {
@@ -380,6 +391,7 @@ impl EncodedSource {
             path: path.to_owned(),
             size: meta.len(),
             mtime_ns: mtime_ns(&meta),
+            ctime_ns: ctime_ns(&meta),
             map,
         };
         Ok(EncodedSource { inner, file: file_id, buffer, ranges, report, mapped: Some(mapped) })
@@ -728,6 +740,29 @@ mod tests {
         let (_, again) = encode_and_save(&g, dir.path());
         assert_eq!(again, path);
         assert!(open(&g, &path).is_ok());
+    }
+
+    #[test]
+    fn a_checkpoint_rewritten_with_its_modification_time_restored_makes_its_file_stale() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let model = checkpoint(dir.path());
+        let f = fixture(&model);
+        let (_, path) = encode_and_save(&f, dir.path());
+        let before = std::fs::metadata(&model).unwrap();
+        // Past the coarse clock's tick, so the rewrite's status-change time differs.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let file = File::options().write(true).open(&model).unwrap();
+        let last = before.len() - 1;
+        file.write_all_at(&[0x5a], last).unwrap();
+        file.set_modified(before.modified().unwrap()).unwrap();
+        drop(file);
+        let after = std::fs::metadata(&model).unwrap();
+        assert_eq!((after.len(), mtime_ns(&after)), (before.len(), mtime_ns(&before)));
+        match open(&fixture(&model), &path) {
+            Err(EncodedFileRefusal::Stale(why)) => assert!(why.contains("modified since"), "{why}"),
+            other => panic!("{:?}", other.map(|s| s.report())),
+        }
     }
 
     #[test]
