@@ -87,14 +87,16 @@ _FLAGS: tuple = (
     ("--ddo-vmm-component-buffer-limit-mb", "vmm_component_buffer_limit_mb", int, 1, "the published component buffer cap, MiB (ddo keeps buffers on the device)"),
     ("--ddo-prefetch-depth", "prefetch_depth", int, None, "units kept in flight ahead of execution"),
     ("--ddo-vmm-weight-encoding", "vmm_weight_encoding", str, None, "stream bf16/fp16 weights entropy-coded, decoded on the device: off, auto or on"),
+    ("--ddo-vmm-encoded-cache-dir", "vmm_encoded_cache_dir", str, None, "folder of encoded files: a later load maps them instead of encoding again"),
 )
 
 
 def add_dynamic_offload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the published library's flags with its defaults (``--ddo-backend``,
     ``--ddo-preset``, the ``--ddo-vmm-*`` flags, ``--show-profile`` / ``--show-metrics``) and
-    ddo's ``--ddo-prefetch-depth`` and ``--ddo-vmm-weight-encoding``. Only flags given on the
-    command line reach the config, so variables and presets decide the rest."""
+    ddo's ``--ddo-prefetch-depth``, ``--ddo-vmm-weight-encoding`` and
+    ``--ddo-vmm-encoded-cache-dir``. Only flags given on the command line reach the config, so
+    variables and presets decide the rest."""
     g = parser.add_argument_group("dynamic offload (ddo)")
     for flag, _field, kind, default, text in _FLAGS:
         if kind is None:
