@@ -1,5 +1,6 @@
 //! `cargo xtask fuzz [--seconds N] [TARGET...]`: every fuzz target (checkpoint headers and
-//! indexes, GGUF headers, checkpoint folders, configuration resolution, planning) on a nightly toolchain with
+//! indexes, GGUF headers, checkpoint folders, configuration resolution, planning, the weight
+//! codec) on a nightly toolchain with
 //! cargo-fuzz, each for a time budget; prints the executions each ran.
 
 use std::path::{Path, PathBuf};
@@ -10,7 +11,8 @@ const USAGE: &str = "usage: cargo xtask fuzz [--seconds N] [--runs N] [TARGET...
   Runs each fuzz target for N seconds (default 60), or until it ran --runs N inputs, with
   cargo-fuzz on the nightly toolchain (installed into target/fuzz-tools when missing) and prints
   how many inputs each ran.
-  Targets: header, index, gguf (crates/ddo-source/fuzz); config, planning, folder (fuzz/).";
+  Targets: header, index, gguf (crates/ddo-source/fuzz); config, planning, folder, codec
+  (fuzz/).";
 
 /// `(fuzz crate folder, target, sanitizer)`. Targets whose code forbids `unsafe` (configuration
 /// resolution, planning) run without AddressSanitizer, ten times faster: a panic is what they
@@ -22,6 +24,7 @@ const TARGETS: &[(&str, &str, &str)] = &[
     ("fuzz", "config", "none"),
     ("fuzz", "planning", "none"),
     ("fuzz", "folder", "address"),
+    ("fuzz", "codec", "none"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
