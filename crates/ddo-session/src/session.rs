@@ -1546,20 +1546,25 @@ impl ComponentSession {
             Some(AutoEncoding::Encode { applied: false, why }) => why.clone(),
             _ => return Ok(false),
         };
-        let mut attached = g.take().expect("attached");
-        let memory = match Arc::try_unwrap(attached.memory) {
-            Ok(m) => m,
-            Err(held) => {
-                attached.memory = held;
-                *g = Some(attached);
-                decide(AutoEncoding::Raw {
-                    why: format!("{why}, but tensors kept from the module view the arena"),
-                });
-                return Ok(false);
-            }
+        let earlier = {
+            let mut attached = g.take().expect("attached");
+            let memory = match Arc::try_unwrap(attached.memory) {
+                Ok(m) => m,
+                Err(held) => {
+                    attached.memory = held;
+                    *g = Some(attached);
+                    decide(AutoEncoding::Raw {
+                        why: format!("{why}, but tensors kept from the module view the arena"),
+                    });
+                    return Ok(false);
+                }
+            };
+            let earlier = attached.earlier.then(&memory.arena.stats());
+            memory.close()?;
+            earlier
+            // The raw attach's source and its mapping go here, before the checkpoint is
+            // mapped and encoded again: host memory never holds both.
         };
-        let earlier = attached.earlier.then(&memory.arena.stats());
-        memory.close()?;
         decide(AutoEncoding::Encode { applied: true, why: why.clone() });
         let (mut new, result) = match self.attach() {
             Ok(new) => (new, Ok(true)),
