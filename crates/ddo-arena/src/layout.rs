@@ -251,6 +251,21 @@ impl Layout {
             .filter(|s| s.3.is_some())
             .map(|s| s.2.saturating_add(EXTENT_ALIGN))
             .fold(STAGING_ROUND, u64::max);
+        // Where the decoded tensors' own bytes lie in the checkpoint, every unit's: their
+        // encodings carry them, so no copy bridges over those bytes (the link would carry the
+        // tensor twice, a unit would hold them beside its decoded elements, and the host no
+        // longer registers or holds them, so a copy reaching into them would read memory the
+        // device cannot take as one registered range).
+        let mut decoded: Vec<(CheckpointFileId, u64, u64)> = encodings
+            .keys()
+            .filter(|&&t| t < slices.len() && stored(t).3 == Some(DeviceWork::Decode))
+            .map(|&t| (slices[t].file, slices[t].offset, slices[t].offset + slices[t].len))
+            .collect();
+        decoded.sort_unstable();
+        let carries_decoded = |file: CheckpointFileId, start: u64, end: u64| {
+            let i = decoded.partition_point(|&(f, _, b)| (f, b) <= (file, start));
+            decoded.get(i).is_some_and(|&(f, a, _)| f == file && a < end)
+        };
         let mut owner = vec![None::<usize>; slices.len()];
         let mut out = Vec::with_capacity(units.len());
         let mut offset = 0u64;
@@ -282,19 +297,6 @@ impl Layout {
                 let (file, offset, _, _) = stored(t);
                 (file, offset)
             });
-            // Where the unit's decoded tensors' own bytes lie in the checkpoint: their encodings
-            // carry them, so no copy bridges over those bytes (the link would carry the tensor
-            // twice, and the unit would hold its stored bytes beside its decoded elements).
-            let mut decoded: Vec<(CheckpointFileId, u64, u64)> = tensors
-                .iter()
-                .filter(|&&t| stored(t).3 == Some(DeviceWork::Decode))
-                .map(|&t| (slices[t].file, slices[t].offset, slices[t].offset + slices[t].len))
-                .collect();
-            decoded.sort_unstable();
-            let carries_decoded = |file: CheckpointFileId, start: u64, end: u64| {
-                let i = decoded.partition_point(|&(f, _, b)| (f, b) <= (file, start));
-                decoded.get(i).is_some_and(|&(f, a, _)| f == file && a < end)
-            };
             let mut placements = Vec::with_capacity(tensors.len());
             let mut extents: Vec<Extent> = Vec::new();
             // The unit's bytes, and the staging buffer's for tensors converted on the device.
@@ -622,6 +624,32 @@ mod tests {
         ];
         let err = Layout::build(&huge, &two, 65536).unwrap_err().to_string();
         assert!(err.contains("exceed"), "{err}");
+    }
+
+    #[test]
+    fn no_copy_reaches_into_the_bytes_of_another_units_decoded_tensor() {
+        // Unit a's two tensors sit either side of unit b's small tensor, which b decodes from an
+        // encoding held in file 1: a's copy must not bridge over b's bytes (the host does not
+        // register them).
+        let mut slices = vec![s("a.0", 0, 4096), s("b.0", 4096, 8192), s("a.1", 12288, 4096)];
+        slices[1].dtype = Dtype::BF16;
+        let encodings = HashMap::from([(
+            1usize,
+            FileRange { file: CheckpointFileId(1), offset: 0, len: 3000 },
+        )]);
+        let unit =
+            |name: &str, t: Vec<usize>| UnitSpec { name: name.into(), tensors: t, pinned: false };
+        let units = [unit("a", vec![0, 2]), unit("b", vec![1])];
+        let layout =
+            Layout::build_staged(&slices, &units, 4096, &HashMap::new(), &encodings).unwrap();
+        let a = &layout.units[0];
+        assert_eq!(a.extents.len(), 2, "{:?}", a.extents);
+        for e in &a.extents {
+            assert!(e.file_offset + e.len <= 4096 || e.file_offset >= 12288, "{e:?}");
+        }
+        // Without the encoding the gap is bridged: one copy.
+        let plain = Layout::build(&slices, &units, 4096).unwrap();
+        assert_eq!(plain.units[0].extents.len(), 1, "{:?}", plain.units[0].extents);
     }
 
     #[test]
