@@ -626,7 +626,7 @@ impl ComponentSession {
             _ => None,
         };
         let pays = |len: u64| match (&weigh, mode) {
-            (_, WeightEncoding::On) => true,
+            (_, WeightEncoding::On) => len >= MIN_ON_BYTES,
             (Some((link, speed)), _) => speed.seconds(len) < len as f64 / link,
             (None, _) => len >= MIN_ENCODED_BYTES,
         };
@@ -653,8 +653,12 @@ impl ComponentSession {
             chosen.extend(tensors);
         }
         let why = match (mode, &weigh, chosen.is_empty()) {
-            (WeightEncoding::On, _, false) => "on: every unit's bf16 and fp16 tensors".to_owned(),
-            (WeightEncoding::On, _, true) => "on: no unit holds a bf16 or fp16 tensor".to_owned(),
+            (WeightEncoding::On, _, false) => {
+                "on: every unit's bf16 and fp16 tensors of 64 KiB or more".to_owned()
+            }
+            (WeightEncoding::On, _, true) => {
+                "on: no unit holds a bf16 or fp16 tensor of 64 KiB or more".to_owned()
+            }
             (_, Some((link, speed)), _) => format!(
                 "auto: the streamed units' bf16 and fp16 tensors this device decodes faster than \
                  the link copies them ({:.0} GB/s of decoding at 16 MiB, {:.1} GB/s link; {declined} \
@@ -723,15 +727,32 @@ impl ComponentSession {
         let converted: HashSet<usize> = all.iter().map(|&(i, _)| i).collect();
         let (encode, note) = self.encoding_choice(checkpoint.slices(), &converted)?;
         let (source, mapped, mut ranges, mut host) =
-            self.stored_source(checkpoint.clone(), all, mmap, host_only, &encode)?;
+            self.stored_source(checkpoint.clone(), all.clone(), mmap, host_only, &encode)?;
         host.encoding_note = Some(note);
         if encode.is_empty() {
             return Ok((source, ranges, host));
         }
-        let (encoded, file_note) =
+        let (mut encoded, file_note) =
             self.encoded_source(source, &checkpoint, &encode, mapped.as_deref())?;
         if let (Some(note), Some(file_note)) = (&mut host.encoding_note, file_note) {
             *note = format!("{note}; {file_note}");
+        }
+        // A tensor whose encoding was not smaller is served as stored, so its stored bytes must
+        // be registered (and held) like every other stored tensor's: the source is opened again
+        // with only the encoded tensors left out.
+        let held: Vec<usize> =
+            encode.iter().copied().filter(|&i| encoded.encoding(i).is_some()).collect();
+        if held.len() < encode.len() {
+            drop((ranges, mapped));
+            let (source, _mapped, again, mut rehost) =
+                self.stored_source(checkpoint.clone(), all, mmap, host_only, &held)?;
+            rehost.encoding_note = host.encoding_note.take();
+            encoded = encoded.serving(source).ok_or_else(|| {
+                SessionError::Weights(
+                    "the checkpoint's tensors changed while it was encoded".into(),
+                )
+            })?;
+            (ranges, host) = (again, rehost);
         }
         ranges.extend(encoded.windows());
         host.encoding = Some(encoded.report());
@@ -1714,6 +1735,10 @@ pub(crate) struct AttachedView<'a> {
 /// host side is.
 type CheckpointBytes =
     (Arc<dyn WeightSource>, Option<Arc<CheckpointSource>>, Vec<(HostSlice, bool)>, HostReport);
+
+/// The smallest tensor `on` encodes: below it the encoding's 8 KiB decoding table leaves
+/// little or nothing saved, and the decode is a kernel launch for little.
+const MIN_ON_BYTES: u64 = 64 << 10;
 
 /// Passes `auto` times before choosing (after the first, which loads kernels).
 const AUTO_TIMED_PASSES: u32 = 3;

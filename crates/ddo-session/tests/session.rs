@@ -1338,3 +1338,57 @@ fn a_folder_that_cannot_be_written_still_streams_encoded() {
         std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, ["weights.safetensors"]);
 }
+
+#[test]
+fn a_chosen_tensor_whose_encoding_is_not_smaller_streams_as_stored() {
+    // Each block: a norm, then an incompressible 128 KiB tensor (its encoding is not smaller, so
+    // it is served as stored, from pages it shares with the norm), then a weight-like matrix.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let mut names = vec![("embed.weight".to_owned(), vec![1024, 8])];
+    for b in 0..6 {
+        names.push((format!("blocks.{b}.norm.weight"), vec![1000]));
+        names.push((format!("blocks.{b}.noise.weight"), vec![65536]));
+        names.push((format!("blocks.{b}.attn.weight"), vec![2048, 1024]));
+    }
+    names.push(("norm_out.weight".into(), vec![1024]));
+    let noise: Vec<usize> = (0..names.len()).filter(|&t| names[t].0.contains("noise")).collect();
+    let byte = move |t: usize, i: u64| {
+        let h = (t as u64 * 0x9e37_79b9 + i).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+        match (noise.contains(&t), i.is_multiple_of(2)) {
+            (true, _) | (false, true) => h as u8,
+            (false, false) => (0x3b + (h >> 8) % 3) as u8,
+        }
+    };
+    testing::write_dtype(&path, Dtype::BF16, &names, byte).unwrap();
+    let extra = [("vmm_weight_encoding", "on"), ("vmm_resident_weight_budget_gb", "0.03")];
+    let session = native_with(&path, &extra, None).unwrap();
+    let s = setup(&session);
+    assert!(s.streamed_units.unwrap() >= 2, "{s:?}");
+    // The matrices are encoded; the noise tensors were asked for and stay as stored.
+    assert_eq!(s.encoded_tensors, Some(6), "{s:?}");
+    let source = ddo_source::CheckpointSource::new(
+        ddo_source::Checkpoint::open(&path).unwrap().into(),
+        ddo_source::ReadOptions::default(),
+    )
+    .unwrap();
+    let expect = |name: &str| {
+        use ddo_core::WeightSource;
+        let i = source.slices().iter().position(|t| t.name == name).unwrap();
+        let mut raw = vec![0; source.slices()[i].len as usize];
+        source.read(i, &mut raw).unwrap();
+        raw
+    };
+    for _ in 0..2 {
+        session.begin_pass(S).unwrap();
+        for unit in session.units().unwrap().iter().filter(|u| !u.pinned) {
+            let lease = session.acquire(unit.id, S).unwrap();
+            for suffix in ["norm.weight", "noise.weight", "attn.weight"] {
+                let name = format!("{}.{suffix}", unit.name);
+                assert_eq!(session.read_tensor(&name).unwrap(), expect(&name), "{name}");
+            }
+            session.release(lease, S).unwrap();
+        }
+        session.end_pass(S).unwrap();
+    }
+}

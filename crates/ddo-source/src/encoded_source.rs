@@ -172,6 +172,16 @@ impl EncodedSource {
         Ok(placed)
     }
 
+    /// The same encodings over `inner`, another source of the same tensors (the checkpoint
+    /// opened again with other ranges registered); `None` when its tensors differ.
+    pub fn serving(mut self, inner: Arc<dyn WeightSource>) -> Option<EncodedSource> {
+        if inner.slices() != self.inner.slices() {
+            return None;
+        }
+        self.inner = inner;
+        Some(self)
+    }
+
     /// What encoding did.
     pub fn report(&self) -> EncodingReport {
         self.report.clone()
