@@ -91,9 +91,10 @@ pub enum DeviceWork {
 }
 
 /// A tensor converted or decoded on the device after upload: its stored bytes land at
-/// `staging` of one of the arena's two staging buffers (by staged extents) and a kernel writes
-/// the tensor's elements where its [`TensorPlacement`] says. Two buffers serve every unit:
-/// copies fill one while the kernels of the unit before read the other, on their own stream.
+/// `staging` of one of the arena's two staging buffers (by staged extents, in the unit's staging
+/// `round`) and a kernel writes the tensor's elements where its [`TensorPlacement`] says. Two
+/// buffers serve every round: copies fill one while the kernels of the round before read the
+/// other, on their own stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceConversion {
     /// Index in the source's slices.
