@@ -252,6 +252,8 @@ pub struct ComponentSession {
     /// `vmm_weight_encoding = auto` on a device with a measured link: passes are timed raw
     /// first, then the choice is made.
     auto_encoding: Mutex<Option<AutoEncoding>>,
+    /// How fast the device decodes, timed once (by `auto`'s first encoded attach).
+    decode_speed: Mutex<Option<crate::link::DecodeSpeed>>,
     warnings: Vec<String>,
 }
 
@@ -366,6 +368,7 @@ impl ComponentSession {
             budget_override: Mutex::new(None),
             link_bytes_per_second,
             auto_encoding: Mutex::new(auto_encoding),
+            decode_speed: Mutex::new(None),
             warnings,
         };
         let attached = session.attach()?;
@@ -583,7 +586,7 @@ impl ComponentSession {
         if !residency.decodes() {
             return Ok((Vec::new(), format!("{mode}: this device cannot load the decoder")));
         }
-        let timed = match &*self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()) {
+        let timed = match &mut *self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()) {
             None => None,
             Some(AutoEncoding::Timing { .. }) => {
                 return Ok((Vec::new(), "auto: streaming raw while passes are timed".into()));
@@ -591,7 +594,11 @@ impl ComponentSession {
             Some(AutoEncoding::Raw { why }) => {
                 return Ok((Vec::new(), format!("auto: raw: {why}")));
             }
-            Some(AutoEncoding::Encode { why, .. }) => Some(why.clone()),
+            // Any attach from now on encodes (a reload included): no switch is due any more.
+            Some(AutoEncoding::Encode { applied, why }) => {
+                *applied = true;
+                Some(why.clone())
+            }
         };
         let specs = self.assignment.unit_specs(slices);
         let streamed: Vec<bool> = match mode {
@@ -612,17 +619,22 @@ impl ComponentSession {
         // less time than copying its bf16 bytes over the link (decoding then hides under the
         // copies). Without a measured link (the host backend) it keeps tensors of 1 MiB or more.
         let weigh = match (mode, self.link_bytes_per_second) {
-            (WeightEncoding::Auto, Some(link)) => Some((
-                link,
-                crate::link::decode_speed(&self.platform.platform).map_err(|e| {
-                    SessionError::Capacity {
-                        setting: "vmm_weight_encoding",
-                        message: format!(
-                            "the device could not time its decoding: {e}; set vmm_weight_encoding to off or on"
-                        ),
-                    }
-                })?,
-            )),
+            (WeightEncoding::Auto, Some(link)) => {
+                let mut known = self.decode_speed.lock().unwrap_or_else(|p| p.into_inner());
+                let speed = match &*known {
+                    Some(speed) => speed.clone(),
+                    None => crate::link::decode_speed(&self.platform.platform).map_err(|e| {
+                        SessionError::Capacity {
+                            setting: "vmm_weight_encoding",
+                            message: format!(
+                                "the device could not time its decoding: {e}; set vmm_weight_encoding to off or on"
+                            ),
+                        }
+                    })?,
+                };
+                *known = Some(speed.clone());
+                Some((link, speed))
+            }
             _ => None,
         };
         let pays = |len: u64| match (&weigh, mode) {
@@ -1441,6 +1453,9 @@ impl ComponentSession {
     /// Ends a pass that was interrupted (an exception inside the forward): gives back every live
     /// lease after the work enqueued on `stream`, and the order seen is not learned.
     pub fn abort_pass(&self, stream: StreamId) -> Result<(), SessionError> {
+        if let Some(auto) = self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            auto.interrupted();
+        }
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         a.memory.arena.abandon_pass();
@@ -1643,6 +1658,9 @@ impl ComponentSession {
                 "reload needs an unloaded component (call unload() first)".into(),
             ));
         }
+        if let Some(auto) = self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            auto.interrupted();
+        }
         *g = Some(self.attach()?);
         Ok(())
     }
@@ -1751,9 +1769,9 @@ const TRANSFER_BOUND: f64 = 1.15;
 /// passes well above it are compute-bound and stay raw (decoding would only add device work).
 #[derive(Debug, Clone, PartialEq)]
 enum AutoEncoding {
-    /// Passes being timed: when the last began, the seconds between timed starts so far, and
-    /// the passes seen.
-    Timing { last: Option<Instant>, seconds: f64, passes: u32 },
+    /// Passes being timed: when the last began (`None` after an interrupted pass or a
+    /// reload), the seconds between timed starts so far, and the passes seen.
+    Timing { last: Option<Instant>, intervals: Vec<f64>, passes: u32 },
     /// Encode the streamed units (`applied` once attached so).
     Encode { applied: bool, why: String },
     /// Stay raw.
@@ -1762,24 +1780,34 @@ enum AutoEncoding {
 
 impl AutoEncoding {
     fn timing() -> AutoEncoding {
-        AutoEncoding::Timing { last: None, seconds: 0.0, passes: 0 }
+        AutoEncoding::Timing { last: None, intervals: Vec::new(), passes: 0 }
+    }
+
+    /// A pass was interrupted or the weights attached again: the time to the next start is not
+    /// a pass's.
+    fn interrupted(&mut self) {
+        if let AutoEncoding::Timing { last, .. } = self {
+            *last = None;
+        }
     }
 
     /// A pass begins at `now`; the passes before it streamed at a copy floor of `floor` seconds.
     fn pass_begins(&mut self, now: Instant, floor: f64) {
-        let AutoEncoding::Timing { last, seconds, passes } = self else { return };
+        let AutoEncoding::Timing { last, intervals, passes } = self else { return };
         *passes += 1;
         // The first interval holds the first pass (kernel loading, first uploads): not timed.
         if let Some(t) = last.replace(now)
             && *passes > 2
         {
-            *seconds += now.duration_since(t).as_secs_f64();
+            intervals.push(now.duration_since(t).as_secs_f64());
         }
-        let timed = passes.saturating_sub(2);
-        if timed < AUTO_TIMED_PASSES {
+        if intervals.len() < AUTO_TIMED_PASSES as usize {
             return;
         }
-        let pass = *seconds / f64::from(timed);
+        // The median: a gap between passes (the rest of a pipeline, the host's own work) makes
+        // one interval longer, not the pass.
+        intervals.sort_by(f64::total_cmp);
+        let pass = intervals[intervals.len() / 2];
         *self = if floor <= 0.0 {
             AutoEncoding::Raw { why: "no unit streams".into() }
         } else if pass <= TRANSFER_BOUND * floor {
@@ -1947,6 +1975,25 @@ mod auto_encoding_tests {
             AutoEncoding::Raw { why } => assert!(why.contains("compute-bound"), "{why}"),
             other => panic!("{other:?}"),
         }
+        // One long gap between passes (the rest of a pipeline) does not make them compute-bound.
+        let mut gap = AutoEncoding::timing();
+        let mut t = Instant::now();
+        for each in [1.0, 0.105, 5.0, 0.105, 0.0] {
+            gap.pass_begins(t, 0.1);
+            t += Duration::from_secs_f64(each);
+        }
+        assert!(matches!(gap, AutoEncoding::Encode { .. }), "{gap:?}");
+        // An interrupted pass is not timed.
+        let mut cut = AutoEncoding::timing();
+        let mut t = Instant::now();
+        for k in 0..6 {
+            if k == 3 {
+                cut.interrupted();
+            }
+            cut.pass_begins(t, 0.1);
+            t += Duration::from_secs_f64(if k == 0 { 1.0 } else { 0.105 });
+        }
+        assert!(matches!(cut, AutoEncoding::Encode { .. }), "{cut:?}");
         // A decision stays.
         let mut decided = timed(0.1, 0.3, 5);
         decided.pass_begins(Instant::now(), 1.0);
