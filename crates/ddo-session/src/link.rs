@@ -101,31 +101,50 @@ pub(crate) fn decode_speed(platform: &Platform) -> Result<DecodeSpeed, DeviceErr
         let encoded_len = encoding.len() as u64;
         let host = HostSlice::whole(Arc::new(HostBytes::from(encoding)) as Arc<dyn HostRegion>);
         let registration = r.register_host(host.clone(), true)?;
-        let reservation = r.reserve(len)?;
-        let backing = r.create_backing(len)?;
-        let whole = DeviceRange { start: reservation.range.start, len };
+        // Whatever fails, what was taken is given back.
         let result = (|| -> Result<f64, DeviceError> {
-            r.map(whole, backing)?;
-            let src = DeviceRange { start: whole.start, len: encoded_len };
-            let dst = DeviceRange { start: whole.start.offset(at), len: bytes as u64 };
-            r.copy_to_device(host.clone(), src, stream)?;
-            platform.fences.wait(platform.fences.record(stream)?)?;
-            let mut best = f64::INFINITY;
-            // The first decode loads the kernel; it is not counted.
-            for round in 0..4 {
-                let t = Instant::now();
-                r.decode(src, dst, stream)?;
-                platform.fences.wait(platform.fences.record(stream)?)?;
-                if round > 0 {
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
-            }
-            r.unmap(whole)?;
+            let reservation = r.reserve(len)?;
+            let timed = (|| -> Result<f64, DeviceError> {
+                let backing = r.create_backing(len)?;
+                let whole = DeviceRange { start: reservation.range.start, len };
+                let mapped = (|| -> Result<f64, DeviceError> {
+                    r.map(whole, backing)?;
+                    let src = DeviceRange { start: whole.start, len: encoded_len };
+                    let dst = DeviceRange { start: whole.start.offset(at), len: bytes as u64 };
+                    let best = (|| -> Result<f64, DeviceError> {
+                        r.copy_to_device(host.clone(), src, stream)?;
+                        platform.fences.wait(platform.fences.record(stream)?)?;
+                        let mut best = f64::INFINITY;
+                        // The first decode loads the kernel; it is not counted.
+                        for round in 0..4 {
+                            let t = Instant::now();
+                            r.decode(src, dst, stream)?;
+                            platform.fences.wait(platform.fences.record(stream)?)?;
+                            if round > 0 {
+                                best = best.min(t.elapsed().as_secs_f64());
+                            }
+                        }
+                        Ok(best)
+                    })();
+                    // Work still queued on the stream reads the range: wait before unmapping.
+                    let _ = platform.fences.record(stream).and_then(|f| platform.fences.wait(f));
+                    let unmapped = r.unmap(whole);
+                    let best = best?;
+                    unmapped?;
+                    Ok(best)
+                })();
+                let released = r.release_backing(backing);
+                let best = mapped?;
+                released?;
+                Ok(best)
+            })();
+            let released = r.release_reservation(reservation);
+            let best = timed?;
+            released?;
             Ok(best)
         })();
-        r.release_backing(backing)?;
-        r.release_reservation(reservation)?;
-        r.unregister_host(&registration)?;
+        let unregistered = r.unregister_host(&registration);
+        let result = result.and_then(|best| unregistered.map(|()| best));
         points.push((bytes as u64, result?));
     }
     Ok(DecodeSpeed { points })
