@@ -1016,9 +1016,14 @@ class SessionRuntime:
             try:
                 self.switch_encoding()
             except _native.DynamicOffloadError as e:
-                # This pass's output stands; the session attached raw again (or says to reload).
+                # This pass's output stands; the session attached raw again, or is unloaded.
+                then = (
+                    "it is unloaded: call reload() on its offload result before the next forward"
+                    if self.session.is_unloaded()
+                    else "it streams raw"
+                )
                 warnings.warn(
-                    f"ddo: {type(self.module).__name__} could not switch to encoded streaming ({e}); it streams raw",
+                    f"ddo: {type(self.module).__name__} could not switch to encoded streaming ({e}); {then}",
                     stacklevel=3,
                 )
         return out
