@@ -1429,6 +1429,15 @@ impl ComponentSession {
         Ok(())
     }
 
+    /// Refused while a pass holds leases: `what` (a change made between passes) says what.
+    fn between_passes(a: &Attached, what: &str) -> Result<(), SessionError> {
+        let live = a.leases.len() + a.pass.len();
+        if live == 0 {
+            return Ok(());
+        }
+        Err(SessionError::Lifecycle(format!("{what} ({live} lease(s) live): end the pass first")))
+    }
+
     fn release_stale(a: &mut Attached, stream: StreamId) -> Result<(), SessionError> {
         let stale: Vec<Lease> = a.pass.drain(..).chain(a.leases.drain().map(|(_, l)| l)).collect();
         // Every lease is given back; a failed release keeps its memory unsafe (the arena's
@@ -1495,12 +1504,7 @@ impl ComponentSession {
     pub fn set_budget(&self, total: u64) -> Result<bool, SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        if !a.leases.is_empty() || !a.pass.is_empty() {
-            return Err(SessionError::Lifecycle(format!(
-                "the budget changes between passes ({} lease(s) live): end the pass first",
-                a.leases.len() + a.pass.len()
-            )));
-        }
+        Self::between_passes(a, "the budget changes between passes")?;
         let mut attached = g.take().expect("attached");
         let mut memory = match Arc::try_unwrap(attached.memory) {
             Ok(m) => m,
@@ -1569,12 +1573,7 @@ impl ComponentSession {
     pub fn switch_encoding(&self) -> Result<bool, SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        if !a.leases.is_empty() || !a.pass.is_empty() {
-            return Err(SessionError::Lifecycle(format!(
-                "the weights switch to encoded streaming between passes ({} lease(s) live): end the pass first",
-                a.leases.len() + a.pass.len()
-            )));
-        }
+        Self::between_passes(a, "the weights switch to encoded streaming between passes")?;
         let decide = |state: AutoEncoding| {
             *self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()) = Some(state);
         };
@@ -1627,12 +1626,7 @@ impl ComponentSession {
     pub fn unload(&self) -> Result<bool, SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        if !a.leases.is_empty() || !a.pass.is_empty() {
-            return Err(SessionError::Lifecycle(format!(
-                "unload during a forward pass ({} lease(s) live): end the pass first",
-                a.leases.len() + a.pass.len()
-            )));
-        }
+        Self::between_passes(a, "unload during a forward pass")?;
         let attached = g.take().expect("attached");
         match Arc::try_unwrap(attached.memory) {
             Ok(memory) => {
