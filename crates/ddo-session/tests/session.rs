@@ -111,6 +111,22 @@ fn checkpoint_bytes(blocks: usize) -> impl Fn(&str) -> Vec<u8> {
     }
 }
 
+/// Each tensor's bytes as the checkpoint at `path` stores them, by name.
+fn stored_bytes(path: &Path) -> impl Fn(&str) -> Vec<u8> {
+    use ddo_core::WeightSource;
+    let source = ddo_source::CheckpointSource::new(
+        ddo_source::Checkpoint::open(path).unwrap().into(),
+        ddo_source::ReadOptions::default(),
+    )
+    .unwrap();
+    move |name: &str| {
+        let i = source.slices().iter().position(|t| t.name == name).unwrap();
+        let mut raw = vec![0; source.slices()[i].len as usize];
+        source.read(i, &mut raw).unwrap();
+        raw
+    }
+}
+
 fn setup(session: &ComponentSession) -> ddo_metrics::SetupSection {
     session.metrics(None).setup
 }
@@ -1064,18 +1080,7 @@ fn encoded_streaming_of(device: &str, dtype: Dtype, modes: &[(&str, &str)]) {
         }
     };
     testing::write_dtype(&path, dtype, &names, byte).unwrap();
-    let source = ddo_source::CheckpointSource::new(
-        ddo_source::Checkpoint::open(&path).unwrap().into(),
-        ddo_source::ReadOptions::default(),
-    )
-    .unwrap();
-    let expect = |name: &str| {
-        use ddo_core::WeightSource;
-        let i = source.slices().iter().position(|t| t.name == name).unwrap();
-        let mut raw = vec![0; source.slices()[i].len as usize];
-        source.read(i, &mut raw).unwrap();
-        raw
-    };
+    let expect = stored_bytes(&path);
     for &(mode, cache) in modes {
         let extra = [
             ("execution_device", device),
@@ -1367,18 +1372,7 @@ fn a_chosen_tensor_whose_encoding_is_not_smaller_streams_as_stored() {
     assert!(s.streamed_units.unwrap() >= 2, "{s:?}");
     // The matrices are encoded; the noise tensors were asked for and stay as stored.
     assert_eq!(s.encoded_tensors, Some(6), "{s:?}");
-    let source = ddo_source::CheckpointSource::new(
-        ddo_source::Checkpoint::open(&path).unwrap().into(),
-        ddo_source::ReadOptions::default(),
-    )
-    .unwrap();
-    let expect = |name: &str| {
-        use ddo_core::WeightSource;
-        let i = source.slices().iter().position(|t| t.name == name).unwrap();
-        let mut raw = vec![0; source.slices()[i].len as usize];
-        source.read(i, &mut raw).unwrap();
-        raw
-    };
+    let expect = stored_bytes(&path);
     for _ in 0..2 {
         session.begin_pass(S).unwrap();
         for unit in session.units().unwrap().iter().filter(|u| !u.pinned) {
