@@ -1,11 +1,13 @@
 """The reference workload shared by the GPU scripts: a Flux-style transformer with random bf16
 weights (built on meta, then filled, so no float32 copy is made), its inputs, and the pinned copy
-speed that defines the floor."""
+speed that defines the floor, and the disk's cold read speed beside it."""
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import threading
 import time
 
 import torch
@@ -136,12 +138,14 @@ WAN_14B = dict(
 )
 
 
-def saved_wan(work: str, layers: int) -> tuple[str, int]:
-    """The Wan-14B-shaped model with ``layers`` blocks saved in fp32 under ``work``."""
+def saved_wan(work: str, layers: int, save_dtype=torch.float32) -> tuple[str, int]:
+    """The Wan-14B-shaped model with ``layers`` blocks saved under ``work`` in ``save_dtype``
+    (fp32, ``wan-LAYERS-fp32``, or bf16, ``wan-LAYERS-bf16``)."""
     from diffusers import WanTransformer3DModel
 
-    return saved_model(work, f"wan-{layers}-fp32", WanTransformer3DModel, "Wan-style (saved in fp32)",
-                       save_dtype=torch.float32, **dict(WAN_14B, num_layers=layers))
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[save_dtype]
+    return saved_model(work, f"wan-{layers}-{name}", WanTransformer3DModel, f"Wan-style (saved in {name})",
+                       save_dtype=save_dtype, **dict(WAN_14B, num_layers=layers))
 
 
 def wan_inputs(resolution: int, device, generator: torch.Generator) -> dict:
@@ -210,3 +214,119 @@ def timed(fn, steps):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return times, out
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The weight files of a saved model folder (safetensors shards or a GGUF file)."""
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".gguf")))
+
+
+def evict_from_cache(files: list[str]) -> str:
+    """Drops ``files`` from the page cache: ``sync`` and ``vm.drop_caches = 1`` where it can be
+    written (root), and in any case ``fsync`` + ``POSIX_FADV_DONTNEED`` on each file. Returns how."""
+    how = []
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        how.append("drop_caches")
+    except OSError:
+        pass
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    how.append("fadvise")
+    return "+".join(how)
+
+
+def cached_fraction(files: list[str]) -> float | None:
+    """The fraction of ``files``' pages in the page cache (mincore), or None where it cannot be
+    read."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        page = os.sysconf("SC_PAGE_SIZE")
+        cached = total = 0
+        for name in files:
+            size = os.path.getsize(name)
+            if size == 0:
+                continue
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    return None
+                pages = (size + page - 1) // page
+                vec = ctypes.create_string_buffer(pages)
+                ok = libc.mincore(addr, size, vec) == 0
+                libc.munmap(addr, size)
+                if not ok:
+                    return None
+                cached += sum(b & 1 for b in vec.raw)
+                total += pages
+            finally:
+                os.close(fd)
+        return cached / total if total else None
+    except (OSError, AttributeError):
+        return None
+
+
+def warm_files(files: list[str]) -> float:
+    """Reads ``files`` through the page cache (so a later load finds them cached, as right after
+    they were written); returns the seconds it took."""
+    t = time.perf_counter()
+    for name in files:
+        with open(name, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+    return time.perf_counter() - t
+
+
+def disk_read_speed(path: str, threads: int = 4, request: int = 16 << 20) -> float:
+    """Bytes per second of a cold read of ``path``: evicted from the page cache, then read with
+    O_DIRECT in ``request``-byte reads into page-aligned buffers by ``threads`` threads, each
+    its own contiguous share."""
+    evict_from_cache([path])
+    size = os.path.getsize(path)
+    chunks = (size + request - 1) // request
+    per = (chunks + threads - 1) // threads
+    done = [0] * threads
+    errors: list[BaseException] = []
+
+    def read(i: int) -> None:
+        try:
+            buf = mmap.mmap(-1, request)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                for c in range(i * per, min(chunks, (i + 1) * per)):
+                    n = os.preadv(fd, [buf], c * request)
+                    done[i] += n
+                    if n < request:
+                        break
+            finally:
+                os.close(fd)
+                buf.close()
+        except BaseException as e:  # noqa: BLE001 - raised again below
+            errors.append(e)
+
+    workers = [threading.Thread(target=read, args=(i,)) for i in range(threads)]
+    t = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - t
+    if errors:
+        raise errors[0]
+    if sum(done) != size:
+        raise RuntimeError(f"O_DIRECT read of {path} got {sum(done)} of {size} bytes")
+    return size / seconds
