@@ -13,6 +13,16 @@ long for one command can be measured in several calls on one machine; every call
 of all rows so far. The floor of a row is max(resident step, bytes the variant streams per step /
 pinned host-to-device copy speed measured in the same call).
 
+Variants that read the disk have floors of the disk's cold read speed (evicted from the page cache,
+then read with O_DIRECT by 4 threads in 16 MiB requests), measured once per call when one is asked:
+``disk`` (the disk route vmm_runtime, preset nvme_baseline: every pass read into staging) at
+max(resident step, disk bytes per pass / disk speed), and ``vmm_retained_half`` (half the model
+retained in host memory, the rest read from disk into staging every pass) at max(resident step,
+retained bytes streamed / link + disk bytes per pass / disk speed). A ``^cold`` suffix on any
+variant (``vmm^cold``, ``resident^cold``) evicts the checkpoint's files from the page cache before
+the model loads and records the seconds from the start of loading to the end of the first step,
+beside the time the disk takes to read those files.
+
     python bench_gpu.py [--configs 5:512,5:1024,5:2048,12:1024] [--variants ...] [--steps 4] [--dir DIR]
     python bench_gpu.py --table --dir DIR
 """
@@ -33,8 +43,8 @@ import time
 import torch
 
 from flux_workload import (
-    SD3_LARGE, WAN_14B, flux_inputs, link_speed, saved_flux, saved_flux_q8, saved_sd3, saved_wan, sd3_inputs, timed,
-    wan_inputs,
+    SD3_LARGE, WAN_14B, cached_fraction, checkpoint_files, disk_read_speed, evict_from_cache, flux_inputs, link_speed,
+    saved_flux, saved_flux_q8, saved_sd3, saved_wan, sd3_inputs, timed, wan_inputs, warm_files,
 )
 
 # Model sizes of --configs: Flux-style 5 B and 11.9 B, the SD3.5-Large-shaped "sd3" (8.1 B),
@@ -65,8 +75,11 @@ def gguf_file(path: str) -> str:
     return next(f for f in os.listdir(path) if f.endswith(".gguf"))
 VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "vmm@6", "vmm@9"]
 # Also measurable with --variants: vmm_fast_runtime fed from retained host windows holding the
-# whole model (vmm_source_cache_gb) instead of the checkpoint's mapping.
-OPTIONAL = ["vmm_retained"]
+# whole model (vmm_source_cache_gb) instead of the checkpoint's mapping, or half of it (the rest
+# read from disk into staging every pass), and the disk route (vmm_runtime, every pass from disk).
+OPTIONAL = ["vmm_retained", "vmm_retained_half", "disk"]
+# Variants whose floor is the disk's read speed.
+DISK_VARIANTS = {"vmm_retained_half", "disk"}
 # `vmm@GIB` (a weight budget of GIB), `vmm+dN` (prefetch depth N), or both: `vmm@6+d5`;
 # `vmm@auto` is auto_budget_policy = balanced (the budget from the card's free memory), and a
 # `%GIB` suffix simulates a smaller card: everything but GIB of the GPU's free memory is held by
@@ -77,6 +90,11 @@ OPTIONAL = ["vmm_retained"]
 VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+|auto))?(?:\+d([0-9]+))?(?:%([0-9.]+))?(~enc|~auto)?$")
 # The budget of `vmm`: every unit streamed for the 5 B model.
 STREAMING_BUDGET_GB = 3.0
+
+
+def base_of(variant: str) -> str:
+    """The variant without its ``^cold`` and ``+copy`` suffixes (in that order: ``vmm+copy^cold``)."""
+    return variant.removesuffix("^cold").removesuffix("+copy")
 
 
 class GpuSampler:
@@ -192,6 +210,9 @@ def child(a: argparse.Namespace) -> int:
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
     fam = a.family
+    full = a.variant
+    cold = a.variant.endswith("^cold")
+    a.variant = a.variant.removesuffix("^cold")
     copying = a.variant.endswith("+copy")
     a.variant = a.variant.removesuffix("+copy")
     cls = {"sd3": SD3Transformer2DModel, "wan": WanTransformer3DModel}.get(fam, FluxTransformer2DModel)
@@ -210,8 +231,12 @@ def child(a: argparse.Namespace) -> int:
         held = torch.empty(max(0, free - int(card * 2**30)), dtype=torch.uint8, device=dev)
     rss_base, gpu_context = rss_now(), sampler.used() - sampler.base
     parts_base = rss_parts()
+    if cold:
+        files = checkpoint_files(a.path)
+        evicted_by = evict_from_cache(files)
+        cached_after = cached_fraction(files)
     sampler.peak = sampler.used()
-    t = time.perf_counter()
+    t = load_start = time.perf_counter()
     streamed, arena, native = None, None, None
     if a.variant == "resident" and quantized:
         from diffusers import GGUFQuantizationConfig
@@ -237,6 +262,17 @@ def child(a: argparse.Namespace) -> int:
             config = ddo.DynamicOffloadConfig(
                 backend="vmm", vmm_resident_weight_budget_gb=STREAMING_BUDGET_GB, vmm_source_cache_gb=storage
             )
+        elif a.variant == "vmm_retained_half":
+            # Read with O_DIRECT (the windows at load, the rest every pass): pread would serve the
+            # rest from the page cache after the first pass, not from the disk the floor counts.
+            config = ddo.DynamicOffloadConfig(
+                backend="vmm", vmm_resident_weight_budget_gb=STREAMING_BUDGET_GB,
+                vmm_source_cache_gb=round(a.nbytes / 2 / 2**30, 2), load_safetensors_backend="direct",
+            )
+        elif a.variant == "disk":
+            config = ddo.DynamicOffloadConfig(
+                backend="vmm", preset="nvme_baseline", vmm_resident_weight_budget_gb=STREAMING_BUDGET_GB
+            )
         else:
             m = VMM_VARIANT.match(a.variant)
             extra_config = {"prefetch_depth": int(m.group(2))} if m.group(2) else {}
@@ -259,22 +295,32 @@ def child(a: argparse.Namespace) -> int:
     setup = time.perf_counter() - t
     if native is not None:
         streamed = native.metrics_snapshot().as_dict()["setup"]["streamed_bytes_per_pass"]
+    # The end of the first step, for a cold start.
+    first_end: list[float] = []
+
+    def step():
+        out = model(**x)[0]
+        if not first_end:
+            torch.cuda.synchronize()
+            first_end.append(time.perf_counter())
+        return out
+
     g = torch.Generator().manual_seed(1)
     for res in resolutions:
         x = inputs_of(fam)(res, dev, g)
         if copying:
-            timed(lambda: model(**x)[0], 1)
+            timed(step, 1)
             with BackgroundCopies(dev) as copies:
                 t = time.perf_counter()
-                times, out = timed(lambda: model(**x)[0], a.steps)
+                times, out = timed(step, a.steps)
                 copy_gbps = copies.copied / (time.perf_counter() - t) / 1e9
         else:
             warm_up_s = None
             if a.variant.endswith("~auto"):
                 # auto times raw passes first and may switch to encoded streaming after them
                 # (encoding then): those passes are not the steps measured.
-                warm_up_s = sum(timed(lambda: model(**x)[0], 6)[0])
-            times, out = timed(lambda: model(**x)[0], a.steps)
+                warm_up_s = sum(timed(step, 6)[0])
+            times, out = timed(step, a.steps)
         digest = hashlib.sha256(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
         if native is not None:
             after = native.metrics_snapshot().as_dict()
@@ -282,7 +328,7 @@ def child(a: argparse.Namespace) -> int:
             # An automatic budget plans again after the first pass: the steps stream this much.
             streamed = after["setup"]["streamed_bytes_per_pass"]
         row = dict(
-            variant=a.variant, resolution=res, first=times[0], step=statistics.median(times[1:]), setup=setup,
+            variant=full, resolution=res, first=times[0], step=statistics.median(times[1:]), setup=setup,
             peak_gpu=sampler.peak - sampler.base, gpu_context=gpu_context, arena=arena, streamed=streamed,
             rss=peak_rss(), rss_base=rss_base, digest=digest,
             rss_parts_above_base={k: v - parts_base.get(k, 0) for k, v in rss_parts().items()},
@@ -297,13 +343,25 @@ def child(a: argparse.Namespace) -> int:
             row["auto_budget"] = after["setup"]["auto_budget"]
             row["gpu_budget_bytes"] = after["setup"]["gpu_budget_bytes"]
         if copying:
-            row["variant"] = a.variant + "+copy"
             row["background_copy_gbps"] = copy_gbps
         if native is not None:
             snapshot = native.metrics_snapshot()
             row["runtime"] = snapshot.as_dict()["runtime"]
             row["profile"] = snapshot.format_profile()
             row["host_ms_per_step"] = host_ms_per_step(native.runtime, lambda: model(**x), 3)
+            # What the disk floors need (absent on routes that read no disk).
+            for k in ("disk_bytes_per_pass", "disk_bytes_per_second", "read_stall_seconds", "passes"):
+                if row["runtime"].get(k) is not None:
+                    row[k] = row["runtime"][k]
+            for k in ("host_source", "host_tier_reason", "retained_bytes", "unretained_bytes", "staging_read"):
+                if after["setup"].get(k) is not None:
+                    row[k] = after["setup"][k]
+        if a.variant == "vmm_retained_half":
+            row["source_cache_gb"] = round(a.nbytes / 2 / 2**30, 2)
+        if cold and res == resolutions[0]:
+            row["cold_start_s"] = first_end[0] - load_start
+            row["nbytes_on_disk"] = sum(os.path.getsize(f) for f in files)
+            row["evicted_by"], row["cached_after_evict"] = evicted_by, cached_after
         row["enqueue_ms"] = enqueue_ms(lambda: model(**x), 3)
         print("ROW " + json.dumps(row), flush=True)
     sampler.stop = True
@@ -393,6 +451,20 @@ def key(r: dict) -> tuple:
     return (r["size"], r["resolution"], r["variant"])
 
 
+def floor_of(r: dict, resident_step: float, streamed: float) -> tuple[float | None, str]:
+    """A row's floor in seconds (None where its disk speed or disk bytes are unknown) and what
+    it counts: the link, the disk, or both."""
+    base = base_of(r["variant"])
+    if base not in DISK_VARIANTS:
+        return max(resident_step, streamed / r["link"]), ""
+    disk, per_pass = r.get("disk_gbps"), r.get("disk_bytes_per_pass")
+    if not disk or per_pass is None:
+        return None, ""
+    if base == "disk":
+        return max(resident_step, per_pass / (disk * 1e9)), " (disk)"
+    return max(resident_step, max(0, streamed - per_pass) / r["link"] + per_pass / (disk * 1e9)), " (link + disk)"
+
+
 def table(rows: list[dict]) -> None:
     order = {v: i for i, v in enumerate(VARIANTS + OPTIONAL)}
     groups: dict[tuple, list[dict]] = {}
@@ -402,24 +474,25 @@ def table(rows: list[dict]) -> None:
           "peak GPU GiB (arena) | peak RSS GiB (x model; above base) | output = resident |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (size, res), group in sorted(groups.items(), key=lambda kv: (kv[0][0] == "sd3", kv[0][0], kv[0][1])):
-        group.sort(key=lambda r: order.get(r["variant"], len(order)))
+        group.sort(key=lambda r: (order.get(base_of(r["variant"]), len(order)), r["variant"]))
         resident = next((r for r in group if r["variant"] == "resident" and "step" in r), None)
         nbytes = group[0]["nbytes"]
         for r in group:
             if "error" in r:
                 print(f"| {label(size)} | {res} | {r['variant']} | | failed: {r['error'][:80]} | | | | | | |")
                 continue
-            streamed = nbytes if r["variant"] != "resident" and r.get("streamed") is None else (r.get("streamed") or 0)
-            floor = max(resident["step"] if resident else 0.0, streamed / r["link"])
+            streamed = nbytes if base_of(r["variant"]) != "resident" and r.get("streamed") is None else (r.get("streamed") or 0)
+            floor, counts = floor_of(r, resident["step"] if resident else 0.0, streamed)
+            x_floor = "? (no disk speed)" if floor is None else f"{r['step'] / floor:.3f}{counts}"
             arena = f" ({r['arena'] / 2**30:.2f})" if r.get("arena") else ""
             same = "" if resident is None else ("yes" if r["digest"] == resident["digest"] else "NO")
-            plain = re.sub(r"~(enc|auto)$", "", r["variant"])
+            plain = re.sub(r"~(enc|auto)$", "", r["variant"].removesuffix("^cold"))
             raw = next((q for q in group if q["variant"] == plain and "step" in q), None)
             raw_floor = ""
-            if plain != r["variant"] and raw is not None:
+            if plain != r["variant"].removesuffix("^cold") and raw is not None:
                 raw_streamed = raw.get("streamed") or nbytes
                 raw_floor = f"; x raw floor {r['step'] / max(resident['step'] if resident else 0.0, raw_streamed / r['link']):.3f}"
-            print(f"| {label(size)} | {res} | {r['variant']} | {streamed / 2**30:.2f} | {r['step']:.4f} | {r['step'] / floor:.3f}{raw_floor} | "
+            print(f"| {label(size)} | {res} | {r['variant']} | {streamed / 2**30:.2f} | {r['step']:.4f} | {x_floor}{raw_floor} | "
                   f"{r['first']:.4f} ({r['first'] / r['step']:.2f}) | {r['setup']:.1f} | {r['peak_gpu'] / 2**30:.2f}{arena} | "
                   f"{r['rss'] / 2**30:.2f} ({r['rss'] / nbytes:.2f}; {(r['rss'] - r['rss_base']) / nbytes:.2f}) | {same} |")
         for r in group:
@@ -427,9 +500,48 @@ def table(rows: list[dict]) -> None:
             if parts:
                 print(f"| {label(size)} | {res} | {r['variant']}: host memory after the steps, above base: "
                       f"anonymous {parts.get('RssAnon', 0) / 2**30:.2f} GiB, file pages {parts.get('RssFile', 0) / 2**30:.2f} GiB | | | | | | | | |")
+        for r in group:
+            if "error" not in r and r.get("disk_bytes_per_pass") is not None:
+                print(f"| {label(size)} | {res} | {r['variant']}: {disk_note(r)} | | | | | | | | |")
+        for r in group:
+            if r.get("cold_start_s") is not None:
+                print(f"| {label(size)} | {res} | {r['variant']}: {cold_note(r)} | | | | | | | | |")
         if resident:
-            print(f"| {label(size)} | {res} | (resident model {nbytes / 2**30:.2f} GiB; copy {group[0]['link'] / 1e9:.1f} GB/s; "
+            disk = next((r["disk_gbps"] for r in group if r.get("disk_gbps")), None)
+            disk = "" if disk is None else f"; cold disk read {disk:.2f} GB/s"
+            print(f"| {label(size)} | {res} | (resident model {nbytes / 2**30:.2f} GiB; copy {group[0]['link'] / 1e9:.1f} GB/s{disk}; "
                   f"CUDA context {resident['gpu_context'] / 2**30:.2f} GiB) | | | | | | | | |")
+
+
+def disk_note(r: dict) -> str:
+    """What a row that reads the disk read: bytes per pass, the speed the route got beside the
+    disk's, the stalls, and the retained bytes it streamed over the link instead."""
+    passes = max(1, r.get("passes") or 1)
+    text = f"disk {r['disk_bytes_per_pass'] / 2**30:.2f} GiB per pass"
+    if r.get("disk_bytes_per_second"):
+        text += f", read at {r['disk_bytes_per_second'] / 1e9:.2f} GB/s"
+    if r.get("disk_gbps"):
+        text += f" (the disk's cold O_DIRECT read: {r['disk_gbps']:.2f} GB/s)"
+    if r.get("read_stall_seconds") is not None:
+        text += f", uploads stalled {r['read_stall_seconds'] / passes:.3f} s per pass"
+    if r.get("retained_bytes"):
+        text += f"; {r['retained_bytes'] / 2**30:.2f} GiB retained"
+        if r.get("streamed") is not None:
+            text += f", {max(0, r['streamed'] - r['disk_bytes_per_pass']) / 2**30:.2f} GiB of it streamed per pass"
+    return text
+
+
+def cold_note(r: dict) -> str:
+    """A cold start beside the time the disk takes to read the checkpoint's files."""
+    text = f"cold start {r['cold_start_s']:.1f} s from loading to the end of the first step"
+    if r.get("disk_gbps"):
+        read = r["nbytes_on_disk"] / (r["disk_gbps"] * 1e9)
+        text += f", {r['cold_start_s'] / read:.2f}x reading its {r['nbytes_on_disk'] / 2**30:.2f} GiB of files ({read:.1f} s)"
+    else:
+        text += f" ({r['nbytes_on_disk'] / 2**30:.2f} GiB of files)"
+    cached = r.get("cached_after_evict")
+    text += f"; evicted by {r.get('evicted_by')}" + ("" if cached is None else f", {cached:.1%} cached after")
+    return text
 
 
 def main() -> int:
@@ -460,15 +572,23 @@ def main() -> int:
         if size not in SIZES:
             raise SystemExit(f"unknown model size {size!r} in --configs; sizes: {', '.join(SIZES)}")
         by_size.setdefault(size, []).append(int(res))
-    unknown = [
-        v for v in a.variants.split(",")
-        if v.removesuffix("+copy") not in VARIANTS + OPTIONAL and not VMM_VARIANT.match(v.removesuffix("+copy"))
-    ]
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if base_of(v) not in VARIANTS + OPTIONAL and not VMM_VARIANT.match(base_of(v))]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS + OPTIONAL)}, vmm@GIB, vmm+dDEPTH")
+        raise SystemExit(
+            f"unknown variants {unknown}; known: {', '.join(VARIANTS + OPTIONAL)}, vmm@GIB, vmm@auto, vmm+dDEPTH, "
+            "vmm%CARD_GIB, vmm~enc, vmm~auto (combinable: vmm@6+d5%16~enc), each optionally +copy then ^cold"
+        )
     explicit = a.variants != ap.get_default("variants")
     link = link_speed()
     print(f"pinned host->device copy: {link / 1e9:.1f} GB/s", flush=True)
+    # The disk's cold read speed, measured once on the first model's largest file when a variant
+    # reads the disk or starts cold.
+    needs_disk = any(base_of(v) in DISK_VARIANTS or v.endswith("^cold") for v in variants)
+    disk = None
+    # Evicting drops every model's pages (drop_caches): the files read back into the page cache
+    # since then, so a variant that is not cold finds its checkpoint cached as before.
+    evicted, warmed = False, set()
     failed = False
     for size, resolutions in by_size.items():
         if size == "sd3":
@@ -481,12 +601,29 @@ def main() -> int:
             path, nbytes = saved_flux_q8(a.dir, *SIZES[size])
         else:
             path, nbytes = saved_flux(a.dir, *SIZES[size])
-        for variant in a.variants.split(","):
+        if needs_disk and disk is None:
+            largest = max(checkpoint_files(path), key=os.path.getsize)
+            try:
+                disk = disk_read_speed(largest) / 1e9
+                print(f"disk cold read (O_DIRECT, 4 threads, 16 MiB requests, {os.path.getsize(largest) / 2**30:.2f} GiB "
+                      f"{os.path.basename(largest)}): {disk:.2f} GB/s", flush=True)
+            except (OSError, RuntimeError) as e:
+                print(f"disk cold read failed ({e}): disk floors are not computed", flush=True)
+                needs_disk = False
+            evicted, warmed = True, set()
+        for variant in variants:
             if size != "5" and "@" in variant and not explicit:
                 continue  # the default budget sweep runs on the 5 B model
-            base = variant.removesuffix("+copy")
+            base = base_of(variant)
             if base not in ONLY.get(size, {base}) and not (size in ONLY and VMM_VARIANT.match(base)):
                 continue
+            if variant.endswith("^cold"):
+                evicted, warmed = True, set()
+            elif evicted and path not in warmed and base not in DISK_VARIANTS:
+                # (the disk variants read with O_DIRECT, past the page cache)
+                print(f"read {label(size)} back into the page cache after evicting it: "
+                      f"{warm_files(checkpoint_files(path)):.0f} s", flush=True)
+                warmed.add(path)
             t = time.perf_counter()
             cmd = [sys.executable, __file__, "--child", "--variant", variant, "--path", path, "--nbytes", str(nbytes),
                    "--family", family(size),
@@ -498,6 +635,8 @@ def main() -> int:
                 p = subprocess.CompletedProcess(cmd, 124, out, f"timed out after {a.variant_timeout} s")
             got = [json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
             new = [dict(r, size=size, nbytes=nbytes, link=link) for r in got]
+            if disk is not None:
+                new = [dict(r, disk_gbps=disk) for r in new]
             if p.returncode != 0 or len(got) < len(resolutions):
                 failed = True
                 err = (p.stderr.strip().splitlines() or ["?"])[-1]
@@ -515,6 +654,11 @@ def main() -> int:
                         print(f"  ms per step, enqueued / finished: {r['enqueue_ms']}", flush=True)
                     if r.get("background_copy_gbps"):
                         print(f"  background copies beside the steps: {r['background_copy_gbps']:.1f} GB/s", flush=True)
+                for r in new:
+                    if r.get("disk_bytes_per_pass") is not None:
+                        print(f"  at {r['resolution']}: {disk_note(r)}", flush=True)
+                    if r.get("cold_start_s") is not None:
+                        print(f"  at {r['resolution']}: {cold_note(r)}", flush=True)
             kept = [r for r in load_rows(rows_path) if key(r) not in {key(n) for n in new}]
             with open(rows_path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept + new)
