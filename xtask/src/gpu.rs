@@ -218,6 +218,8 @@ const BENCH_USAGE: &str =
   bash DIR/run.sh bench [CONFIGS] [VARIANTS]  rows of the side-by-side table (one model size per
                                    call fits a 10-minute limit; rows accumulate under target/)
   bash DIR/run.sh table           the table of every row measured so far
+  bash DIR/run.sh lowram [GIB]    a Wan-14B-shaped bf16 model (26.6 GiB) through ddo with its host
+                                   memory held under GIB (default 8), against a resident run
   (the log is appended to $OUT/bench.log when OUT is set, else DIR/bench.log)";
 
 /// `cargo xtask bench-gpu --bundle DIR`: the side-by-side benchmark as a bundle.
@@ -284,6 +286,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_boundaries.py",
         "gpu_pipeline.py",
         "gpu_dropin.py",
+        "gpu_lowram.py",
         "host.py",
         "tiny_pipelines.py",
     ] {
@@ -319,6 +322,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh decode [ARGS]     the GPU decoding rate of encoded weights beside the pinned link
 #   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
 #   bash run.sh table             the table of every row measured so far
+#   bash run.sh lowram [GIB]      Wan-14B-shaped bf16 (26.6 GiB) through ddo under GIB of host memory (default 8)
 case "${1:-bench}" in
   native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
@@ -329,7 +333,8 @@ case "${1:-bench}" in
   bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work")
          [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | bench [CONFIGS] [VARIANTS] | table" >&2; exit 2 ;;
+  lowram) cmd=(python3 "$bundle/gpu_lowram.py" --dir "$work" --ceiling-gb "${2:-8}") ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB]" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}
