@@ -88,6 +88,11 @@ impl HostSlice {
         &self.region.bytes()[self.offset..self.offset + self.len]
     }
 
+    /// Where the slice starts in its region.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -52,7 +52,7 @@ pub use encoded_source::{EncodedSource, EncodingReport};
 pub use gguf::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufHeader, parse_gguf};
 pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
 pub use host_tensors::{HostTensor, HostTensorSource, PackReport};
-pub use mapping::MappedFile;
+pub use mapping::{MappedFile, POPULATE_CHUNK};
 pub use read::{DIRECT_ALIGN, ReadMethod, ReadOptions};
 pub use registration::{REGISTRATION_SEGMENT, RegisteredRange, Registrar};
 pub use retained::{RetainedBuffer, RetainedStore};
