@@ -171,6 +171,25 @@ fn a_cgroup_limit_refuses() {
 }
 
 #[test]
+fn a_small_cgroup_keeps_an_eighth_of_its_limit_free_not_the_hosts_margin() {
+    let t = Tree::new(50, 0);
+    t.cgroup("/job", &(8 * GIB).to_string(), None, 2 * GIB);
+    // The host's margin of 6 GiB would leave nothing of an 8 GiB cgroup; it keeps 1 GiB.
+    let p = t.probe().with_safety_margin(6 * GIB);
+    assert_eq!(p.admit(&retained(4 * GIB)), Admission::Granted { headroom: GIB });
+    let (reason, _) = refusal(p.admit(&retained(5 * GIB + 1)));
+    assert_eq!(
+        reason,
+        RefusalReason::Cgroup {
+            cgroup: "/job".into(),
+            limit: 8 * GIB,
+            current: 2 * GIB,
+            margin: GIB
+        }
+    );
+}
+
+#[test]
 fn memory_high_tighter_than_max_and_parent_limits_count() {
     let t = Tree::new(50, 0);
     t.cgroup("/a", "max", Some(&(8 * GIB).to_string()), 4 * GIB);

@@ -112,6 +112,8 @@ impl LinuxAdmissionProbe {
             }
             for level in memory_levels(&self.root)? {
                 if let Some(limit) = level.limit() {
+                    // A small cgroup keeps an eighth of its limit free, not the host's margin.
+                    let margin = margin.min(limit / 8);
                     let room = limit.saturating_sub(level.current).saturating_sub(margin);
                     bounds.push((
                         room,
