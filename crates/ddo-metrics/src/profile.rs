@@ -139,6 +139,9 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .seconds("seconds", s.encoding_seconds.filter(|t| *t > 0.0))
         .text("file", s.encoded_file.as_ref().filter(|f| !f.is_empty()))
         .render(&mut out, "");
+    if let Some(reason) = &s.host_tier_reason {
+        let _ = writeln!(out, "  host_tier: {reason}");
+    }
     if let Some(reason) = &s.unregistered_reason {
         let _ = writeln!(out, "  unregistered: {reason}");
     }

@@ -171,8 +171,11 @@ optional_section! {
         encoding_seconds: f64,
         /// The encoded file the encodings were read from or written to, when one is used.
         encoded_file: String,
-        /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `host_tensors`.
+        /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `disk`, `host_tensors`.
         host_source: String,
+        /// Why the host tier was chosen (mapping, retained windows or disk) from what host
+        /// memory admits, or that a setting chose it.
+        host_tier_reason: String,
         /// The device the component runs on (`cuda:0`, `cpu`).
         execution_device: String,
         /// What the host should know (misspelt variables, fallbacks).
