@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use ddo_core::Platform;
+use ddo_core::{AdmissionProbe, Platform};
 use ddo_platform::LinuxAdmissionProbe;
 use ddo_platform::cuda::CudaDevice;
 use ddo_platform::host::HostDevice;
@@ -66,9 +66,16 @@ pub(crate) struct DevicePlatform {
 }
 
 impl DevicePlatform {
-    /// Opens `device` with host admission keeping `ram_margin` bytes free.
-    pub(crate) fn open(device: ExecutionDevice, ram_margin: u64) -> Result<Self, SessionError> {
-        let admission = Arc::new(LinuxAdmissionProbe::system().with_safety_margin(ram_margin));
+    /// Opens `device` with host admission through `probe`, or this host's keeping `ram_margin`
+    /// bytes free.
+    pub(crate) fn open(
+        device: ExecutionDevice,
+        ram_margin: u64,
+        probe: Option<Arc<dyn AdmissionProbe>>,
+    ) -> Result<Self, SessionError> {
+        let admission = probe.unwrap_or_else(|| {
+            Arc::new(LinuxAdmissionProbe::system().with_safety_margin(ram_margin))
+        });
         Ok(match device {
             ExecutionDevice::Cuda(ordinal) => {
                 let (platform, cuda) = ddo_platform::cuda_platform(ordinal)?;

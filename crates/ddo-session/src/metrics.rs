@@ -88,6 +88,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.unretained_bytes = a.retained.map(|r| r.unretained_bytes);
         setup.packed_bytes = a.host_kind.starts_with("host_tensors").then_some(a.packed.bytes);
         setup.host_source = Some(a.host_kind.to_owned());
+        setup.host_tier_reason = a.tier_reason.map(str::to_owned);
         setup.read_workers = a.read_workers;
         let on_device = a.device_conversions;
         if let Some(c) = a.conversion {

@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use ddo_arena::{Arena, ArenaError, Budget, Layout, Lease, ReclaimReport, UnitSpec};
 use ddo_core::{
-    Dtype, HostRegion, HostSlice, SourceError, StreamId, TensorSlice, UnitId, WeightSource,
+    Admission, AdmissionProbe, ByteSize, Dtype, GrowthKind, GrowthRequest, HostRegion, HostSlice,
+    RefusalReason, SourceError, StreamId, TensorSlice, UnitId, WeightSource,
 };
 use ddo_policy::{ConversionSite, Origin, Plan, ReadBackend, Route, WeightEncoding};
 use ddo_source::{
@@ -26,6 +27,54 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Retained windows of about one registration segment: whole tensors, so a unit's range uploads
 /// in copies of link-speed size.
 const RETAINED_WINDOW: u64 = REGISTRATION_SEGMENT;
+
+/// Retained windows of the automatic host tier hold at least this much (or a quarter of the
+/// checkpoint), else the disk serves it all.
+const MIN_RETAINED: u64 = 1 << 30;
+/// Host memory the automatic retained tier leaves beside its windows and staging (or an
+/// eighth of the checkpoint, when smaller).
+const TIER_SLACK: u64 = 256 << 20;
+
+/// The host tier a checkpoint no setting places is served from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HostTier {
+    /// The checkpoint's mapping, page-locked.
+    Mapping,
+    /// Retained windows of this many bytes, the rest read from disk into staging.
+    Retained(u64),
+    /// Every pass read from disk into staging.
+    Disk,
+}
+
+/// The host-memory bound a refusal met, in a few words.
+fn host_bound(reason: &RefusalReason) -> String {
+    match reason {
+        RefusalReason::MemAvailable { available, margin } => {
+            format!("MemAvailable ({}, {} kept free)", ByteSize(*available), ByteSize(*margin))
+        }
+        RefusalReason::Commit { commit_limit, committed, margin } => format!(
+            "the commit limit leaves ({} of {}, {} kept free)",
+            ByteSize(commit_limit.saturating_sub(*committed)),
+            ByteSize(*commit_limit),
+            ByteSize(*margin)
+        ),
+        RefusalReason::Cgroup { cgroup, limit, current, margin } => format!(
+            "cgroup {cgroup} allows ({} with {} in use, {} kept free)",
+            ByteSize(*limit),
+            ByteSize(*current),
+            ByteSize(*margin)
+        ),
+        RefusalReason::AddressSpace { limit, vm_size } => {
+            format!("RLIMIT_AS leaves ({} with {} mapped)", ByteSize(*limit), ByteSize(*vm_size))
+        }
+        RefusalReason::Memlock { limit, locked } => format!(
+            "RLIMIT_MEMLOCK leaves ({} with {} locked)",
+            ByteSize(*limit),
+            ByteSize(*locked)
+        ),
+        RefusalReason::ObservationUnavailable { what, error } => format!("{what}: {error}"),
+    }
+}
 
 /// Where a component's weights come from.
 #[derive(Debug, Clone)]
@@ -165,6 +214,8 @@ struct HostReport {
     staging: Option<Arc<StagingPool>>,
     /// Why the unretained rest is read on demand instead of ahead (no staging buffer fits).
     staging_note: Option<String>,
+    /// Why this host tier (mapping, retained windows, disk) serves the checkpoint.
+    tier_reason: Option<String>,
     /// What `vmm_weight_encoding` chose, and why.
     encoding_note: Option<String>,
     /// What encoding the chosen tensors did.
@@ -283,6 +334,23 @@ impl ComponentSession {
     /// arena under the budget, registers host bytes and starts the first uploads (`prime`).
     /// On failure nothing stays allocated.
     pub fn open(spec: SessionSpec) -> Result<ComponentSession, SessionError> {
+        Self::open_with(spec, None)
+    }
+
+    /// [`open`](Self::open) with host memory observed through `admission` instead of this
+    /// host's `/proc` and cgroups: an embedding program's own policy, or an observation tree
+    /// (`LinuxAdmissionProbe::with_root`). Its safety margin replaces `system_ram_headroom_gb`.
+    pub fn open_with_admission(
+        spec: SessionSpec,
+        admission: Arc<dyn AdmissionProbe>,
+    ) -> Result<ComponentSession, SessionError> {
+        Self::open_with(spec, Some(admission))
+    }
+
+    fn open_with(
+        spec: SessionSpec,
+        admission: Option<Arc<dyn AdmissionProbe>>,
+    ) -> Result<ComponentSession, SessionError> {
         let SessionSpec { plan, weights, tree } = spec;
         let route = SessionRoute::of(&plan.route)?;
         match (&weights, route) {
@@ -306,7 +374,7 @@ impl ComponentSession {
             matches!(plan.origins.get("execution_device"), Some(Origin::Default) | None);
         let device = ExecutionDevice::choose(&s.execution_device, device_from_default)?;
         let margin = gib("system_ram_headroom_gb", s.system_ram_headroom_gb)?;
-        let platform = DevicePlatform::open(device, margin)?;
+        let platform = DevicePlatform::open(device, margin, admission)?;
         let mut rule =
             UnitRule::from_patterns(&s.vmm_module_pattern, &s.always_resident_modules_pattern)?;
         if plan.route == Route::LinearConvolution {
@@ -1012,31 +1080,79 @@ impl ComponentSession {
             _ => ReadOptions { workers, ..ReadOptions::pread() },
         };
         if self.route == SessionRoute::Disk {
-            return self.disk_bytes(checkpoint);
+            let mut bytes = self.disk_bytes(checkpoint)?;
+            bytes.3.tier_reason = Some(
+                "disk: the disk route (vmm_runtime, preset nvme_baseline) reads the checkpoint into staging every pass".into(),
+            );
+            return Ok(bytes);
         }
-        let cache = gib("vmm_source_cache_gb", s.vmm_source_cache_gb)?;
+        let mut cache = gib("vmm_source_cache_gb", s.vmm_source_cache_gb)?;
+        let mut backend = s.load_safetensors_backend;
+        let mut reason = (cache > 0).then(|| {
+            format!(
+                "retained: vmm_source_cache_gb = {} holds the checkpoint's bytes in host memory",
+                s.vmm_source_cache_gb
+            )
+        });
+        // A preset's mapping is the default tier; a caller's setting is kept.
+        let by_caller = !matches!(
+            self.plan.origins.get("load_safetensors_backend"),
+            None | Some(Origin::Default | Origin::Preset(_))
+        );
+        let chooses = cache == 0
+            && (backend == ReadBackend::Auto || backend == ReadBackend::Mmap && !by_caller)
+            && s.vmm_source_registered_gb == 0.0
+            && self.route == SessionRoute::Native;
+        if chooses {
+            let (tier, why) = self.host_tier(&checkpoint, skip)?;
+            reason = Some(why);
+            match tier {
+                HostTier::Mapping => {}
+                HostTier::Retained(bytes) => {
+                    // Read past the page cache, which the host has no room for either.
+                    (cache, backend) = (bytes, ReadBackend::Direct);
+                }
+                HostTier::Disk => {
+                    let mut bytes = self.disk_bytes(checkpoint).map_err(|e| match e {
+                        SessionError::Source(e @ SourceError::Refused(_)) => {
+                            SessionError::Capacity {
+                                setting: "vmm_staging_buffer_gb",
+                                message: format!(
+                                    "the host cannot hold the checkpoint, nor staging to read it from disk: {e}"
+                                ),
+                            }
+                        }
+                        e => e,
+                    })?;
+                    bytes.3.tier_reason = reason;
+                    return Ok(bytes);
+                }
+            }
+        }
         if cache > 0 {
-            let reader =
-                CheckpointSource::new(checkpoint.clone(), reads(s.load_safetensors_backend))?;
+            let reader = CheckpointSource::new(checkpoint.clone(), reads(backend))?;
             let store = RetainedStore::new(cache, p.admission.clone());
             // Tensors converted at load are served converted, encoded ones from their encodings:
             // their stored bytes are not retained.
-            let (source, report) =
-                RetainedSource::retain_only(Arc::new(reader), &store, RETAINED_WINDOW, |i| {
-                    !skip.contains(&i)
-                })?;
+            let (source, report) = RetainedSource::retain_only(
+                Arc::new(reader),
+                &store,
+                RETAINED_WINDOW.min(cache),
+                |i| !skip.contains(&i),
+            )?;
             let mut windows: Vec<(HostSlice, bool)> =
                 source.windows().into_iter().map(|w| (w, false)).collect();
             let mut host = HostReport {
                 kind: "retained",
                 read_workers: Some(workers as u64),
+                tier_reason: reason,
                 ..HostReport::default()
             };
             let mut source: Arc<dyn WeightSource> = Arc::new(source);
             if report.unretained_bytes > 0 {
                 // The rest is read ahead into staging, off the uploads' critical path.
                 let staging = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
-                match self.staging_pool(&checkpoint, staging, s.load_safetensors_backend) {
+                match self.staging_pool(&checkpoint, staging, backend) {
                     Ok(pool) => {
                         windows.extend(pool.buffers().into_iter().map(|b| (b, false)));
                         source = Arc::new(StagedSource::new(source, pool.clone()));
@@ -1059,7 +1175,7 @@ impl ComponentSession {
             host.retained = Some(report);
             return Ok((source, None, windows, host));
         }
-        let mapped = match s.load_safetensors_backend {
+        let mapped = match backend {
             ReadBackend::Auto | ReadBackend::Mmap => {
                 CheckpointSource::mapped(checkpoint.clone(), workers, mmap)?
             }
@@ -1075,20 +1191,43 @@ impl ComponentSession {
                         Some(map)
                     })
                     .collect::<Vec<_>>();
-                let ranges = if skip.is_empty() {
+                let ranges: Vec<(HostSlice, bool)> = if skip.is_empty() {
                     maps.into_iter().map(|m| (m, true)).collect()
                 } else {
                     stored_runs(checkpoint.slices(), skip, &maps)
                 };
+                // A cold file is read in at the disk's speed before registration pins it.
+                let readers = std::thread::available_parallelism()
+                    .map_or(1, usize::from)
+                    .clamp(1, 16)
+                    .max(workers);
+                for (range, _) in &ranges {
+                    let file = (0..checkpoint.files().len())
+                        .filter_map(|i| source.mapping(i))
+                        .find(|m| std::ptr::addr_eq(Arc::as_ptr(range.region()), Arc::as_ptr(*m)));
+                    if let Some(file) = file {
+                        file.populate(range.offset(), range.len(), readers);
+                    }
+                }
+                let tier_reason = reason.or_else(|| {
+                    Some(if s.vmm_source_registered_gb > 0.0 {
+                        format!(
+                            "mapping: vmm_source_registered_gb = {} bounds its page-locked part",
+                            s.vmm_source_registered_gb
+                        )
+                    } else {
+                        format!("mapping: load_safetensors_backend = {}", backend.as_str())
+                    })
+                });
                 Ok((
                     source.clone() as Arc<dyn WeightSource>,
                     Some(source),
                     ranges,
-                    HostReport { kind: "mapping", ..HostReport::default() },
+                    HostReport { kind: "mapping", tier_reason, ..HostReport::default() },
                 ))
             }
             None => {
-                let source = CheckpointSource::new(checkpoint, reads(s.load_safetensors_backend))?;
+                let source = CheckpointSource::new(checkpoint, reads(backend))?;
                 Ok((
                     Arc::new(source),
                     None,
@@ -1096,11 +1235,96 @@ impl ComponentSession {
                     HostReport {
                         kind: "reads",
                         read_workers: Some(workers as u64),
+                        tier_reason: Some(format!(
+                            "reads: load_safetensors_backend = {} reads each upload's bytes from the files",
+                            backend.as_str()
+                        )),
                         ..HostReport::default()
                     },
                 ))
             }
         }
+    }
+
+    /// The host tier of a checkpoint no setting places, from what host memory admits now:
+    /// - the **mapping**, page-locked whole, when the host can hold the bytes streamed as stored
+    ///   (pinned file pages leave the page cache's reclaimable memory, so they are asked for
+    ///   like retained bytes);
+    /// - else **retained windows** of what the host can hold beside one staging ceiling
+    ///   (`vmm_staging_buffer_gb`), the rest read from disk into staging every pass, when that
+    ///   holds at least [`MIN_RETAINED`] (or a quarter of the bytes);
+    /// - else the **disk**: every pass read into two staging buffers.
+    ///
+    /// With the reason the profile shows. A host whose memory cannot be observed keeps the
+    /// mapping, and says so.
+    fn host_tier(
+        &self,
+        checkpoint: &Checkpoint,
+        skip: &HashSet<usize>,
+    ) -> Result<(HostTier, String), SessionError> {
+        let p = &self.platform.platform;
+        let s = &self.plan.settings;
+        let bytes: u64 = checkpoint
+            .slices()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !skip.contains(i))
+            .map(|(_, t)| t.len)
+            .sum();
+        let ask = |bytes| {
+            p.admission.admit(&GrowthRequest {
+                kind: GrowthKind::Retained,
+                bytes,
+                registered_bytes: 0,
+            })
+        };
+        let shown = ByteSize(bytes);
+        let refusal = match ask(bytes) {
+            Admission::Granted { headroom } => {
+                return Ok((
+                    HostTier::Mapping,
+                    format!(
+                        "mapping: the host can hold the checkpoint's {shown} page-locked ({} left beside it)",
+                        ByteSize(headroom)
+                    ),
+                ));
+            }
+            Admission::Refused(r) => r,
+        };
+        let bound = host_bound(&refusal.reason);
+        if matches!(refusal.reason, RefusalReason::ObservationUnavailable { .. }) {
+            return Ok((
+                HostTier::Mapping,
+                format!(
+                    "mapping: host memory cannot be observed ({bound}); set vmm_source_cache_gb, or preset nvme_baseline, to bound host memory"
+                ),
+            ));
+        }
+        let room = match ask(0) {
+            Admission::Granted { headroom } => headroom,
+            Admission::Refused(_) => 0,
+        };
+        let staging = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+        let windows = room.saturating_sub(staging).saturating_sub(TIER_SLACK.min(bytes / 8));
+        if windows >= MIN_RETAINED.min(bytes / 4) && windows > 0 {
+            return Ok((
+                HostTier::Retained(windows),
+                format!(
+                    "retained windows of {} + disk: page-locking the checkpoint's {shown} mapping needs more host memory than {bound}; {} is retained and the rest read from disk into {} of staging every pass",
+                    ByteSize(windows),
+                    ByteSize(windows),
+                    ByteSize(staging)
+                ),
+            ));
+        }
+        Ok((
+            HostTier::Disk,
+            format!(
+                "disk: page-locking the checkpoint's {shown} mapping needs more host memory than {bound}, and the {} it leaves holds no retained window beside staging; every pass reads the checkpoint from disk into {} of staging",
+                ByteSize(room),
+                ByteSize(staging.saturating_mul(2))
+            ),
+        ))
     }
 
     /// The disk route's bytes: the checkpoint read (never mapped) into a staging pool of two
@@ -1688,6 +1912,7 @@ impl ComponentSession {
                     read_workers: a.host.read_workers,
                     staging: a.host.staging.as_ref().map(|p| (p.stats(), p.is_direct())),
                     staging_note: a.host.staging_note.as_deref(),
+                    tier_reason: a.host.tier_reason.as_deref(),
                     encoding_note: a.host.encoding_note.as_deref(),
                     encoding: a.host.encoding.as_ref(),
                     setup_seconds: a.setup_seconds,
@@ -1736,6 +1961,7 @@ pub(crate) struct AttachedView<'a> {
     /// The staging pool's counters and whether it reads with O_DIRECT.
     pub(crate) staging: Option<(ddo_source::StagingStats, bool)>,
     pub(crate) staging_note: Option<&'a str>,
+    pub(crate) tier_reason: Option<&'a str>,
     pub(crate) encoding_note: Option<&'a str>,
     pub(crate) encoding: Option<&'a EncodingReport>,
     pub(crate) setup_seconds: f64,

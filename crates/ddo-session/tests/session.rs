@@ -803,41 +803,6 @@ fn a_budget_without_room_for_staging_widens_on_the_host_instead() {
 }
 
 #[test]
-fn a_host_short_of_memory_converts_on_the_device_instead() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("f32.safetensors");
-    let mut names = vec![("embed.weight".to_owned(), vec![W, 8])];
-    for b in 0..4 {
-        names.push((format!("blocks.{b}.attn.weight"), vec![W, W / 2]));
-        names.push((format!("blocks.{b}.norm.weight"), vec![W]));
-    }
-    names.push(("norm_out.weight".into(), vec![W]));
-    testing::write_dtype(&path, Dtype::F32, &names, |t, i| ((t as u64 * 31 + i) % 251) as u8)
-        .unwrap();
-    // A RAM margin no machine has: admission refuses the converted copy.
-    let short = [("system_ram_headroom_gb", "100000")];
-    let session = converted(&path, Dtype::BF16, &short).unwrap();
-    let s = setup(&session);
-    assert_eq!(s.conversion.as_deref(), Some("device"), "{s:?}");
-    assert!(s.warnings.unwrap().iter().any(|w| w.contains("the host could not hold")));
-    let c = ddo_source::Checkpoint::open(&path).unwrap();
-    let source =
-        ddo_source::CheckpointSource::new(c.into(), ddo_source::ReadOptions::default()).unwrap();
-    run_and_check(&session, 2, &|name| {
-        use ddo_core::WeightSource;
-        let i = source.slices().iter().position(|t| t.name == name).unwrap();
-        let mut raw = vec![0; source.slices()[i].len as usize];
-        source.read(i, &mut raw).unwrap();
-        let mut want = vec![0; raw.len() / 2];
-        ddo_source::convert(Dtype::F32, Dtype::BF16, &raw, &mut want);
-        want
-    });
-    // Asked to convert on the host only, the same host refuses clearly.
-    let e = converted(&path, Dtype::BF16, &[short[0], ("dtype_conversion", "host")]).unwrap_err();
-    assert!(e.to_string().contains("needs host memory"), "{e}");
-}
-
-#[test]
 fn a_dtype_ddo_does_not_convert_is_refused_with_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
     let path = checkpoint(dir.path(), 4);

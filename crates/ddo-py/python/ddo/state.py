@@ -246,7 +246,7 @@ def state_of(result: Any) -> DynamicOffloadState:
 # The setup figures that are the plan's decisions.
 _PLANNER_KEYS = (
     "unit_count", "resident_units", "streamed_units", "execution_slots", "slot_bytes", "gpu_budget_bytes",
-    "headroom_bytes", "streamed_bytes_per_pass", "host_source", "conversion",
+    "headroom_bytes", "streamed_bytes_per_pass", "host_source", "host_tier_reason", "conversion",
 )
 
 
