@@ -40,10 +40,11 @@ const TIER_SLACK: u64 = 256 << 20;
 enum HostTier {
     /// The checkpoint's mapping, page-locked.
     Mapping,
-    /// Retained windows of this many bytes, the rest read from disk into staging.
-    Retained(u64),
-    /// Every pass read from disk into staging.
-    Disk,
+    /// Retained windows of this many bytes, the rest read from disk into `staging` bytes of
+    /// staging.
+    Retained { windows: u64, staging: u64 },
+    /// Every pass read from disk into two staging buffers of `buffer` bytes.
+    Disk { buffer: u64 },
 }
 
 /// The host-memory bound a refusal met, in a few words.
@@ -1080,7 +1081,8 @@ impl ComponentSession {
             _ => ReadOptions { workers, ..ReadOptions::pread() },
         };
         if self.route == SessionRoute::Disk {
-            let mut bytes = self.disk_bytes(checkpoint)?;
+            let buffer = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+            let mut bytes = self.disk_bytes(checkpoint, buffer)?;
             bytes.3.tier_reason = Some(
                 "disk: the disk route (vmm_runtime, preset nvme_baseline) reads the checkpoint into staging every pass".into(),
             );
@@ -1103,17 +1105,19 @@ impl ComponentSession {
             && (backend == ReadBackend::Auto || backend == ReadBackend::Mmap && !by_caller)
             && s.vmm_source_registered_gb == 0.0
             && self.route == SessionRoute::Native;
+        let mut staging_ceiling = None;
         if chooses {
             let (tier, why) = self.host_tier(&checkpoint, skip)?;
             reason = Some(why);
             match tier {
                 HostTier::Mapping => {}
-                HostTier::Retained(bytes) => {
+                HostTier::Retained { windows, staging } => {
                     // Read past the page cache, which the host has no room for either.
-                    (cache, backend) = (bytes, ReadBackend::Direct);
+                    (cache, backend) = (windows, ReadBackend::Direct);
+                    staging_ceiling = Some(staging);
                 }
-                HostTier::Disk => {
-                    let mut bytes = self.disk_bytes(checkpoint).map_err(|e| match e {
+                HostTier::Disk { buffer } => {
+                    let mut bytes = self.disk_bytes(checkpoint, buffer).map_err(|e| match e {
                         SessionError::Source(e @ SourceError::Refused(_)) => {
                             SessionError::Capacity {
                                 setting: "vmm_staging_buffer_gb",
@@ -1151,7 +1155,10 @@ impl ComponentSession {
             let mut source: Arc<dyn WeightSource> = Arc::new(source);
             if report.unretained_bytes > 0 {
                 // The rest is read ahead into staging, off the uploads' critical path.
-                let staging = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+                let staging = match staging_ceiling {
+                    Some(c) => c,
+                    None => gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?,
+                };
                 match self.staging_pool(&checkpoint, staging, backend) {
                     Ok(pool) => {
                         windows.extend(pool.buffers().into_iter().map(|b| (b, false)));
@@ -1250,10 +1257,11 @@ impl ComponentSession {
     /// - the **mapping**, page-locked whole, when the host can hold the bytes streamed as stored
     ///   (pinned file pages leave the page cache's reclaimable memory, so they are asked for
     ///   like retained bytes);
-    /// - else **retained windows** of what the host can hold beside one staging ceiling
-    ///   (`vmm_staging_buffer_gb`), the rest read from disk into staging every pass, when that
-    ///   holds at least [`MIN_RETAINED`] (or a quarter of the bytes);
-    /// - else the **disk**: every pass read into two staging buffers.
+    /// - else **retained windows** of what the host can hold beside staging (two buffers of the
+    ///   larger of `vmm_staging_buffer_gb` and the largest unit), the rest read from disk into
+    ///   staging every pass, when that holds at least [`MIN_RETAINED`] (or a quarter of the
+    ///   bytes);
+    /// - else the **disk**: every pass read into those two staging buffers.
     ///
     /// With the reason the profile shows. A host whose memory cannot be observed keeps the
     /// mapping, and says so.
@@ -1304,11 +1312,14 @@ impl ComponentSession {
             Admission::Granted { headroom } => headroom,
             Admission::Refused(_) => 0,
         };
-        let staging = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+        // Staging of two buffers, each holding the largest unit, so reads run ahead of uploads.
+        let setting = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+        let buffer = setting.max(self.largest_unit(checkpoint)?.next_multiple_of(1 << 20));
+        let staging = buffer.saturating_mul(2);
         let windows = room.saturating_sub(staging).saturating_sub(TIER_SLACK.min(bytes / 8));
         if windows >= MIN_RETAINED.min(bytes / 4) && windows > 0 {
             return Ok((
-                HostTier::Retained(windows),
+                HostTier::Retained { windows, staging },
                 format!(
                     "retained windows of {} + disk: page-locking the checkpoint's {shown} mapping needs more host memory than {bound}; {} is retained and the rest read from disk into {} of staging every pass",
                     ByteSize(windows),
@@ -1318,11 +1329,11 @@ impl ComponentSession {
             ));
         }
         Ok((
-            HostTier::Disk,
+            HostTier::Disk { buffer },
             format!(
                 "disk: page-locking the checkpoint's {shown} mapping needs more host memory than {bound}, and the {} it leaves holds no retained window beside staging; every pass reads the checkpoint from disk into {} of staging",
                 ByteSize(room),
-                ByteSize(staging.saturating_mul(2))
+                ByteSize(staging)
             ),
         ))
     }
@@ -1330,9 +1341,12 @@ impl ComponentSession {
     /// The disk route's bytes: the checkpoint read (never mapped) into a staging pool of two
     /// buffers of `vmm_staging_buffer_gb` each (fewer, larger units; more, smaller ones, within
     /// the same ceiling), registered for DMA.
-    fn disk_bytes(&self, checkpoint: Arc<Checkpoint>) -> Result<CheckpointBytes, SessionError> {
+    fn disk_bytes(
+        &self,
+        checkpoint: Arc<Checkpoint>,
+        buffer: u64,
+    ) -> Result<CheckpointBytes, SessionError> {
         let s = &self.plan.settings;
-        let buffer = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
         let largest = self.largest_unit(&checkpoint)?;
         if largest > buffer {
             return Err(SessionError::Config {

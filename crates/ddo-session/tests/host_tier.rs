@@ -127,7 +127,7 @@ fn a_host_that_holds_the_checkpoint_maps_it() {
 fn a_host_that_holds_part_of_the_checkpoint_retains_that_part_and_reads_the_rest_from_disk() {
     let dir = tempfile::tempdir().unwrap();
     let path = checkpoint(dir.path());
-    let session = open(&path, host(dir.path(), Some(16 * MIB)), &[]).unwrap();
+    let session = open(&path, host(dir.path(), Some(20 * MIB)), &[]).unwrap();
     passes_serve_the_checkpoint(&session);
     let m = session.metrics(None);
     m.validate().unwrap();
@@ -137,10 +137,10 @@ fn a_host_that_holds_part_of_the_checkpoint_retains_that_part_and_reads_the_rest
     assert!(why.starts_with("retained windows of"), "{why}");
     assert!(why.contains("cgroup /ddo allows"), "the bound is named: {why}");
     let retained = s.retained_bytes.unwrap();
-    // Room 16 MiB: one staging buffer (4 MiB) and the slack (3 MiB) stay free.
+    // Room 20 MiB: two staging buffers (4 MiB each) and the slack (3 MiB) stay free.
     assert!(retained > 0 && retained <= 9 * MIB, "{retained}");
     assert!(s.unretained_bytes.unwrap() > 0, "{s:?}");
-    assert!(s.staging_bytes.unwrap() <= 4 * MIB, "{s:?}");
+    assert!(s.staging_bytes.unwrap() <= 8 * MIB, "{s:?}");
     let disk = m.runtime.disk_bytes_per_pass.unwrap();
     assert!(disk > 0, "the rest is read from disk every pass: {}", m.format_profile());
 }
@@ -264,4 +264,20 @@ fn a_host_short_of_memory_converts_on_the_device_and_reads_the_checkpoint_from_d
     let args = [args[0], ("dtype_conversion", "host")];
     let e = open_tree(&path, host(dir.path(), Some(6 * MIB)), &args, Some(tree)).unwrap_err();
     assert!(e.to_string().contains("needs host memory"), "{e}");
+}
+
+#[test]
+fn the_chosen_tier_stages_units_larger_than_the_staging_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path());
+    // A buffer of 1 MiB holds no 2 MiB unit: the tier sizes staging to the largest unit.
+    let args = [("vmm_staging_buffer_gb", "0.0009765625")];
+    let session = open(&path, host(dir.path(), Some(20 * MIB)), &args).unwrap();
+    passes_serve_the_checkpoint(&session);
+    let m = session.metrics(None);
+    let s = &m.setup;
+    assert_eq!(s.host_source.as_deref(), Some("retained"), "{s:?}");
+    assert!(s.staging_bytes.unwrap() >= 4 * MIB, "two buffers of a unit: {s:?}");
+    assert!(s.warnings.is_none(), "no unit is read on demand: {:?}", s.warnings);
+    assert!(m.runtime.disk_bytes_per_pass.unwrap() > 0);
 }
