@@ -30,7 +30,8 @@ fn resident(map: &MappedFile) -> (usize, usize) {
     let pages = bytes.len().div_ceil(4096);
     let mut v = vec![0u8; pages];
     // SAFETY: `v` has one byte per page of the mapping, which is page-aligned.
-    let rc = unsafe { libc::mincore(bytes.as_ptr() as *mut libc::c_void, bytes.len(), v.as_mut_ptr()) };
+    let rc =
+        unsafe { libc::mincore(bytes.as_ptr() as *mut libc::c_void, bytes.len(), v.as_mut_ptr()) };
     assert_eq!(rc, 0);
     (v.iter().filter(|b| **b & 1 == 1).count(), pages)
 }
