@@ -78,7 +78,7 @@ pub enum RefusalReason {
         cgroup: String,
         /// The tighter of memory.max and memory.high.
         limit: u64,
-        /// memory.current.
+        /// What the level holds: memory.current less its inactive file cache.
         current: u64,
         /// Safety margin.
         margin: u64,
@@ -196,7 +196,8 @@ pub enum OvercommitMode {
     Strict,
 }
 
-/// Memory accounting of one cgroup v2 level that has a memory controller.
+/// Memory accounting of one cgroup level that has a memory controller (cgroup v2, or the v1
+/// memory hierarchy: `memory.limit_in_bytes` as `max`, `memory.usage_in_bytes` as `current`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct CgroupMemory {
     /// The cgroup path (`/user.slice/...`).
@@ -205,8 +206,12 @@ pub struct CgroupMemory {
     pub max: Option<u64>,
     /// memory.high (`None` = "max").
     pub high: Option<u64>,
-    /// memory.current.
+    /// memory.current: every page charged to the level, page cache included.
     pub current: u64,
+    /// Inactive file cache charged to the level (`inactive_file` of memory.stat), which the
+    /// kernel reclaims before it refuses or kills: `current` less this is what the level holds.
+    #[serde(default)]
+    pub reclaimable: u64,
 }
 
 impl CgroupMemory {
@@ -216,6 +221,11 @@ impl CgroupMemory {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    /// The bytes the level holds and cannot drop: `current` less its reclaimable file cache.
+    pub fn held(&self) -> u64 {
+        self.current.saturating_sub(self.reclaimable)
     }
 }
 
@@ -295,7 +305,14 @@ mod tests {
             r.to_string(),
             "host registration of 1.00 GiB refused: RLIMIT_MEMLOCK is 8.00 MiB and 0 B is already locked; raise `ulimit -l` or lower the registration ceiling"
         );
-        let c = CgroupMemory { path: "/a".into(), max: Some(10), high: Some(5), current: 1 };
+        let c = CgroupMemory {
+            path: "/a".into(),
+            max: Some(10),
+            high: Some(5),
+            current: 4,
+            reclaimable: 3,
+        };
+        assert_eq!(c.held(), 1);
         assert_eq!(c.limit(), Some(5));
         assert_eq!(CgroupMemory { high: None, ..c }.limit(), Some(10));
     }

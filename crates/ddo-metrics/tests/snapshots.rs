@@ -32,6 +32,7 @@ fn host() -> HostMemorySection {
                 max: Some(48 * GIB),
                 high: None,
                 current: 12 * GIB,
+                reclaimable: 2 * GIB,
             }],
             rlimit_as_bytes: None,
             rlimit_memlock_bytes: Some(8 * MIB),

@@ -216,7 +216,7 @@ fn no_cgroup_memory_controller_is_no_limit() {
     t.write("proc/self/cgroup", "0::/user.slice\n");
     fs::create_dir_all(t.path().join("sys/fs/cgroup/user.slice")).unwrap();
     assert_eq!(t.probe().admit(&retained(40 * GIB)), Admission::Granted { headroom: 9 * GIB });
-    // cgroup v1 only: no "0::" line.
+    // cgroup v1 memory controller on the path, but no v1 memory hierarchy mounted.
     t.write("proc/self/cgroup", "4:memory:/user.slice\n");
     assert!(matches!(t.probe().admit(&retained(40 * GIB)), Admission::Granted { .. }));
     // No cgroup2 mount at all.
@@ -224,6 +224,68 @@ fn no_cgroup_memory_controller_is_no_limit() {
     t.write("proc/self/mountinfo", "30 1 8:1 / / rw - ext4 /dev/sda1 rw\n");
     assert!(matches!(t.probe().admit(&retained(40 * GIB)), Admission::Granted { .. }));
     assert!(t.probe().observe().cgroups.is_empty());
+}
+
+#[test]
+fn inactive_file_cache_is_room_not_use() {
+    // 7 GiB charged to an 8 GiB cgroup, 5 GiB of it a checkpoint read through the page cache.
+    let t = Tree::new(50, 0);
+    t.cgroup("/job", &(8 * GIB).to_string(), None, 7 * GIB);
+    t.write(
+        "sys/fs/cgroup/job/memory.stat",
+        &format!("anon 2147483648\nfile 5368709120\nactive_file 0\ninactive_file {}\n", 5 * GIB),
+    );
+    // Room = 8 - (7 - 5) - 1 (an eighth of the limit) = 5 GiB.
+    assert_eq!(t.probe().admit(&retained(4 * GIB)), Admission::Granted { headroom: GIB });
+    let (reason, _) = refusal(t.probe().admit(&retained(6 * GIB)));
+    assert!(
+        matches!(reason, RefusalReason::Cgroup { current, .. } if current == 2 * GIB),
+        "{reason:?}"
+    );
+    assert_eq!(t.probe().observe().cgroups[0].reclaimable, 5 * GIB);
+}
+
+#[test]
+fn a_cgroup_v1_memory_hierarchy_limits() {
+    // A container's v1 memory hierarchy: the mount shows the subtree rooted at /docker/abc.
+    let t = Tree::new(50, 0);
+    t.write("proc/self/cgroup", "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc/job\n0::/\n");
+    t.write(
+        "proc/self/mountinfo",
+        "24 1 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n\
+         25 24 0:23 /docker/abc /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n\
+         26 24 0:24 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n",
+    );
+    t.write("sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+    t.write("sys/fs/cgroup/memory/memory.usage_in_bytes", &format!("{}\n", 3 * GIB));
+    t.write("sys/fs/cgroup/memory/job/memory.limit_in_bytes", &format!("{}\n", 8 * GIB));
+    t.write("sys/fs/cgroup/memory/job/memory.usage_in_bytes", &format!("{}\n", 3 * GIB));
+    t.write(
+        "sys/fs/cgroup/memory/job/memory.stat",
+        &format!("cache 1073741824\ninactive_file {}\ntotal_inactive_file {}\n", GIB, GIB),
+    );
+    let levels = t.probe().observe().cgroups;
+    assert_eq!(levels.len(), 2, "{levels:?}");
+    assert_eq!(levels[0].path, "/docker/abc/job");
+    assert_eq!(
+        (levels[0].max, levels[0].current, levels[0].reclaimable),
+        (Some(8 * GIB), 3 * GIB, GIB)
+    );
+    assert_eq!(levels[1].max, None, "the kernel's no-limit value is no limit");
+    // Room = 8 - (3 - 1) - 1 = 5 GiB.
+    assert_eq!(t.probe().admit(&retained(5 * GIB)), Admission::Granted { headroom: 0 });
+    let (reason, _) = refusal(t.probe().admit(&retained(5 * GIB + 1)));
+    assert!(
+        matches!(reason, RefusalReason::Cgroup { ref cgroup, limit, .. } if cgroup == "/docker/abc/job" && limit == 8 * GIB),
+        "{reason:?}"
+    );
+    // An unreadable usage file refuses, naming it.
+    fs::remove_file(t.path().join("sys/fs/cgroup/memory/job/memory.usage_in_bytes")).unwrap();
+    let (reason, _) = refusal(t.probe().admit(&retained(GIB)));
+    assert!(
+        matches!(reason, RefusalReason::ObservationUnavailable { ref what, .. } if what == "/docker/abc/job/memory.usage_in_bytes"),
+        "{reason:?}"
+    );
 }
 
 #[test]

@@ -14,13 +14,15 @@ use super::procfs::{Limits, Status, parse_limits, parse_meminfo, parse_overcommi
 /// Host memory kept free by default when admitting growth: 1 GiB.
 pub const DEFAULT_SAFETY_MARGIN: u64 = GIB;
 
-/// Admits host growth on fresh observations of `/proc`, cgroup v2 and rlimits.
+/// Admits host growth on fresh observations of `/proc`, cgroups (v2, or the v1 memory
+/// hierarchy) and rlimits.
 ///
 /// Decisions, for a request of `bytes`:
 /// - memory growth (retained storage, staging): `MemAvailable - margin >= bytes` in every
 ///   overcommit mode (modes 0 and 1 keep this finite bound); in mode 2 also
 ///   `CommitLimit - Committed_AS - margin >= bytes`; for every cgroup level with a memory
-///   controller, `min(memory.max, memory.high) - memory.current - margin >= bytes`; with a finite
+///   controller, `min(memory.max, memory.high) - (memory.current - inactive_file) - margin >= bytes`
+///   (the margin capped at an eighth of the limit); with a finite
 ///   RLIMIT_AS, `VmSize + bytes <= limit`;
 /// - page-locking (staging, registration): with a finite RLIMIT_MEMLOCK and no CAP_IPC_LOCK,
 ///   `VmLck + registered_bytes + bytes <= limit`.
@@ -114,15 +116,13 @@ impl LinuxAdmissionProbe {
                 if let Some(limit) = level.limit() {
                     // A small cgroup keeps an eighth of its limit free, not the host's margin.
                     let margin = margin.min(limit / 8);
-                    let room = limit.saturating_sub(level.current).saturating_sub(margin);
+                    // Inactive page cache (a checkpoint read through the cache) is reclaimed
+                    // before the kernel refuses; it is room, not use.
+                    let held = level.held();
+                    let room = limit.saturating_sub(held).saturating_sub(margin);
                     bounds.push((
                         room,
-                        RefusalReason::Cgroup {
-                            cgroup: level.path,
-                            limit,
-                            current: level.current,
-                            margin,
-                        },
+                        RefusalReason::Cgroup { cgroup: level.path, limit, current: held, margin },
                     ));
                 }
             }

@@ -152,7 +152,8 @@ def usable_host_bytes(host: Dict[str, Any], headroom_gb: float) -> Tuple[int, st
     for level in host.get("cgroups", []):
         limits = [v for v in (level.get("max"), level.get("high")) if v is not None]
         if limits:
-            room = max(min(limits) - level["current"], 0)
+            held = level["current"] - level.get("reclaimable", 0)
+            room = max(min(limits) - held, 0)
             bounds.append((room, f"cgroup {level['path']} room {_gib(room)}"))
     if host.get("overcommit_mode") == "strict" and host.get("commit_limit_bytes") is not None:
         room = max(host["commit_limit_bytes"] - host.get("committed_bytes", 0), 0)
@@ -463,7 +464,8 @@ def format_report(report: Dict[str, Any]) -> str:
     cgroups = host.get("cgroups") or []
     cgroup_text = "; ".join(
         f"{c['path']} max {_gib(c['max']) if c.get('max') is not None else 'none'} high "
-        f"{_gib(c['high']) if c.get('high') is not None else 'none'} current {_gib(c['current'])}"
+        f"{_gib(c['high']) if c.get('high') is not None else 'none'} current {_gib(c['current'])} "
+        f"(reclaimable {_gib(c.get('reclaimable', 0))})"
         for c in cgroups
     ) or "no memory controller"
     lines.append(
@@ -471,7 +473,7 @@ def format_report(report: Dict[str, Any]) -> str:
         f"this process RSS {_gib(host.get('rss_bytes') or 0)}; overcommit {host.get('overcommit_mode', 'unknown')} "
         f"(CommitLimit {_gib(host.get('commit_limit_bytes') or 0)}, Committed_AS {_gib(host.get('committed_bytes') or 0)})"
     )
-    lines.append(f"cgroup   v2: {cgroup_text}")
+    lines.append(f"cgroup   {cgroup_text}")
     v1 = host.get("cgroup_v1")
     if v1:
         limit = _gib(v1["limit_bytes"]) if v1["limit_bytes"] is not None else "none"
