@@ -92,9 +92,8 @@ fn walk(
     let mut levels = Vec::new();
     let mut current = PathBuf::from(path);
     let top = PathBuf::from(&mount.root);
-    loop {
-        // A namespaced mount shows its root's subtree: paths are relative to that root.
-        let Ok(rel) = current.strip_prefix(&top) else { break };
+    // A namespaced mount shows its root's subtree: paths are relative to that root.
+    while let Ok(rel) = current.strip_prefix(&top) {
         let dir = mount.point.join(rel);
         let name = current.to_string_lossy().into_owned();
         let level = match version {
