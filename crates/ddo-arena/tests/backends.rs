@@ -56,6 +56,7 @@ backend_tests!(
     device_conversion_gives_the_host_conversions_values,
     a_source_that_changes_under_an_upload_leaves_the_arena_usable,
     a_registered_range_dropped_without_unregistering_keeps_its_memory,
+    retiring_completed_copies_gives_back_copies_no_fence_covers,
 );
 
 const WIDTH: usize = 128; // a block is 4 * 128*128*2 + ... ~ 200 KiB
@@ -269,6 +270,37 @@ fn a_registered_range_dropped_without_unregistering_keeps_its_memory(env: &Env) 
     // The memory is still usable as a copy source.
     let kept = HostSlice::whole(alive.upgrade().unwrap());
     assert!(kept.as_bytes().iter().all(|&b| b == 7));
+}
+
+/// A copy's source is held until the copy is proven complete; asking the device to retire
+/// completed copies gives it back even when no fence was recorded after the copy (an upload
+/// still being enqueued, waiting for the staging buffer its first copies hold).
+fn retiring_completed_copies_gives_back_copies_no_fence_covers(env: &Env) {
+    let residency = &env.platform.residency;
+    let len = residency.granularity().unwrap();
+    let reservation = residency.reserve(len).unwrap();
+    let backing = residency.create_backing(len).unwrap();
+    let range = DeviceRange { start: reservation.range.start, len };
+    residency.map(range, backing).unwrap();
+    let stream = residency.create_stream().unwrap();
+    let region: Arc<dyn ddo_core::HostRegion> = Arc::new(HostBytes::from(vec![9u8; len as usize]));
+    let alive = Arc::downgrade(&region);
+    residency.copy_to_device(HostSlice::whole(region), range, stream).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while alive.upgrade().is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a completed copy's source was never given back"
+        );
+        residency.retire_completed_copies().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut got = vec![0u8; len as usize];
+    residency.read_back(range, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 9), "the copy landed");
+    residency.unmap(range).unwrap();
+    residency.release_backing(backing).unwrap();
+    residency.release_reservation(reservation).unwrap();
 }
 
 fn an_order_change_cancels_lookahead(env: &Env) {

@@ -61,9 +61,12 @@ pub trait Residency: Send + Sync {
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError>;
     /// Drops the device's hold on the source of every copy already proven complete (a host
     /// buffer whose copies are done then has no owner but its own), without waiting for any
-    /// work in flight and without a device-wide synchronize. Adapters that keep a copy's
-    /// [`HostSlice`] past the copy's completion implement it; the default does nothing (an
-    /// adapter that copies synchronously, or releases each source at completion, holds none).
+    /// work in flight and without a device-wide synchronize. Copies no fence covers yet count:
+    /// the adapter marks where they are (an upload still being enqueued may wait for a buffer
+    /// its own first copies hold), so a later call releases them once they complete. Adapters
+    /// that keep a copy's [`HostSlice`] past the copy's completion implement it; the default
+    /// does nothing (an adapter that copies synchronously, or releases each source at
+    /// completion, holds none).
     fn retire_completed_copies(&self) -> Result<(), DeviceError> {
         Ok(())
     }

@@ -219,6 +219,45 @@ impl CudaDevice {
         }
     }
 
+    /// Records a fence on `stream` (raw handle `raw`, of the bound context) that takes the
+    /// holds of the copies enqueued on it so far.
+    fn record_on(
+        state: &mut State,
+        stream: StreamId,
+        raw: sys::CUstream,
+    ) -> Result<FenceValue, DeviceError> {
+        if state.events.len() > RETIRE_AFTER {
+            let oldest: Vec<(u64, usize)> =
+                state.events.iter().take(16).map(|(&v, (e, _))| (v, *e)).collect();
+            for (value, event) in oldest {
+                // SAFETY: a live event of this device.
+                if unsafe { Self::event_complete(event) }? {
+                    Self::retire(state, value);
+                } else {
+                    break;
+                }
+            }
+        }
+        let event = match state.free_events.pop() {
+            Some(e) => e,
+            None => driver::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .named("cuEventCreate")? as usize,
+        };
+        // SAFETY: live event and known stream of this context.
+        let recorded = unsafe { driver::event::record(event as sys::CUevent, raw) };
+        if let Err(e) = recorded.named("cuEventRecord") {
+            state.free_events.push(event);
+            return Err(e.into());
+        }
+        let value = state.next_value;
+        state.next_value += 1;
+        let (held, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut state.pending).into_iter().partition(|(s, _)| *s == stream.0);
+        state.pending = rest;
+        state.events.insert(value, (event, held.into_iter().map(|(_, h)| h).collect()));
+        Ok(FenceValue(value))
+    }
+
     /// Retires every outstanding value that holds host slices and has completed; a value whose
     /// query fails keeps its slices (nothing is proven).
     fn sweep(state: &mut State) -> Result<(), DeviceError> {
@@ -580,6 +619,16 @@ impl Residency for CudaDevice {
     fn retire_completed_copies(&self) -> Result<(), DeviceError> {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         self.bind()?;
+        // Copies no fence covers yet (a unit whose upload is still being enqueued, waiting for
+        // one of the buffers its first copies hold) get one, so their holds can be retired.
+        let mut streams: Vec<u64> = state.pending.iter().map(|(s, _)| *s).collect();
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            let stream = StreamId(s);
+            let raw = Self::known_stream(&state, stream)?;
+            Self::record_on(&mut state, stream, raw)?;
+        }
         // Event queries only: nothing waits for work in flight.
         Self::sweep(&mut state)
     }
@@ -590,36 +639,7 @@ impl Fence for CudaDevice {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let raw = Self::known_stream(&state, stream)?;
         self.bind()?;
-        if state.events.len() > RETIRE_AFTER {
-            let oldest: Vec<(u64, usize)> =
-                state.events.iter().take(16).map(|(&v, (e, _))| (v, *e)).collect();
-            for (value, event) in oldest {
-                // SAFETY: a live event of this device.
-                if unsafe { Self::event_complete(event) }? {
-                    Self::retire(&mut state, value);
-                } else {
-                    break;
-                }
-            }
-        }
-        let event = match state.free_events.pop() {
-            Some(e) => e,
-            None => driver::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .named("cuEventCreate")? as usize,
-        };
-        // SAFETY: live event and known stream of this context.
-        let recorded = unsafe { driver::event::record(event as sys::CUevent, raw) };
-        if let Err(e) = recorded.named("cuEventRecord") {
-            state.free_events.push(event);
-            return Err(e.into());
-        }
-        let value = state.next_value;
-        state.next_value += 1;
-        let (held, rest): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut state.pending).into_iter().partition(|(s, _)| *s == stream.0);
-        state.pending = rest;
-        state.events.insert(value, (event, held.into_iter().map(|(_, h)| h).collect()));
-        Ok(FenceValue(value))
+        Self::record_on(&mut state, stream, raw)
     }
 
     fn query(&self, value: FenceValue) -> Result<bool, DeviceError> {
