@@ -800,33 +800,46 @@ impl Arena {
     ) -> Result<u64, ArenaError> {
         let mut copies = 0;
         for e in u.extents.iter().filter(|e| which(e)) {
-            let pieces = match self.source.host_pieces(e.file, e.file_offset, e.len) {
-                Some(p) => p,
-                None => match self.tensor_run_pieces(u, e) {
-                    Some(p) => p,
-                    None => vec![(0, self.read_extent(u, e)?)],
-                },
-            };
-            for (at, host) in pieces {
-                let dst = DeviceRange { start: to.offset(e.offset + at), len: host.len() as u64 };
-                self.platform
-                    .residency
-                    .copy_to_device(host, dst, self.copy_stream)
-                    .map_err(device("enqueue a weight upload"))?;
-                copies += 1;
+            if let Some(pieces) = self.source.host_pieces(e.file, e.file_offset, e.len) {
+                copies += self.copy_pieces(to.offset(e.offset), pieces)?;
+                continue;
+            }
+            // Run by run of adjacent tensors, for a source that holds the tensors but not the
+            // gaps between them (retained windows) or lends a staging buffer per range. Each
+            // run is copied before the next is asked for: a staged source lends its few
+            // buffers again only once the copies from them are retired.
+            // A run the source does not hold is read with the rest of the extent, in one batch.
+            for (at, len) in Self::tensor_runs(u, e) {
+                let Some(pieces) = self.source.host_pieces(e.file, e.file_offset + at, len) else {
+                    let rest = self.read_run(u, e, at, e.len - at)?;
+                    copies += self.copy_pieces(to.offset(e.offset + at), vec![(0, rest)])?;
+                    break;
+                };
+                copies += self.copy_pieces(to.offset(e.offset + at), pieces)?;
             }
         }
         Ok(copies)
     }
 
-    /// An extent's host bytes run by run of adjacent tensors, for a source that holds the
-    /// tensors but not the gaps between them (retained windows); `None` when a run is not in
-    /// host memory.
-    fn tensor_run_pieces(
+    /// Enqueues one copy per host piece, each landing at its offset from `to`.
+    fn copy_pieces(
         &self,
-        u: &crate::UnitLayout,
-        e: &crate::layout::Extent,
-    ) -> Option<Vec<(u64, HostSlice)>> {
+        to: ddo_core::DeviceAddress,
+        pieces: Vec<(u64, HostSlice)>,
+    ) -> Result<u64, ArenaError> {
+        let copies = pieces.len() as u64;
+        for (at, host) in pieces {
+            let dst = DeviceRange { start: to.offset(at), len: host.len() as u64 };
+            self.platform
+                .residency
+                .copy_to_device(host, dst, self.copy_stream)
+                .map_err(device("enqueue a weight upload"))?;
+        }
+        Ok(copies)
+    }
+
+    /// The runs of adjacent stored tensors in extent `e`, as (offset in the extent, length).
+    fn tensor_runs(u: &crate::UnitLayout, e: &crate::layout::Extent) -> Vec<(u64, u64)> {
         let mut tensors: Vec<(u64, u64)> = u
             .stored()
             .filter(|&(_, round, at, len)| {
@@ -844,28 +857,25 @@ impl Arena {
                 _ => runs.push((at, len)),
             }
         }
-        let mut pieces = Vec::new();
-        for (at, len) in runs {
-            let run = self.source.host_pieces(e.file, e.file_offset + at, len)?;
-            pieces.extend(run.into_iter().map(|(within, h)| (at + within, h)));
-        }
-        Some(pieces)
+        runs
     }
 
-    /// Reads an extent into a new host buffer (sources without host-resident bytes).
-    fn read_extent(
+    /// Reads the tensors in the `len` bytes at `at` in extent `e` into a new host buffer
+    /// (sources without host-resident bytes).
+    fn read_run(
         &self,
         u: &crate::UnitLayout,
         e: &crate::layout::Extent,
+        at: u64,
+        len: u64,
     ) -> Result<HostSlice, ArenaError> {
+        let (start, end) = (e.offset + at, e.offset + at + len);
         let requests: Vec<ReadRequest> = u
             .stored()
-            .filter(|&(_, round, at, len)| {
-                round == e.staged.then_some(e.round)
-                    && at >= e.offset
-                    && at + len <= e.offset + e.len
+            .filter(|&(_, round, t, tlen)| {
+                round == e.staged.then_some(e.round) && t >= start && t + tlen <= end
             })
-            .map(|(slice, _, at, _)| ReadRequest { slice, dst_offset: at - e.offset })
+            .map(|(slice, _, t, _)| ReadRequest { slice, dst_offset: t - start })
             .collect();
         // A tensor's encoding is only in the source's host memory; reading the tensor would
         // put its decoded bytes where the decoder expects the encoding.
@@ -879,7 +889,7 @@ impl Arena {
                 self.source.slices()[c.slice].name
             ))));
         }
-        let mut buf = vec![0u8; e.len as usize];
+        let mut buf = vec![0u8; len as usize];
         self.source.read_batch(&requests, &mut buf)?;
         Ok(HostSlice::whole(Arc::new(ddo_core::HostBytes::from(buf))))
     }
