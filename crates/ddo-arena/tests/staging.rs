@@ -94,6 +94,12 @@ impl Residency for Holding {
     }
     fn retire_completed_copies(&self) -> Result<(), DeviceError> {
         *self.retired.lock().unwrap() += 1;
+        // As the contract asks, copies no fence covers yet get one (the spy's copies complete
+        // at once), then completed ones are dropped.
+        let f = self.spy.record(self.spy.create_stream()?)?;
+        for h in self.held.lock().unwrap().iter_mut().filter(|h| h.2.is_none()) {
+            h.2 = Some(f);
+        }
         self.drop_completed(None);
         Ok(())
     }
@@ -183,6 +189,135 @@ fn uploads_copy_from_staging_read_ahead_and_never_refill_a_buffer_in_flight() {
     let stats = pool.stats();
     assert!(stats.read_ahead > stats.on_demand, "uploads were read ahead: {stats:?}");
     assert!(*holding.retired.lock().unwrap() > 0, "the pool asked for completed copies");
+    arena.close().unwrap();
+    holding.drop_completed(None);
+    assert_eq!(pool.lent(), 0);
+}
+
+/// Writes `units` units of three 64 KiB tensors `u{i}.a`, `u{i}.b`, `u{i}.c`, each pair a
+/// 256 KiB pad apart (too far for one copy, close enough for one staging cover); the pads are
+/// one pinned unit scattered over the whole file.
+fn three_extent_checkpoint(
+    dir: &std::path::Path,
+    units: usize,
+) -> (Arc<Checkpoint>, Vec<UnitSpec>) {
+    use safetensors::tensor::TensorView;
+    let mut data: Vec<(String, Vec<u8>)> = Vec::new();
+    for u in 0..units {
+        for (name, len) in [
+            ("a", 64 << 10),
+            ("a_pad", 256 << 10),
+            ("b", 64 << 10),
+            ("b_pad", 256 << 10),
+            ("c", 64 << 10),
+        ] {
+            let n = format!("u{u:02}.{name}");
+            let bytes = pattern(&n, len);
+            data.push((n, bytes));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = data
+        .iter()
+        .map(|(n, b)| {
+            (n.clone(), TensorView::new(safetensors::Dtype::BF16, vec![b.len() / 2], b).unwrap())
+        })
+        .collect();
+    let path = dir.join("model.safetensors");
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    let checkpoint = Arc::new(Checkpoint::open(&path).unwrap());
+    let index = |name: &str| checkpoint.slices().iter().position(|s| s.name == name).unwrap();
+    let mut specs = vec![UnitSpec {
+        name: "pads".into(),
+        tensors: (0..units)
+            .flat_map(|u| [format!("u{u:02}.a_pad"), format!("u{u:02}.b_pad")])
+            .map(|n| index(&n))
+            .collect(),
+        pinned: true,
+    }];
+    for u in 0..units {
+        specs.push(UnitSpec {
+            name: format!("u{u:02}"),
+            tensors: ["a", "b", "c"].iter().map(|t| index(&format!("u{u:02}.{t}"))).collect(),
+            pinned: false,
+        });
+    }
+    (checkpoint, specs)
+}
+
+/// A unit of more ranges than there are staging buffers, and a resident unit of many scattered
+/// ranges read on demand: each upload's first copies hold buffers its later ranges need. The
+/// device retires those copies (the contract of `retire_completed_copies`), so no upload waits
+/// for a buffer and none falls back to reading into memory of its own; a unit's ranges read
+/// ahead as one cover into one buffer.
+#[test]
+fn a_unit_of_more_ranges_than_buffers_never_waits_for_its_own_copies() {
+    let dir = scratch();
+    let (checkpoint, units) = three_extent_checkpoint(dir.path(), 6);
+    let mapped = CheckpointSource::new(checkpoint.clone(), ReadOptions::pread()).unwrap();
+    let holding =
+        Arc::new(Holding { spy: Spy::new(), held: Mutex::new(Vec::new()), retired: Mutex::new(0) });
+    let store = RetainedStore::new(u64::MAX, Arc::new(ddo_platform::LinuxAdmissionProbe::system()));
+    // Two buffers, each the size of a unit's cover (a, pad, b, pad, c).
+    let cover = (3 * 64 + 2 * 256) << 10;
+    let options = StagingOptions {
+        ceiling: 2 * StagingPool::buffer_bytes(cover),
+        largest_range: cover,
+        readers: 2,
+        method: ReadMethod::Direct,
+        chunk_bytes: 64 << 10,
+    };
+    let pool = Arc::new(
+        StagingPool::new(&checkpoint, options, &store, Some(holding.clone() as Arc<dyn Residency>))
+            .unwrap(),
+    );
+    assert_eq!(pool.stats().buffers, 2);
+    let reader = CheckpointSource::new(checkpoint.clone(), ReadOptions::pread()).unwrap();
+    let source: Arc<dyn WeightSource> = Arc::new(StagedSource::new(Arc::new(reader), pool.clone()));
+    let platform = Platform {
+        name: "holding",
+        residency: holding.clone(),
+        fences: holding.clone(),
+        admission: Arc::new(ddo_platform::LinuxAdmissionProbe::system()),
+    };
+    // The pads resident and three slots.
+    let probe = Budget { total: 0, headroom: 0, prefetch_depth: 1 };
+    let Err(ddo_arena::ArenaError::BudgetTooSmall { needed, largest_unit, .. }) =
+        Arena::new(&platform, source.clone(), &units, probe)
+    else {
+        panic!("a zero budget is refused")
+    };
+    // The largest unit is the resident one; the rest of the smallest working set, two slots.
+    let slot = (needed - largest_unit) / 2;
+    let budget = Budget { total: needed + slot, headroom: 0, prefetch_depth: 2 };
+    let arena = Arena::new(&platform, source, &units, budget).unwrap();
+    assert_eq!(arena.plan().slots, 3, "six units stream through three slots");
+    assert!(
+        arena.layout().units[1..].iter().all(|u| u.extents.len() == 3),
+        "each unit copies three extents: {:?}",
+        arena.layout().units[1].extents
+    );
+    let stream = holding.create_stream().unwrap();
+    arena.prime().unwrap();
+    for _ in 0..3 {
+        arena.begin_pass();
+        for u in 0..arena.layout().units.len() as u32 {
+            let lease = arena.acquire(UnitId(u), stream).unwrap();
+            for &t in &units[u as usize].tensors {
+                let (_, range) = arena.tensor_range(t).unwrap();
+                let mut got = vec![0u8; range.len as usize];
+                holding.read_back(range, &mut got).unwrap();
+                let mut want = vec![0u8; range.len as usize];
+                mapped.read(t, &mut want).unwrap();
+                assert_eq!(got, want, "unit {u} tensor {t}");
+            }
+            arena.release(lease, stream).unwrap();
+        }
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.gave_up, 0, "no upload waited out a buffer its own copies held: {stats:?}");
+    assert!(stats.read_ahead >= 6, "units were read ahead: {stats:?}");
+    // One cover per unit read ahead, not one read per extent.
+    assert!(stats.read_ahead + stats.on_demand < 3 * 6 * 3, "{stats:?}");
     arena.close().unwrap();
     holding.drop_completed(None);
     assert_eq!(pool.lent(), 0);

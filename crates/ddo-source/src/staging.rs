@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -51,12 +51,15 @@ pub struct StagingStats {
     pub disk_seconds: f64,
     /// Seconds uploads waited for their range's read to land.
     pub stall_seconds: f64,
-    /// Ranges read because they were announced before they were needed.
+    /// Ranges (or covers of a unit's ranges) read because they were announced before they
+    /// were needed.
     pub read_ahead: u64,
     /// Ranges nobody announced, read when an upload asked for them.
     pub on_demand: u64,
     /// Announced ranges dropped unused (their buffer went to another range).
     pub dropped: u64,
+    /// Ranges no buffer became idle for in time, read by the caller into memory of its own.
+    pub gave_up: u64,
 }
 
 /// A buffer's memory: an anonymous mapping (page-aligned, so O_DIRECT-aligned) written by the
@@ -86,16 +89,35 @@ unsafe impl HostRegion for Memory {
     }
 }
 
-/// The region copies read: one per buffer, created once. While any clone of it lives outside
-/// the pool the buffer is lent and its bytes do not change.
+/// The region one served range's copies read. While any loan of a buffer lives its bytes do
+/// not change; dropping the last one (the device proved the copies complete) makes the buffer
+/// idle and starts the reads of announced ranges waiting for a buffer.
 #[derive(Debug)]
-struct Loan(Arc<Memory>);
+struct Loan {
+    memory: Arc<Memory>,
+    pool: Weak<Inner>,
+    buffer: usize,
+}
 
 // SAFETY: the address and length are the memory's, fixed; the pool writes the memory only while
-// no clone of this `Arc<Loan>` exists outside it, so a holder never sees the bytes change.
+// its buffer counts no loan (`Buffer::lent`), so a holder never sees the bytes change.
 unsafe impl HostRegion for Loan {
     fn bytes(&self) -> &[u8] {
-        self.0.bytes()
+        self.memory.bytes()
+    }
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        let Some(inner) = self.pool.upgrade() else { return };
+        let mut state = inner.lock();
+        let b = &mut state.buffers[self.buffer];
+        b.lent -= 1;
+        if b.lent == 0 {
+            inner.fill(&mut state);
+            drop(state);
+            inner.changed.notify_all();
+        }
     }
 }
 
@@ -114,6 +136,19 @@ struct Buffer {
     on_demand: bool,
     /// An upload is waiting for (or taking) the range: no one else may drop or reuse it.
     claimed: bool,
+    /// Loans of the buffer alive outside the pool (copies the device has not retired).
+    lent: u32,
+    /// Part of the range was served: the buffer keeps it for the rest (a unit's other
+    /// extents) and for a later pass, until it is given to another range.
+    served: bool,
+}
+
+/// Announced ranges of one file whose gap is at most this are read as one cover into one
+/// buffer (a unit's extents, split by the tensors converted on the device, stay together).
+const COVER_GAP: u64 = 1 << 20;
+
+fn contains(held: &FileRange, r: &FileRange) -> bool {
+    held.file == r.file && held.offset <= r.offset && r.offset + r.len <= held.offset + held.len
 }
 
 /// A read request: `len` bytes at `file_offset` into buffer `buffer` at `at`; the request needs
@@ -136,6 +171,9 @@ struct Shared {
     in_flight: u32,
     busy_since: Option<Instant>,
     stats: StagingStats,
+    /// The latest announcement, as covers, at most one per buffer: those without a buffer get
+    /// one as buffers become idle.
+    covers: Vec<FileRange>,
 }
 
 /// What the readers share with the pool.
@@ -146,6 +184,10 @@ struct Inner {
     identities: Vec<FileIdentity>,
     direct: bool,
     memory: Vec<Arc<Memory>>,
+    /// Bytes of each buffer.
+    buffer_len: usize,
+    /// Bytes of one read request.
+    chunk: usize,
     state: Mutex<Shared>,
     /// Signalled when jobs are queued, when a range lands, and on stop.
     changed: Condvar,
@@ -154,6 +196,104 @@ struct Inner {
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, Shared> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn idle(&self, state: &Shared, i: usize) -> bool {
+        let b = &state.buffers[i];
+        b.pending == 0 && !b.claimed && b.lent == 0
+    }
+
+    /// Gives idle buffers to the announced covers that have none, in order; a cover already
+    /// held (and not served yet) keeps its buffer. Returns whether reads were queued.
+    fn fill(&self, state: &mut Shared) -> bool {
+        let mut queued = false;
+        for k in 0..state.covers.len() {
+            let r = state.covers[k];
+            if let Some(b) =
+                state.buffers.iter_mut().find(|b| b.range.is_some_and(|(h, _)| contains(&h, &r)))
+            {
+                b.wanted |= !b.served;
+                continue;
+            }
+            let Some(i) = self.pick(state) else { break };
+            self.assign(state, i, r, false, false);
+            queued = true;
+        }
+        queued
+    }
+
+    /// Forgets the landed ranges no longer announced (nobody asked for them): their buffers
+    /// hold nothing. A range an upload is waiting for (read on demand) is kept.
+    fn drop_stale(&self, state: &mut Shared) {
+        let mut dropped = 0;
+        for b in &mut state.buffers {
+            let idle = b.pending == 0 && !b.claimed && b.lent == 0;
+            if idle && !b.wanted && b.range.is_some() {
+                b.range = None;
+                b.error = None;
+                if !std::mem::take(&mut b.served) {
+                    dropped += 1;
+                }
+            }
+        }
+        state.stats.dropped += dropped;
+    }
+
+    /// An idle buffer not wanted: an empty one first, then one whose range was served, else
+    /// one holding a stale range nobody took.
+    fn pick(&self, state: &Shared) -> Option<usize> {
+        let idle = |i: &usize| self.idle(state, *i) && !state.buffers[*i].wanted;
+        (0..self.memory.len()).filter(idle).min_by_key(|&i| {
+            let b = &state.buffers[i];
+            (b.range.is_some() && !b.served, b.range.is_some())
+        })
+    }
+
+    /// Gives buffer `i` to range `r` and queues its reads (at the front when `urgent`).
+    fn assign(&self, state: &mut Shared, i: usize, r: FileRange, urgent: bool, on_demand: bool) {
+        if state.buffers[i].range.is_some() && !state.buffers[i].served {
+            state.stats.dropped += 1;
+        }
+        let file = r.file.0 as usize;
+        let (start, head) = if self.direct {
+            let start = r.offset - r.offset % DIRECT_ALIGN as u64;
+            (start, (r.offset - start) as usize)
+        } else {
+            (r.offset, 0)
+        };
+        let needed = head + r.len as usize;
+        let cover = if self.direct { needed.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN } else { needed };
+        let mut jobs = Vec::new();
+        let mut at = 0;
+        while at < cover || (cover == 0 && jobs.is_empty()) {
+            let len = self.chunk.min(cover - at);
+            jobs.push(Job {
+                buffer: i,
+                file,
+                file_offset: start + at as u64,
+                at,
+                len,
+                needed: needed.saturating_sub(at).min(len),
+            });
+            at += len;
+            if len == 0 {
+                break;
+            }
+        }
+        let b = &mut state.buffers[i];
+        b.range = Some((r, head));
+        b.served = false;
+        b.error = None;
+        b.wanted = !on_demand;
+        b.on_demand = on_demand;
+        b.pending = jobs.len() as u32;
+        if urgent {
+            for j in jobs.into_iter().rev() {
+                state.jobs.push_front(j);
+            }
+        } else {
+            state.jobs.extend(jobs);
+        }
     }
 }
 
@@ -170,18 +310,15 @@ impl Inner {
 ///   the files' bytes, checked against their identity at open on the open descriptors.
 pub struct StagingPool {
     inner: Arc<Inner>,
-    loans: Vec<Arc<Loan>>,
-    buffer_len: usize,
     readers: Vec<JoinHandle<()>>,
-    chunk: usize,
     retire: Option<Arc<dyn Residency>>,
 }
 
 impl std::fmt::Debug for StagingPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StagingPool")
-            .field("buffers", &self.loans.len())
-            .field("buffer_len", &self.buffer_len)
+            .field("buffers", &self.inner.memory.len())
+            .field("buffer_len", &self.inner.buffer_len)
             .field("direct", &self.inner.direct)
             .finish_non_exhaustive()
     }
@@ -271,7 +408,6 @@ impl StagingPool {
             memory.push(Arc::new(Memory { _buffer: buffer, ptr, len }));
         }
         let buffer_len = memory[0].len;
-        let loans: Vec<Arc<Loan>> = memory.iter().map(|m| Arc::new(Loan(m.clone()))).collect();
         let stats = StagingStats {
             buffers: memory.len() as u64,
             bytes: (memory.len() * buffer_len) as u64,
@@ -282,12 +418,14 @@ impl StagingPool {
             paths,
             identities,
             direct,
-            memory,
+            buffer_len,
+            chunk: options.chunk_bytes.max(DIRECT_ALIGN) / DIRECT_ALIGN * DIRECT_ALIGN,
             state: Mutex::new(Shared {
-                buffers: loans.iter().map(|_| Buffer::default()).collect(),
+                buffers: std::iter::repeat_with(Buffer::default).take(memory.len()).collect(),
                 stats,
                 ..Shared::default()
             }),
+            memory,
             changed: Condvar::new(),
         });
         let readers = (0..options.readers.clamp(1, 16))
@@ -299,14 +437,7 @@ impl StagingPool {
                     .map_err(|e| SourceError::InvalidBatch(format!("starting a reader: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(StagingPool {
-            inner,
-            loans,
-            buffer_len,
-            readers,
-            chunk: options.chunk_bytes.max(DIRECT_ALIGN) / DIRECT_ALIGN * DIRECT_ALIGN,
-            retire,
-        })
+        Ok(StagingPool { inner, readers, retire })
     }
 
     /// Whether reads bypass the page cache (O_DIRECT).
@@ -325,17 +456,17 @@ impl StagingPool {
 
     /// Bytes of one buffer.
     pub fn buffer_len(&self) -> usize {
-        self.buffer_len
+        self.inner.buffer_len
     }
 
     /// Buffers lent to copies now (their loan held outside the pool).
     pub fn lent(&self) -> usize {
-        self.loans.iter().filter(|l| Arc::strong_count(l) > 1).count()
+        self.inner.lock().buffers.iter().filter(|b| b.lent > 0).count()
     }
 
     /// Buffers holding or receiving a range that was announced and not taken yet.
     pub fn holding(&self) -> usize {
-        self.inner.lock().buffers.iter().filter(|b| b.range.is_some()).count()
+        self.inner.lock().buffers.iter().filter(|b| b.range.is_some() && !b.served).count()
     }
 
     /// A copy of the counters.
@@ -372,106 +503,44 @@ impl StagingPool {
         Ok(())
     }
 
-    fn idle(&self, state: &Shared, i: usize) -> bool {
-        let b = &state.buffers[i];
-        b.pending == 0 && !b.claimed && Arc::strong_count(&self.loans[i]) == 1
-    }
-
     /// Starts reads of `upcoming` (in order) into idle buffers, as many as there are; a range
-    /// already held or in flight keeps its buffer. Buffers holding ranges no longer announced
-    /// become free for reuse.
+    /// already held or in flight keeps its buffer. Consecutive ranges of one file a small gap
+    /// apart are read as one cover into one buffer, while it fits. Buffers holding ranges no
+    /// longer announced become free for reuse.
     pub fn announce(&self, upcoming: &[FileRange]) {
+        let capacity = (self.inner.buffer_len - DIRECT_ALIGN) as u64;
+        let mut covers: Vec<FileRange> = Vec::new();
+        for r in upcoming {
+            if let Some(c) = covers.last_mut()
+                && c.file == r.file
+                && r.offset >= c.offset + c.len
+                && r.offset - (c.offset + c.len) <= COVER_GAP
+                && r.offset + r.len - c.offset <= capacity
+            {
+                c.len = r.offset + r.len - c.offset;
+                continue;
+            }
+            covers.push(*r);
+        }
+        let capacity = capacity as usize;
+        covers.retain(|c| c.len as usize <= capacity);
+        covers.truncate(self.inner.memory.len());
         let mut state = self.inner.lock();
         for b in &mut state.buffers {
             b.wanted = false;
         }
-        let mut queued = false;
-        for r in upcoming.iter().take(self.loans.len()) {
-            if u64::try_from(self.buffer_len).is_ok_and(|l| r.len > l - DIRECT_ALIGN as u64) {
-                continue;
-            }
-            if let Some(b) =
-                state.buffers.iter_mut().find(|b| b.range.is_some_and(|(h, _)| h == *r))
-            {
-                b.wanted = true;
-                continue;
-            }
-            let Some(i) = self.pick(&state) else { break };
-            self.assign(&mut state, i, *r, false, false);
-            queued = true;
-        }
-        self.drop_stale(&mut state);
+        state.covers = covers;
+        let queued = self.inner.fill(&mut state);
+        let waiting = state.covers.len() > state.buffers.iter().filter(|b| b.wanted).count();
+        self.inner.drop_stale(&mut state);
         drop(state);
         if queued {
             self.inner.changed.notify_all();
         }
-    }
-
-    /// Forgets the landed ranges no longer announced (nobody asked for them): their buffers
-    /// hold nothing. A range an upload is waiting for (read on demand) is kept.
-    fn drop_stale(&self, state: &mut Shared) {
-        let mut dropped = 0;
-        for (i, b) in state.buffers.iter_mut().enumerate() {
-            let idle = b.pending == 0 && !b.claimed && Arc::strong_count(&self.loans[i]) == 1;
-            if idle && !b.wanted && b.range.is_some() {
-                b.range = None;
-                b.error = None;
-                dropped += 1;
-            }
-        }
-        state.stats.dropped += dropped;
-    }
-
-    /// An idle buffer not wanted: an empty one first, else one holding a stale range.
-    fn pick(&self, state: &Shared) -> Option<usize> {
-        let idle = |i: &usize| self.idle(state, *i) && !state.buffers[*i].wanted;
-        (0..self.loans.len()).filter(idle).min_by_key(|&i| state.buffers[i].range.is_some())
-    }
-
-    /// Gives buffer `i` to range `r` and queues its reads (at the front when `urgent`).
-    fn assign(&self, state: &mut Shared, i: usize, r: FileRange, urgent: bool, on_demand: bool) {
-        if state.buffers[i].range.is_some() {
-            state.stats.dropped += 1;
-        }
-        let file = r.file.0 as usize;
-        let (start, head) = if self.inner.direct {
-            let start = r.offset - r.offset % DIRECT_ALIGN as u64;
-            (start, (r.offset - start) as usize)
-        } else {
-            (r.offset, 0)
-        };
-        let needed = head + r.len as usize;
-        let cover =
-            if self.inner.direct { needed.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN } else { needed };
-        let mut jobs = Vec::new();
-        let mut at = 0;
-        while at < cover || (cover == 0 && jobs.is_empty()) {
-            let len = self.chunk.min(cover - at);
-            jobs.push(Job {
-                buffer: i,
-                file,
-                file_offset: start + at as u64,
-                at,
-                len,
-                needed: needed.saturating_sub(at).min(len),
-            });
-            at += len;
-            if len == 0 {
-                break;
-            }
-        }
-        let b = &mut state.buffers[i];
-        b.range = Some((r, head));
-        b.error = None;
-        b.wanted = !on_demand;
-        b.on_demand = on_demand;
-        b.pending = jobs.len() as u32;
-        if urgent {
-            for j in jobs.into_iter().rev() {
-                state.jobs.push_front(j);
-            }
-        } else {
-            state.jobs.extend(jobs);
+        // Covers left without a buffer: buffers whose copies completed come back now (their
+        // loans drop and start the reads); the rest as the device retires them.
+        if waiting && let Some(device) = &self.retire {
+            let _ = device.retire_completed_copies();
         }
     }
 
@@ -480,68 +549,87 @@ impl StagingPool {
     /// copies' holds meanwhile; `Ok(None)` when none became idle in time or the range is larger
     /// than a buffer (the caller reads it itself).
     pub fn take(&self, r: FileRange) -> Result<Option<HostSlice>, SourceError> {
-        if u64::try_from(self.buffer_len).is_ok_and(|l| r.len > l - DIRECT_ALIGN as u64) {
+        if u64::try_from(self.inner.buffer_len).is_ok_and(|l| r.len > l - DIRECT_ALIGN as u64) {
             return Ok(None);
         }
         let t = Instant::now();
         let mut state = self.inner.lock();
-        let i = match state.buffers.iter().position(|b| b.range.is_some_and(|(h, _)| h == r)) {
-            Some(i) => i,
-            None => {
-                let deadline = Instant::now() + IDLE_WAIT;
-                let i = loop {
-                    if let Some(i) = self.pick(&state).or_else(|| {
-                        // Every idle buffer holds an announced range: take the last one.
-                        (0..self.loans.len()).rev().find(|&i| self.idle(&state, i))
-                    }) {
-                        break i;
-                    }
-                    if Instant::now() >= deadline {
-                        return Ok(None);
-                    }
-                    if let Some(device) = &self.retire {
-                        drop(state);
-                        device.retire_completed_copies()?;
-                        state = self.inner.lock();
-                        if let Some(i) = self.pick(&state) {
+        let i =
+            match state.buffers.iter().position(|b| b.range.is_some_and(|(h, _)| contains(&h, &r)))
+            {
+                Some(i) => i,
+                None => {
+                    let deadline = Instant::now() + IDLE_WAIT;
+                    let i = loop {
+                        if let Some(i) = self.inner.pick(&state).or_else(|| {
+                            // Every idle buffer holds an announced range: take the last one.
+                            (0..self.inner.memory.len()).rev().find(|&i| self.inner.idle(&state, i))
+                        }) {
                             break i;
                         }
-                    }
-                    state = self
-                        .inner
-                        .changed
-                        .wait_timeout(state, Duration::from_micros(200))
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0;
-                };
-                self.assign(&mut state, i, r, true, true);
-                self.inner.changed.notify_all();
-                i
-            }
-        };
+                        if Instant::now() >= deadline {
+                            state.stats.gave_up += 1;
+                            return Ok(None);
+                        }
+                        if let Some(device) = &self.retire {
+                            drop(state);
+                            device.retire_completed_copies()?;
+                            state = self.inner.lock();
+                            if let Some(i) = self.inner.pick(&state) {
+                                break i;
+                            }
+                        }
+                        state = self
+                            .inner
+                            .changed
+                            .wait_timeout(state, Duration::from_micros(200))
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .0;
+                    };
+                    self.inner.assign(&mut state, i, r, true, true);
+                    self.inner.changed.notify_all();
+                    i
+                }
+            };
         state.buffers[i].claimed = true;
         while state.buffers[i].pending > 0 {
             state = self.inner.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
         let b = &mut state.buffers[i];
-        let (_, head) = b.range.take().expect("a held range");
+        let (held, head) = b.range.expect("a held range");
         b.wanted = false;
         b.claimed = false;
+        let first = !std::mem::replace(&mut b.served, true);
         let on_demand = std::mem::take(&mut b.on_demand);
         let error = b.error.take();
-        if on_demand {
-            state.stats.on_demand += 1;
-        } else {
-            state.stats.read_ahead += 1;
+        if error.is_some() {
+            // A failed read serves none of its cover.
+            b.range = None;
+            b.served = false;
+        }
+        if first {
+            if on_demand {
+                state.stats.on_demand += 1;
+            } else {
+                state.stats.read_ahead += 1;
+            }
         }
         state.stats.stall_seconds += t.elapsed().as_secs_f64();
-        drop(state);
         if let Some(e) = error {
             return Err(e);
         }
-        // A file written during the read is noticed before its bytes are used.
+        state.buffers[i].lent += 1;
+        let loan = Loan {
+            memory: self.inner.memory[i].clone(),
+            pool: Arc::downgrade(&self.inner),
+            buffer: i,
+        };
+        drop(state);
+        let head = head + (r.offset - held.offset) as usize;
+        // A file written during the read is noticed before its bytes are used (the loan
+        // drops with the error, the pool unlocked).
         self.check_file(r.file.0 as usize)?;
-        let region: Arc<dyn HostRegion> = self.loans[i].clone();
+        let region: Arc<dyn HostRegion> = Arc::new(loan);
         Ok(HostSlice::new(region, head, r.len as usize))
     }
 }
