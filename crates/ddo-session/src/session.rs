@@ -1081,7 +1081,7 @@ impl ComponentSession {
             _ => ReadOptions { workers, ..ReadOptions::pread() },
         };
         if self.route == SessionRoute::Disk {
-            let buffer = gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?;
+            let buffer = self.staging_buffer(&checkpoint)?;
             let mut bytes = self.disk_bytes(checkpoint, buffer)?;
             bytes.3.tier_reason = Some(
                 "disk: the disk route (vmm_runtime, preset nvme_baseline) reads the checkpoint into staging every pass".into(),
@@ -1155,9 +1155,14 @@ impl ComponentSession {
             let mut source: Arc<dyn WeightSource> = Arc::new(source);
             if report.unretained_bytes > 0 {
                 // The rest is read ahead into staging, off the uploads' critical path.
+                // A caller's vmm_staging_buffer_gb is the whole ring; else two buffers, each
+                // holding the largest unit, as the chosen tier stages.
                 let staging = match staging_ceiling {
                     Some(c) => c,
-                    None => gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?,
+                    None if self.staging_by_caller() => {
+                        gib("vmm_staging_buffer_gb", s.vmm_staging_buffer_gb)?
+                    }
+                    None => self.staging_buffer(&checkpoint)?.saturating_mul(2),
                 };
                 match self.staging_pool(&checkpoint, staging, backend) {
                     Ok(pool) => {
@@ -1382,6 +1387,24 @@ impl ComponentSession {
     }
 
     /// Bytes of the largest unit's upload (its stored tensors), as the arena lays units out.
+    /// Whether the caller set `vmm_staging_buffer_gb` (not its default or a preset's).
+    fn staging_by_caller(&self) -> bool {
+        !matches!(
+            self.plan.origins.get("vmm_staging_buffer_gb"),
+            None | Some(Origin::Default | Origin::Preset(_))
+        )
+    }
+
+    /// Bytes of one staging buffer: `vmm_staging_buffer_gb`, grown to hold the largest unit
+    /// unless the caller set it (a caller's setting is kept, and refused where a unit must fit).
+    fn staging_buffer(&self, checkpoint: &Checkpoint) -> Result<u64, SessionError> {
+        let setting = gib("vmm_staging_buffer_gb", self.plan.settings.vmm_staging_buffer_gb)?;
+        if self.staging_by_caller() {
+            return Ok(setting);
+        }
+        Ok(setting.max(self.largest_unit(checkpoint)?.next_multiple_of(1 << 20)))
+    }
+
     fn largest_unit(&self, checkpoint: &Checkpoint) -> Result<u64, SessionError> {
         let (largest, _) = self.largest(checkpoint)?;
         Ok(largest)

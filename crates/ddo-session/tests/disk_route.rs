@@ -156,6 +156,63 @@ fn a_checkpoint_written_underneath_is_refused_and_never_delivers_other_bytes() {
     assert!(text.contains("changed"), "{text}");
 }
 
+/// Opens `path` with `args`, `vmm_staging_buffer_gb` 1 KiB but counted as not the caller's (a
+/// default smaller than the model's units, as 0.625 GiB is for a Flux-12B block).
+fn with_small_default_staging(
+    path: &Path,
+    args: &[(&str, &str)],
+) -> Result<ComponentSession, SessionError> {
+    let mut all = vec![("execution_device", "cpu"), ("backend", "vmm")];
+    all.extend_from_slice(args);
+    all.push(("vmm_staging_buffer_gb", "0.0000009765625"));
+    let mut plan = testing::resolve_plan(&all).unwrap();
+    plan.origins.insert("vmm_staging_buffer_gb".into(), ddo_policy::Origin::Default);
+    // SAFETY: the test's checkpoint is not modified while the session lives.
+    let mmap = unsafe { MmapChoice::auto() };
+    ComponentSession::open(SessionSpec {
+        plan,
+        weights: Weights::Checkpoint { path: path.to_owned(), mmap },
+        tree: None,
+    })
+}
+
+#[test]
+fn staging_not_set_by_the_caller_grows_to_hold_the_largest_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 6;
+    let path = checkpoint(dir.path(), blocks);
+    let expect = expected(blocks);
+    let unit = W * W * 2;
+    // The disk route: two buffers, each a whole unit, instead of a refusal.
+    let session = with_small_default_staging(
+        &path,
+        &[("preset", "nvme_baseline"), ("vmm_resident_weight_budget_gb", "0.02")],
+    )
+    .unwrap();
+    assert_eq!(session.route(), SessionRoute::Disk);
+    for _ in 0..2 {
+        pass(&session, &expect).unwrap();
+    }
+    let m = session.metrics(None);
+    assert!(m.setup.staging_bytes.unwrap() >= 2 * unit, "{:?}", m.setup);
+    session.close().unwrap();
+    // Part of the checkpoint retained: the rest read ahead into two such buffers, not read
+    // on demand.
+    let session = with_small_default_staging(
+        &path,
+        &[("vmm_resident_weight_budget_gb", "0.02"), ("vmm_source_cache_gb", "0.005")],
+    )
+    .unwrap();
+    for _ in 0..2 {
+        pass(&session, &expect).unwrap();
+    }
+    let m = session.metrics(None);
+    assert_eq!(m.setup.staging_buffers, Some(2), "{:?}", m.setup);
+    assert!(m.setup.staging_bytes.unwrap() >= 2 * unit, "{:?}", m.setup);
+    assert!(m.setup.warnings.is_none(), "{:?}", m.setup.warnings);
+    session.close().unwrap();
+}
+
 #[test]
 fn a_staging_buffer_smaller_than_the_largest_unit_names_the_setting() {
     let dir = tempfile::tempdir().unwrap();
