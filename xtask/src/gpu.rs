@@ -95,11 +95,13 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
     let dir = dir.canonicalize().map_err(|e| format!("{}: {e}", dir.display()))?;
     let archive = dir.join("tests.tar.zst");
     let archive_s = archive.to_string_lossy().into_owned();
-    // Test binaries without debug info keep the bundle small enough to carry.
+    // Test binaries without debug info or symbols keep the bundle small enough to carry.
     let status = Command::new("cargo")
         .args(["nextest", "archive", "--workspace", "--all-features", "--archive-file", &archive_s])
         .env("CARGO_PROFILE_DEV_DEBUG", "0")
         .env("CARGO_PROFILE_TEST_DEBUG", "0")
+        .env("CARGO_PROFILE_DEV_STRIP", "symbols")
+        .env("CARGO_PROFILE_TEST_STRIP", "symbols")
         .status()
         .map_err(|e| format!("cargo nextest archive: {e}"))?;
     if !status.success() {
