@@ -193,6 +193,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .text("gb_per_second", rt.disk_bytes_per_second.map(|b| format!("{:.2}", b / 1e9)))
         .seconds("read_seconds", rt.disk_read_seconds)
         .seconds("stall_seconds", rt.read_stall_seconds)
+        .count("on_demand", rt.disk_reads_on_demand)
         .render(&mut out, "");
     Line::new("unsafe_retained")
         .gib("gib", rt.unsafe_retained_bytes.filter(|b| *b > 0))

@@ -246,6 +246,10 @@ optional_section! {
         disk_bytes_per_second: f64,
         /// Seconds uploads waited for their bytes' disk reads to land.
         read_stall_seconds: f64,
+        /// Ranges read from disk when an upload asked for them, not ahead (none read ahead in
+        /// time: a first pass before the order is learned, a unit larger than a staging buffer,
+        /// or no buffer given back by the device in time).
+        disk_reads_on_demand: u64,
         /// The execution timer's snapshot, attached by the host (any route).
         execution_timing: ExecutionTiming,
         /// What releasing PyTorch's pinned host cache did (its own route).
@@ -425,7 +429,8 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
         "disk_bytes_per_pass",
         "disk_read_seconds",
         "disk_bytes_per_second",
-        "read_stall_seconds"
+        "read_stall_seconds",
+        "disk_reads_on_demand"
     );
     match route {
         // Every ddo route streams through the arena (linear_runtime from the module's own host

@@ -144,6 +144,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
             runtime.disk_bytes_per_second =
                 (staging.disk_seconds > 0.0).then(|| staging.disk_bytes as f64 / staging.disk_seconds);
             runtime.read_stall_seconds = Some(staging.stall_seconds);
+            runtime.disk_reads_on_demand = Some(staging.on_demand + staging.gave_up);
         }
         m.runtime = runtime;
     });

@@ -102,6 +102,9 @@ fn the_disk_route_uploads_the_checkpoint_bytes_every_pass_within_the_staging_cei
         "every streamed byte read from disk each pass: {per_pass} < {streamed}"
     );
     assert!(rt.read_stall_seconds.is_some() && rt.disk_read_seconds.is_some());
+    let uploads = rt.uploads.unwrap();
+    let on_demand = rt.disk_reads_on_demand.unwrap();
+    assert!(on_demand * 4 < uploads, "uploads read ahead, {on_demand} of {uploads} on demand");
     let profile = m.format_profile();
     assert!(profile.contains("disk=gib_per_pass="), "{profile}");
     session.close().unwrap();
@@ -210,6 +213,11 @@ fn staging_not_set_by_the_caller_grows_to_hold_the_largest_unit() {
     assert_eq!(m.setup.staging_buffers, Some(2), "{:?}", m.setup);
     assert!(m.setup.staging_bytes.unwrap() >= 2 * unit, "{:?}", m.setup);
     assert!(m.setup.warnings.is_none(), "{:?}", m.setup.warnings);
+    let rt = &m.runtime;
+    assert!(
+        rt.disk_reads_on_demand.unwrap() * 4 < rt.uploads.unwrap(),
+        "the unretained bytes were read ahead: {rt:?}"
+    );
     session.close().unwrap();
 }
 
