@@ -809,8 +809,16 @@ impl Arena {
             // run is copied before the next is asked for: a staged source lends its few
             // buffers again only once the copies from them are retired.
             // A run the source does not hold is read with the rest of the extent, in one batch.
-            for (at, len) in Self::tensor_runs(u, e) {
-                let Some(pieces) = self.source.host_pieces(e.file, e.file_offset + at, len) else {
+            // An extent of one run was just asked for whole: it is not asked again.
+            let runs = Self::tensor_runs(u, e);
+            let whole = runs.len() == 1 && runs[0] == (0, e.len);
+            for (at, len) in runs {
+                let lent = if whole {
+                    None
+                } else {
+                    self.source.host_pieces(e.file, e.file_offset + at, len)
+                };
+                let Some(pieces) = lent else {
                     let rest = self.read_run(u, e, at, e.len - at)?;
                     copies += self.copy_pieces(to.offset(e.offset + at), vec![(0, rest)])?;
                     break;

@@ -2,9 +2,10 @@
 //! reader threads created once fill with checkpoint ranges ahead of the uploads that copy from
 //! them.
 //!
-//! A buffer is lent to a copy as a [`HostSlice`] of its loan region; a device adapter keeps that
-//! slice until the copy is proven complete (the [`ddo_core::Residency`] contract), so a buffer
-//! whose loan region has no strong reference but the pool's is idle and may be filled again.
+//! A buffer is lent to a copy as a [`HostSlice`] of a loan region; a device adapter keeps that
+//! slice until the copy is proven complete (the [`ddo_core::Residency`] contract). A buffer
+//! whose loans have all dropped is idle and may be filled again; the last loan to drop starts
+//! the reads of announced ranges that were waiting for a buffer.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -28,7 +29,8 @@ const IDLE_WAIT: Duration = Duration::from_secs(30);
 pub struct StagingOptions {
     /// Host bytes all buffers may take together (the staging ceiling).
     pub ceiling: u64,
-    /// The largest range the pool serves (a buffer holds one range).
+    /// The largest range the pool serves (a buffer holds one range, or a cover of several
+    /// announced ranges a small gap apart).
     pub largest_range: u64,
     /// Reader threads (created once).
     pub readers: usize,
@@ -58,7 +60,7 @@ pub struct StagingStats {
     pub on_demand: u64,
     /// Announced ranges dropped unused (their buffer went to another range).
     pub dropped: u64,
-    /// Ranges no buffer became idle for in time, read by the caller into memory of its own.
+    /// Takes that found no idle buffer in time: the caller reads the range some other way.
     pub gave_up: u64,
 }
 
@@ -74,7 +76,7 @@ struct Memory {
 }
 
 // SAFETY: the mapping is owned by the value and freed only when it drops; `ptr` points into it.
-// Writes happen only through the pool's readers while the buffer is not lent (see `Pool`).
+// Writes happen only through the pool's readers while the buffer is not lent (see `StagingPool`).
 unsafe impl Send for Memory {}
 // SAFETY: as above: shared references only read, and only after the readers finished.
 unsafe impl Sync for Memory {}
@@ -135,11 +137,12 @@ struct Buffer {
     /// Read because an upload asked (not announced).
     on_demand: bool,
     /// An upload is waiting for (or taking) the range: no one else may drop or reuse it.
-    claimed: bool,
+    claimed: u32,
     /// Loans of the buffer alive outside the pool (copies the device has not retired).
     lent: u32,
     /// Part of the range was served: the buffer keeps it for the rest (a unit's other
-    /// extents) and for a later pass, until it is given to another range.
+    /// extents) until it is given to another range, or dropped as stale by an announcement
+    /// that does not name it.
     served: bool,
 }
 
@@ -172,7 +175,7 @@ struct Shared {
     busy_since: Option<Instant>,
     stats: StagingStats,
     /// The latest announcement, as covers, at most one per buffer: those without a buffer get
-    /// one as buffers become idle.
+    /// one as buffers become idle; a served cover leaves the list.
     covers: Vec<FileRange>,
 }
 
@@ -200,11 +203,12 @@ impl Inner {
 
     fn idle(&self, state: &Shared, i: usize) -> bool {
         let b = &state.buffers[i];
-        b.pending == 0 && !b.claimed && b.lent == 0
+        b.pending == 0 && b.claimed == 0 && b.lent == 0
     }
 
     /// Gives idle buffers to the announced covers that have none, in order; a cover already
-    /// held (and not served yet) keeps its buffer. Returns whether reads were queued.
+    /// held keeps its buffer, wanted again if it was served before. Returns whether reads were
+    /// queued.
     fn fill(&self, state: &mut Shared) -> bool {
         let mut queued = false;
         for k in 0..state.covers.len() {
@@ -212,7 +216,8 @@ impl Inner {
             if let Some(b) =
                 state.buffers.iter_mut().find(|b| b.range.is_some_and(|(h, _)| contains(&h, &r)))
             {
-                b.wanted |= !b.served;
+                b.wanted = true;
+                b.served = false;
                 continue;
             }
             let Some(i) = self.pick(state) else { break };
@@ -227,7 +232,7 @@ impl Inner {
     fn drop_stale(&self, state: &mut Shared) {
         let mut dropped = 0;
         for b in &mut state.buffers {
-            let idle = b.pending == 0 && !b.claimed && b.lent == 0;
+            let idle = b.pending == 0 && b.claimed == 0 && b.lent == 0;
             if idle && !b.wanted && b.range.is_some() {
                 b.range = None;
                 b.error = None;
@@ -377,7 +382,8 @@ impl StagingPool {
     /// system allows it, else positioned reads), allocates as many buffers as fit under the
     /// ceiling, each charged to `store` (the ceiling; growth admitted by the host first), and
     /// starts the reader threads. `retire`, when given, is asked to drop its holds on completed
-    /// copies when every buffer is lent.
+    /// copies when a take finds every buffer lent and when announced ranges find no idle
+    /// buffer.
     ///
     /// Refused with [`SourceError::CeilingExceeded`] when not even one buffer fits.
     pub fn new(
@@ -503,10 +509,10 @@ impl StagingPool {
         Ok(())
     }
 
-    /// Starts reads of `upcoming` (in order) into idle buffers, as many as there are; a range
-    /// already held or in flight keeps its buffer. Consecutive ranges of one file a small gap
-    /// apart are read as one cover into one buffer, while it fits. Buffers holding ranges no
-    /// longer announced become free for reuse.
+    /// Starts reads of `upcoming` (in order) into idle buffers, as many as there are, and the
+    /// rest as buffers are given back; a range already held or in flight keeps its buffer.
+    /// Consecutive ranges of one file a small gap apart are read as one cover into one buffer,
+    /// while it fits. Buffers holding ranges no longer announced become free for reuse.
     pub fn announce(&self, upcoming: &[FileRange]) {
         let capacity = (self.inner.buffer_len - DIRECT_ALIGN) as u64;
         let mut covers: Vec<FileRange> = Vec::new();
@@ -553,71 +559,77 @@ impl StagingPool {
             return Ok(None);
         }
         let t = Instant::now();
+        let deadline = t + IDLE_WAIT;
+        let holding = |state: &Shared| {
+            state.buffers.iter().position(|b| b.range.is_some_and(|(h, _)| contains(&h, &r)))
+        };
         let mut state = self.inner.lock();
-        let i =
-            match state.buffers.iter().position(|b| b.range.is_some_and(|(h, _)| contains(&h, &r)))
-            {
-                Some(i) => i,
-                None => {
-                    let deadline = Instant::now() + IDLE_WAIT;
-                    let i = loop {
-                        if let Some(i) = self.inner.pick(&state).or_else(|| {
-                            // Every idle buffer holds an announced range: take the last one.
-                            (0..self.inner.memory.len()).rev().find(|&i| self.inner.idle(&state, i))
-                        }) {
-                            break i;
-                        }
-                        if Instant::now() >= deadline {
-                            state.stats.gave_up += 1;
-                            return Ok(None);
-                        }
-                        if let Some(device) = &self.retire {
-                            drop(state);
-                            device.retire_completed_copies()?;
-                            state = self.inner.lock();
-                            if let Some(i) = self.inner.pick(&state) {
-                                break i;
-                            }
-                        }
-                        state = self
-                            .inner
-                            .changed
-                            .wait_timeout(state, Duration::from_micros(200))
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .0;
-                    };
-                    self.inner.assign(&mut state, i, r, true, true);
-                    self.inner.changed.notify_all();
-                    i
+        let i = loop {
+            // Checked on every round: a buffer given back meanwhile may have been given to
+            // this range's cover.
+            if let Some(i) = holding(&state) {
+                state.buffers[i].claimed += 1;
+                while state.buffers[i].pending > 0 {
+                    state = self.inner.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
                 }
-            };
-        state.buffers[i].claimed = true;
-        while state.buffers[i].pending > 0 {
-            state = self.inner.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
-        }
+                state.buffers[i].claimed -= 1;
+                // Another take of the buffer saw its read fail and emptied it: start again.
+                if holding(&state) == Some(i) {
+                    break i;
+                }
+                continue;
+            }
+            if let Some(i) = self.inner.pick(&state).or_else(|| {
+                // Every idle buffer holds an announced range: take the last one.
+                (0..self.inner.memory.len()).rev().find(|&i| self.inner.idle(&state, i))
+            }) {
+                self.inner.assign(&mut state, i, r, true, true);
+                self.inner.changed.notify_all();
+                continue;
+            }
+            if Instant::now() >= deadline {
+                state.stats.gave_up += 1;
+                return Ok(None);
+            }
+            if let Some(device) = &self.retire {
+                drop(state);
+                device.retire_completed_copies()?;
+                state = self.inner.lock();
+                if holding(&state).is_some() || self.inner.pick(&state).is_some() {
+                    continue;
+                }
+            }
+            state = self
+                .inner
+                .changed
+                .wait_timeout(state, Duration::from_micros(200))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        };
+        state.stats.stall_seconds += t.elapsed().as_secs_f64();
         let b = &mut state.buffers[i];
         let (held, head) = b.range.expect("a held range");
         b.wanted = false;
-        b.claimed = false;
-        let first = !std::mem::replace(&mut b.served, true);
-        let on_demand = std::mem::take(&mut b.on_demand);
-        let error = b.error.take();
-        if error.is_some() {
-            // A failed read serves none of its cover.
+        if let Some(e) = b.error.take() {
+            // A failed read serves none of its cover; the buffer goes to covers waiting.
             b.range = None;
             b.served = false;
+            b.on_demand = false;
+            if self.inner.fill(&mut state) {
+                self.inner.changed.notify_all();
+            }
+            return Err(e);
         }
-        if first {
-            if on_demand {
+        if !std::mem::replace(&mut b.served, true) {
+            if std::mem::take(&mut b.on_demand) {
                 state.stats.on_demand += 1;
             } else {
                 state.stats.read_ahead += 1;
             }
         }
-        state.stats.stall_seconds += t.elapsed().as_secs_f64();
-        if let Some(e) = error {
-            return Err(e);
-        }
+        // Served: the buffer keeps the cover for the unit's other ranges, and the cover is not
+        // read again for this announcement.
+        state.covers.retain(|c| *c != held);
         state.buffers[i].lent += 1;
         let loan = Loan {
             memory: self.inner.memory[i].clone(),

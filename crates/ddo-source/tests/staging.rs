@@ -214,3 +214,113 @@ fn a_staged_source_serves_the_checkpoint_and_notices_a_write() {
     let r = ranges[1];
     assert!(source.host_pieces(r.file, r.offset, r.len).is_none(), "changed bytes are not served");
 }
+
+/// Waits until the pool has read `bytes` from disk.
+fn read_at_least(pool: &StagingPool, bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pool.stats().disk_bytes < bytes {
+        assert!(Instant::now() < deadline, "the reads landed: {:?}", pool.stats());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Three 128 KiB tensors that no cover joins (each fills a buffer), and the largest range.
+fn three_apart(ranges: &[FileRange]) -> ([FileRange; 3], u64) {
+    // to_q, to_k and ff of block 0 and block 1: adjacent pairs exceed one buffer.
+    let picked = [ranges[1], ranges[2], ranges[5]];
+    let largest = ranges.iter().map(|r| r.len).max().unwrap();
+    assert!(picked.iter().all(|r| r.len == largest));
+    (picked, largest)
+}
+
+#[test]
+fn a_served_cover_is_not_read_again_when_buffers_come_back() {
+    let dir = common::scratch();
+    let (checkpoint, ranges) = fixture(dir.path(), 4);
+    let ([x, a, b], largest) = three_apart(&ranges);
+    let inflight = Arc::new(InFlight::default());
+    let store = RetainedStore::new(u64::MAX, probe());
+    let pool = StagingPool::new(
+        &checkpoint,
+        options(2, largest, ReadMethod::Pread),
+        &store,
+        Some(device(&inflight)),
+    )
+    .unwrap();
+    // X's copy is in flight; A gets the other buffer, B waits for one.
+    inflight.copy(pool.take(x).unwrap().unwrap());
+    pool.announce(&[a, b]);
+    read_at_least(&pool, x.len + a.len);
+    let h = pool.take(a).unwrap().unwrap();
+    assert_eq!(h.as_bytes(), &expected(&checkpoint, &a)[..]);
+    drop(h); // A's copy done: its buffer goes to B
+    read_at_least(&pool, x.len + a.len + b.len);
+    inflight.complete_all();
+    inflight.retire(); // X's buffer comes back: nothing is left to read
+    std::thread::sleep(Duration::from_millis(50));
+    let stats = pool.stats();
+    assert_eq!(stats.disk_bytes, x.len + a.len + b.len, "A was read once: {stats:?}");
+    assert_eq!(pool.holding(), 1, "B alone waits for its take: {stats:?}");
+    let h = pool.take(b).unwrap().unwrap();
+    assert_eq!(h.as_bytes(), &expected(&checkpoint, &b)[..]);
+    drop(h);
+    let stats = pool.stats();
+    assert_eq!((stats.read_ahead, stats.on_demand), (2, 1), "{stats:?}");
+}
+
+#[test]
+fn a_take_waiting_for_a_buffer_uses_the_read_ahead_its_range_gets_meanwhile() {
+    let dir = common::scratch();
+    let (checkpoint, ranges) = fixture(dir.path(), 4);
+    let ([x, y, a], largest) = three_apart(&ranges);
+    let inflight = Arc::new(InFlight::default());
+    let store = RetainedStore::new(u64::MAX, probe());
+    let pool = Arc::new(
+        StagingPool::new(
+            &checkpoint,
+            options(2, largest, ReadMethod::Pread),
+            &store,
+            Some(device(&inflight)),
+        )
+        .unwrap(),
+    );
+    // Both buffers lent; A is announced with no buffer to read into, and an upload asks for it.
+    inflight.copy(pool.take(x).unwrap().unwrap());
+    inflight.copy(pool.take(y).unwrap().unwrap());
+    pool.announce(&[a]);
+    let waiting = {
+        let pool = pool.clone();
+        std::thread::spawn(move || pool.take(a).unwrap().expect("a buffer"))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!waiting.is_finished(), "no buffer was idle");
+    // The copies complete: the first buffer back reads A ahead, and the take uses that read.
+    inflight.complete_all();
+    inflight.retire();
+    let h = waiting.join().unwrap();
+    assert_eq!(h.as_bytes(), &expected(&checkpoint, &a)[..]);
+    drop(h);
+    let stats = pool.stats();
+    assert_eq!(stats.disk_bytes, x.len + y.len + a.len, "A was read once: {stats:?}");
+    assert_eq!((stats.read_ahead, stats.on_demand, stats.dropped), (1, 2, 0), "{stats:?}");
+}
+
+#[test]
+fn a_served_cover_announced_again_is_kept_not_read_again() {
+    let dir = common::scratch();
+    let (checkpoint, ranges) = fixture(dir.path(), 4);
+    let ([a, _, _], largest) = three_apart(&ranges);
+    let store = RetainedStore::new(u64::MAX, probe());
+    let pool = StagingPool::new(&checkpoint, options(2, largest, ReadMethod::Pread), &store, None)
+        .unwrap();
+    for pass in 0..3 {
+        pool.announce(&[a]);
+        assert_eq!(pool.holding(), 1, "pass {pass}: {:?}", pool.stats());
+        read_at_least(&pool, a.len);
+        let h = pool.take(a).unwrap().unwrap();
+        assert_eq!(h.as_bytes(), &expected(&checkpoint, &a)[..]);
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.disk_bytes, a.len, "read once for three passes: {stats:?}");
+    assert_eq!((stats.read_ahead, stats.on_demand, stats.dropped), (3, 0, 0), "{stats:?}");
+}
