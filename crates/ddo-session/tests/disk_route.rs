@@ -162,10 +162,11 @@ fn a_checkpoint_written_underneath_is_refused_and_never_delivers_other_bytes() {
 /// Opens `path` with `args`, `vmm_staging_buffer_gb` 1 KiB but counted as not the caller's (a
 /// default smaller than the model's units, as 0.625 GiB is for a Flux-12B block).
 fn with_small_default_staging(
+    device: &str,
     path: &Path,
     args: &[(&str, &str)],
 ) -> Result<ComponentSession, SessionError> {
-    let mut all = vec![("execution_device", "cpu"), ("backend", "vmm")];
+    let mut all = vec![("execution_device", device), ("backend", "vmm")];
     all.extend_from_slice(args);
     all.push(("vmm_staging_buffer_gb", "0.0000009765625"));
     let mut plan = testing::resolve_plan(&all).unwrap();
@@ -181,6 +182,18 @@ fn with_small_default_staging(
 
 #[test]
 fn staging_not_set_by_the_caller_grows_to_hold_the_largest_unit() {
+    staging_grows("cpu");
+}
+
+/// The staged routes on the GPU: copies in flight hold their staging buffers until the device
+/// retires them, and the reads still run ahead.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn on_cuda_staging_not_set_by_the_caller_grows_to_hold_the_largest_unit() {
+    staging_grows("cuda:0");
+}
+
+fn staging_grows(device: &str) {
     let dir = tempfile::tempdir().unwrap();
     let blocks = 6;
     let path = checkpoint(dir.path(), blocks);
@@ -188,6 +201,7 @@ fn staging_not_set_by_the_caller_grows_to_hold_the_largest_unit() {
     let unit = W * W * 2;
     // The disk route: two buffers, each a whole unit, instead of a refusal.
     let session = with_small_default_staging(
+        device,
         &path,
         &[("preset", "nvme_baseline"), ("vmm_resident_weight_budget_gb", "0.02")],
     )
@@ -202,6 +216,7 @@ fn staging_not_set_by_the_caller_grows_to_hold_the_largest_unit() {
     // Part of the checkpoint retained: the rest read ahead into two such buffers, not read
     // on demand.
     let session = with_small_default_staging(
+        device,
         &path,
         &[("vmm_resident_weight_budget_gb", "0.02"), ("vmm_source_cache_gb", "0.005")],
     )
