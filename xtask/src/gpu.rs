@@ -13,7 +13,7 @@ const USAGE: &str = "usage: cargo xtask test-gpu [--bundle DIR] [--bench]
                  cargo-nextest binary, the benchmark programs and run.sh; on the GPU machine,
                  from a copy of this repository: bash DIR/run.sh [--bench]
   --bench        also run the GPU benchmarks (stream_gemm --bench, read_bench, session_gemm,
-                 disk_gemm, decode_rate)";
+                 disk_gemm, decode_rate, p2p_rate)";
 
 pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
     let mut bundle: Option<PathBuf> = None;
@@ -73,19 +73,23 @@ pub(crate) fn test_gpu(args: &[String]) -> Result<(), String> {
                     "cargo",
                     &["run", "--release", "-p", "ddo-platform", "--example", "decode_rate"],
                 )?;
+                run("cargo", &["run", "--release", "-p", "ddo-platform", "--example", "p2p_rate"])?;
             }
             Ok(())
         }
     }
 }
 
-/// Builds the decode_rate example into `dir`, stripped: both bundles run it.
-fn build_decode_rate(dir: &Path) -> Result<(), String> {
-    run("cargo", &["build", "--release", "-p", "ddo-platform", "--example", "decode_rate"])?;
-    let program = dir.join("decode_rate");
-    copy(Path::new("target/release/examples/decode_rate"), &program)?;
-    if Command::new("strip").arg(&program).status().is_ok_and(|s| s.success()) {
-        eprintln!("stripped {}", program.display());
+/// Builds the device examples (decode_rate, p2p_rate) into `dir`, stripped: both bundles run
+/// them.
+fn build_device_examples(dir: &Path) -> Result<(), String> {
+    for example in ["decode_rate", "p2p_rate"] {
+        run("cargo", &["build", "--release", "-p", "ddo-platform", "--example", example])?;
+        let program = dir.join(example);
+        copy(&Path::new("target/release/examples").join(example), &program)?;
+        if Command::new("strip").arg(&program).status().is_ok_and(|s| s.success()) {
+            eprintln!("stripped {}", program.display());
+        }
     }
     Ok(())
 }
@@ -114,7 +118,7 @@ fn write_bundle(dir: &Path) -> Result<(), String> {
     run("cargo", &["build", "--release", "-p", "ddo-source", "--example", "read_bench"])?;
     run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "session_gemm"])?;
     run("cargo", &["build", "--release", "-p", "ddo-session", "--example", "disk_gemm"])?;
-    build_decode_rate(&dir)?;
+    build_device_examples(&dir)?;
     for example in ["stream_gemm", "read_bench", "session_gemm", "disk_gemm"] {
         copy(&Path::new("target/release/examples").join(example), &dir.join(example))?;
     }
@@ -202,6 +206,8 @@ if [ "${1:-}" = "--bench" ]; then
   "$bundle/disk_gemm" --size-gib "${DDO_DISK_BENCH_GIB:-16}" --dir "$DDO_TEST_TMPDIR" || status=1
   # Decoding encoded weights on the GPU against the pinned upload of the same bytes.
   "$bundle/decode_rate" || status=1
+  # Copy paths between GPUs (peer access) beside pinned host memory into each.
+  "$bundle/p2p_rate" || status=1
 fi
 exit $status
 "#;
@@ -217,6 +223,8 @@ const BENCH_USAGE: &str =
   bash DIR/run.sh dropin          the host example, timer, phase helpers, profiles, doctor and bench
   bash DIR/run.sh decode [ARGS]   the GPU decoding rate of encoded weights beside the pinned link
                                    (1 to 256 MiB; ARGS go to decode_rate: --sizes, --repeat)
+  bash DIR/run.sh p2p [ARGS]      copies between every pair of GPUs beside pinned host copies
+                                   (ARGS go to p2p_rate: --mib)
   bash DIR/run.sh bench [CONFIGS] [VARIANTS]  rows of the side-by-side table (one model size per
                                    call fits a 10-minute limit; rows accumulate under target/)
   bash DIR/run.sh table           the table of every row measured so far
@@ -294,7 +302,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
     ] {
         copy(&Path::new("crates/ddo-py/examples").join(script), &dir.join(script))?;
     }
-    build_decode_rate(&dir)?;
+    build_device_examples(&dir)?;
     let run_sh = BENCH_RUN_SH.replace("@CONFIGS@", &configs);
     std::fs::write(dir.join("run.sh"), run_sh).map_err(|e| format!("writing run.sh: {e}"))?;
     println!(
@@ -322,6 +330,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh pipeline [GIB]    a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
 #   bash run.sh dropin            the host example, timer, phase helpers, profiles, doctor and bench
 #   bash run.sh decode [ARGS]     the GPU decoding rate of encoded weights beside the pinned link
+#   bash run.sh p2p [ARGS]        copies between every pair of GPUs beside pinned host copies
 #   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
 #   bash run.sh table             the table of every row measured so far
 #   bash run.sh lowram [GIB]      Wan-14B-shaped bf16 (26.6 GiB) through ddo under GIB of host memory (default 8)
@@ -332,11 +341,12 @@ case "${1:-bench}" in
   pipeline) cmd=(python3 "$bundle/gpu_pipeline.py" --dir "$work" --budget-gb "${2:-10}") ;;
   dropin) cmd=(python3 "$bundle/gpu_dropin.py") ;;
   decode) cmd=("$bundle/decode_rate" "${@:2}") ;;
+  p2p) cmd=("$bundle/p2p_rate" "${@:2}") ;;
   bench) cmd=(python3 "$bundle/bench_gpu.py" --configs "${2:-@CONFIGS@}" --dir "$work")
          [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
   lowram) cmd=(python3 "$bundle/gpu_lowram.py" --dir "$work" --ceiling-gb "${2:-8}") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB]" >&2; exit 2 ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB]" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

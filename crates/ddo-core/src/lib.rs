@@ -31,6 +31,7 @@ mod platform;
 mod residency;
 mod source;
 mod tensor;
+mod topology;
 mod unit;
 
 pub use admission::{
@@ -49,6 +50,7 @@ pub use platform::Platform;
 pub use residency::Residency;
 pub use source::{FileRange, ReadRequest, WeightSource};
 pub use tensor::{CheckpointFileId, FileIdentity, TensorSlice};
+pub use topology::{DeviceInfo, DeviceTopology, LinkMeasurement, PeerAccess};
 pub use unit::{ExecutionUnit, SlotId, UnitId, UnitTensor};
 
 #[cfg(feature = "mocks")]

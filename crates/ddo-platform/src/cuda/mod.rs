@@ -25,6 +25,8 @@ mod error;
 mod not_built;
 #[cfg(feature = "cuda")]
 pub mod result;
+#[cfg(feature = "cuda")]
+mod topology;
 
 #[cfg(feature = "cuda")]
 pub use cudarc::driver::sys;
@@ -34,6 +36,10 @@ pub use device::CudaDevice;
 pub use error::CudaError;
 #[cfg(not(feature = "cuda"))]
 pub use not_built::CudaDevice;
+#[cfg(not(feature = "cuda"))]
+pub use not_built::{measure_host_link, measure_peer_link, topology};
+#[cfg(feature = "cuda")]
+pub use topology::{measure_host_link, measure_peer_link, topology};
 
 /// Whether a CUDA driver library can be loaded on this machine. Never panics. Always false when
 /// ddo-platform is built without its `cuda` feature.

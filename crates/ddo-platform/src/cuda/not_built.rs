@@ -19,6 +19,28 @@ fn not_built(ordinal: u32) -> DeviceError {
     ))
 }
 
+/// Always fails: this build has no CUDA adapter.
+pub fn topology() -> Result<ddo_core::DeviceTopology, DeviceError> {
+    Err(not_built(0))
+}
+
+/// Always fails: this build has no CUDA adapter.
+pub fn measure_peer_link(
+    dst: u32,
+    _src: u32,
+    _bytes: usize,
+) -> Result<ddo_core::LinkMeasurement, DeviceError> {
+    Err(not_built(dst))
+}
+
+/// Always fails: this build has no CUDA adapter.
+pub fn measure_host_link(
+    dst: u32,
+    _bytes: usize,
+) -> Result<ddo_core::LinkMeasurement, DeviceError> {
+    Err(not_built(dst))
+}
+
 /// A CUDA device, which this build cannot open (ddo-platform's `cuda` feature is off).
 ///
 /// [`CudaDevice::new`] always fails, saying ddo was built without CUDA, so no value of this type

@@ -163,3 +163,31 @@ pub mod host_memory {
         unsafe { sys::cuMemHostUnregister(ptr) }.result()
     }
 }
+
+pub mod peer {
+    //! Peer access between devices.
+    //!
+    //! See [cuda docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html).
+
+    use super::{DriverError, sys};
+
+    /// `cuDeviceCanAccessPeer`: whether `dev` can access `peer`'s memory directly.
+    pub fn can_access(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool, DriverError> {
+        let mut allowed = 0;
+        // SAFETY: writes one int; the driver checks both handles.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut allowed, dev, peer) }.result()?;
+        Ok(allowed != 0)
+    }
+
+    /// `cuCtxEnablePeerAccess` from the current context to `peer`'s; already enabled is success.
+    ///
+    /// # Safety
+    /// 1. `peer` is a live context of another device.
+    pub unsafe fn enable(peer: sys::CUcontext) -> Result<(), DriverError> {
+        // SAFETY: forwarded.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer, 0) } {
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            status => status.result(),
+        }
+    }
+}
