@@ -16,7 +16,10 @@ fn main() -> Result<(), String> {
         [flag, v] if flag == "--mib" => v.parse().map_err(|_| format!("--mib takes MiB: {v}"))?,
         _ => return Err("usage: p2p_rate [--mib MIB]".into()),
     };
-    let bytes = mib << 20;
+    let bytes = mib
+        .checked_mul(1 << 20)
+        .filter(|&b| b > 0)
+        .ok_or(format!("--mib takes a size from 1 MiB up: {mib}"))?;
     let t = cuda::topology().map_err(|e| e.to_string())?;
     for d in &t.devices {
         println!(
