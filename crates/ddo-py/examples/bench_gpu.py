@@ -14,7 +14,7 @@ of all rows so far. The floor of a row is max(resident step, bytes the variant s
 pinned host-to-device copy speed measured in the same call).
 
 Variants that read the disk have floors of the disk's cold read speed (evicted from the page cache,
-then read with O_DIRECT by 4 threads in 16 MiB requests), measured once per call when one is asked:
+then read with O_DIRECT by 8 threads in 16 MiB requests in file order), measured once per call when one is asked:
 ``disk`` (the disk route vmm_runtime, preset nvme_baseline: every pass read into staging) at
 max(resident step, disk bytes per pass / disk speed), and ``vmm_retained_half`` (half the model
 retained in host memory, the rest read from disk into staging every pass) at max(resident step,
@@ -605,7 +605,7 @@ def main() -> int:
             largest = max(checkpoint_files(path), key=os.path.getsize)
             try:
                 disk = disk_read_speed(largest) / 1e9
-                print(f"disk cold read (O_DIRECT, 4 threads, 16 MiB requests, {os.path.getsize(largest) / 2**30:.2f} GiB "
+                print(f"disk cold read (O_DIRECT, 8 threads, 16 MiB requests in file order, {os.path.getsize(largest) / 2**30:.2f} GiB "
                       f"{os.path.basename(largest)}): {disk:.2f} GB/s", flush=True)
             except (OSError, RuntimeError) as e:
                 print(f"disk cold read failed ({e}): disk floors are not computed", flush=True)
