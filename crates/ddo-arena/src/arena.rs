@@ -807,9 +807,9 @@ impl Arena {
             // Run by run of adjacent tensors, for a source that holds the tensors but not the
             // gaps between them (retained windows) or lends a staging buffer per range. Each
             // run is copied before the next is asked for: a staged source lends its few
-            // buffers again only once the copies from them are retired.
-            // A run the source does not hold is read with the rest of the extent, in one batch.
-            // An extent of one run was just asked for whole: it is not asked again.
+            // buffers again only once the copies from them are retired. A run the source does
+            // not hold is read with the rest of the extent in one batch; an extent of one run
+            // was just asked for whole and is not asked again.
             let runs = Self::tensor_runs(u, e);
             let whole = runs.len() == 1 && runs[0] == (0, e.len);
             for (at, len) in runs {

@@ -131,6 +131,28 @@ fn block_bytes() -> u64 {
     block.div_ceil(GRANULARITY) * GRANULARITY
 }
 
+/// Primes `arena`, then runs three passes, checking every tensor's device bytes under its
+/// lease against `mapped`.
+fn three_passes(arena: &Arena, holding: &Holding, mapped: &dyn WeightSource, units: &[UnitSpec]) {
+    let stream = holding.create_stream().unwrap();
+    arena.prime().unwrap();
+    for _ in 0..3 {
+        arena.begin_pass();
+        for u in 0..arena.layout().units.len() as u32 {
+            let lease = arena.acquire(UnitId(u), stream).unwrap();
+            for &t in &units[u as usize].tensors {
+                let (_, range) = arena.tensor_range(t).unwrap();
+                let mut got = vec![0u8; range.len as usize];
+                holding.read_back(range, &mut got).unwrap();
+                let mut want = vec![0u8; range.len as usize];
+                mapped.read(t, &mut want).unwrap();
+                assert_eq!(got, want, "unit {u} tensor {t}");
+            }
+            arena.release(lease, stream).unwrap();
+        }
+    }
+}
+
 #[test]
 fn uploads_copy_from_staging_read_ahead_and_never_refill_a_buffer_in_flight() {
     let dir = scratch();
@@ -169,23 +191,7 @@ fn uploads_copy_from_staging_read_ahead_and_never_refill_a_buffer_in_flight() {
     };
     let budget = Budget { total: GRANULARITY + 3 * block_bytes(), headroom: 0, prefetch_depth: 2 };
     let arena = Arena::new(&platform, source, &units, budget).unwrap();
-    let stream = holding.create_stream().unwrap();
-    arena.prime().unwrap();
-    for _ in 0..3 {
-        arena.begin_pass();
-        for u in 0..arena.layout().units.len() as u32 {
-            let lease = arena.acquire(UnitId(u), stream).unwrap();
-            for &t in &units[u as usize].tensors {
-                let (_, range) = arena.tensor_range(t).unwrap();
-                let mut got = vec![0u8; range.len as usize];
-                holding.read_back(range, &mut got).unwrap();
-                let mut want = vec![0u8; range.len as usize];
-                mapped.read(t, &mut want).unwrap();
-                assert_eq!(got, want, "unit {u} tensor {t}");
-            }
-            arena.release(lease, stream).unwrap();
-        }
-    }
+    three_passes(&arena, &holding, &*mapped, &units);
     let stats = pool.stats();
     assert!(stats.read_ahead > stats.on_demand, "uploads were read ahead: {stats:?}");
     assert!(*holding.retired.lock().unwrap() > 0, "the pool asked for completed copies");
@@ -296,23 +302,7 @@ fn a_unit_of_more_ranges_than_buffers_never_waits_for_its_own_copies() {
         "each unit copies three extents: {:?}",
         arena.layout().units[1].extents
     );
-    let stream = holding.create_stream().unwrap();
-    arena.prime().unwrap();
-    for _ in 0..3 {
-        arena.begin_pass();
-        for u in 0..arena.layout().units.len() as u32 {
-            let lease = arena.acquire(UnitId(u), stream).unwrap();
-            for &t in &units[u as usize].tensors {
-                let (_, range) = arena.tensor_range(t).unwrap();
-                let mut got = vec![0u8; range.len as usize];
-                holding.read_back(range, &mut got).unwrap();
-                let mut want = vec![0u8; range.len as usize];
-                mapped.read(t, &mut want).unwrap();
-                assert_eq!(got, want, "unit {u} tensor {t}");
-            }
-            arena.release(lease, stream).unwrap();
-        }
-    }
+    three_passes(&arena, &holding, &mapped, &units);
     let stats = pool.stats();
     assert_eq!(stats.gave_up, 0, "no upload waited out a buffer its own copies held: {stats:?}");
     assert!(stats.read_ahead >= 6, "units were read ahead: {stats:?}");

@@ -146,6 +146,13 @@ struct Buffer {
     served: bool,
 }
 
+impl Buffer {
+    /// No read in flight, no take waiting, no loan outside the pool: it may be filled again.
+    fn idle(&self) -> bool {
+        self.pending == 0 && self.claimed == 0 && self.lent == 0
+    }
+}
+
 /// Announced ranges of one file whose gap is at most this are read as one cover into one
 /// buffer (a unit's extents, split by the tensors converted on the device, stay together).
 const COVER_GAP: u64 = 1 << 20;
@@ -202,8 +209,7 @@ impl Inner {
     }
 
     fn idle(&self, state: &Shared, i: usize) -> bool {
-        let b = &state.buffers[i];
-        b.pending == 0 && b.claimed == 0 && b.lent == 0
+        state.buffers[i].idle()
     }
 
     /// Gives idle buffers to the announced covers that have none, in order; a cover already
@@ -232,8 +238,7 @@ impl Inner {
     fn drop_stale(&self, state: &mut Shared) {
         let mut dropped = 0;
         for b in &mut state.buffers {
-            let idle = b.pending == 0 && b.claimed == 0 && b.lent == 0;
-            if idle && !b.wanted && b.range.is_some() {
+            if b.idle() && !b.wanted && b.range.is_some() {
                 b.range = None;
                 b.error = None;
                 if !std::mem::take(&mut b.served) {
