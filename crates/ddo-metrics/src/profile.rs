@@ -81,6 +81,13 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .count("source_bound_tensors", s.source_bound_tensors)
         .text("device", s.execution_device.as_ref())
         .render(&mut out, "");
+    Line::new("setup_stages")
+        .seconds("source_seconds", s.source_seconds)
+        .gib("read_in_gib", s.read_in_bytes)
+        .seconds("read_in_seconds", s.read_in_seconds)
+        .seconds("registration_seconds", s.registration_seconds)
+        .seconds("resident_seconds", s.resident_upload_seconds)
+        .render(&mut out, "");
     Line::new("plan")
         .count("units", s.unit_count)
         .count("resident_units", s.resident_units)

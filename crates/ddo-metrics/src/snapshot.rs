@@ -102,6 +102,19 @@ optional_section! {
         total_bytes: u64,
         /// Wall time of the attach, seconds.
         setup_seconds: f64,
+        /// Of it, opening the source (headers, host tier, retained windows or staging,
+        /// conversion and encoding at load), seconds.
+        source_seconds: f64,
+        /// Bytes of the checkpoint's mapping read in before registration: a cold file is
+        /// read from disk here, on many threads, in large requests.
+        read_in_bytes: u64,
+        /// Seconds the read-in took; it overlaps registration (each range is registered as
+        /// soon as it is read in, while the next is read).
+        read_in_seconds: f64,
+        /// Seconds registration took, waits for the read-in included.
+        registration_seconds: f64,
+        /// Seconds the resident units took to upload.
+        resident_upload_seconds: f64,
         /// Execution units found.
         unit_count: u64,
         /// Units kept resident on the device.

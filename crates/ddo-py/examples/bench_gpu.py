@@ -237,7 +237,7 @@ def child(a: argparse.Namespace) -> int:
         cached_after = cached_fraction(files)
     sampler.peak = sampler.used()
     t = load_start = time.perf_counter()
-    streamed, arena, native = None, None, None
+    streamed, arena, native, stages = None, None, None, None
     if a.variant == "resident" and quantized:
         from diffusers import GGUFQuantizationConfig
 
@@ -290,6 +290,7 @@ def child(a: argparse.Namespace) -> int:
             **extra,
         )
         native = model.offload
+        stages = dict(model.stage_seconds, read_ahead_bytes=model.read_ahead_bytes)
         model = model.module
     torch.cuda.synchronize()
     setup = time.perf_counter() - t
@@ -358,6 +359,13 @@ def child(a: argparse.Namespace) -> int:
                     row[k] = after["setup"][k]
         if a.variant == "vmm_retained_half":
             row["source_cache_gb"] = round(a.nbytes / 2 / 2**30, 2)
+        if stages is not None:
+            setup_of = after["setup"]
+            row["stages"] = dict(stages, **{
+                k: setup_of[k] for k in (
+                    "source_seconds", "read_in_bytes", "read_in_seconds", "registration_seconds", "resident_upload_seconds"
+                ) if setup_of.get(k) is not None
+            })
         if cold and res == resolutions[0]:
             row["cold_start_s"] = first_end[0] - load_start
             row["nbytes_on_disk"] = sum(os.path.getsize(f) for f in files)
@@ -541,6 +549,14 @@ def cold_note(r: dict) -> str:
         text += f" ({r['nbytes_on_disk'] / 2**30:.2f} GiB of files)"
     cached = r.get("cached_after_evict")
     text += f"; evicted by {r.get('evicted_by')}" + ("" if cached is None else f", {cached:.1%} cached after")
+    st = r.get("stages")
+    if st:
+        text += "; stages: " + ", ".join(
+            f"{k} {st[k]:.2f} s" for k in (
+                "validate", "load", "attach", "source_seconds", "read_in_seconds", "registration_seconds",
+                "resident_upload_seconds",
+            ) if st.get(k) is not None
+        ) + f", {st.get('read_ahead_bytes', 0) / 2**30:.2f} GiB read ahead while the module was built"
     return text
 
 

@@ -136,6 +136,67 @@ fn inspect_checkpoint(path: std::path::PathBuf) -> PyResult<String> {
     Ok(serde_json::json!({"files": files, "tensors": tensors}).to_string())
 }
 
+/// Reading a checkpoint's files into the page cache in the background (see
+/// [`read_ahead`]); dropping or stopping it ends the reads after their current chunk.
+#[pyclass(module = "ddo._native", frozen)]
+struct ReadAhead {
+    inner: std::sync::Mutex<Option<ddo_source::ReadAhead>>,
+    total: u64,
+}
+
+#[pymethods]
+impl ReadAhead {
+    /// Bytes asked of the kernel so far.
+    fn asked(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |r| r.asked())
+    }
+
+    /// The files' total bytes.
+    #[getter]
+    fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Stops the reads (after their current chunk); returns the bytes asked.
+    fn stop(&self, py: Python<'_>) -> u64 {
+        let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(|| {
+            taken.map_or(0, |r| {
+                let asked = r.asked();
+                drop(r);
+                asked
+            })
+        })
+    }
+}
+
+/// Starts reading `files` into the page cache with `workers` threads while the caller builds
+/// the module that will map them, when the host can hold them beside what it holds now (the
+/// mapping tier's own test); `None` when it cannot (a short host reads them as its tier does).
+#[pyfunction]
+fn read_ahead(files: Vec<std::path::PathBuf>, workers: usize) -> PyResult<Option<ReadAhead>> {
+    let mut total = 0u64;
+    for f in &files {
+        total += std::fs::metadata(f)
+            .map_err(|e| {
+                errors::DynamicOffloadCheckpointError::new_err(format!("{}: {e}", f.display()))
+            })?
+            .len();
+    }
+    let request = ddo_core::GrowthRequest {
+        kind: ddo_core::GrowthKind::Retained,
+        bytes: total,
+        registered_bytes: 0,
+    };
+    let probe = ddo_platform::LinuxAdmissionProbe::system();
+    if !matches!(probe.admit(&request), ddo_core::Admission::Granted { .. }) {
+        return Ok(None);
+    }
+    let inner = ddo_source::ReadAhead::start(&files, workers)
+        .map_err(|e| errors::DynamicOffloadCheckpointError::new_err(e.to_string()))?;
+    Ok(Some(ReadAhead { inner: std::sync::Mutex::new(Some(inner)), total }))
+}
+
 /// The configuration's field names, in declaration order (`preset`, `backend`, `route`,
 /// `execution_mode`, `components`, then every setting, then `small_tensor_threshold_bytes`,
 /// the peer library's form of `small_tensor_threshold_kb`).
@@ -263,6 +324,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(observe_host_memory, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(read_ahead, m)?)?;
+    m.add_class::<ReadAhead>()?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(config_fields, m)?)?;
     m.add_function(wrap_pyfunction!(component_policy_fields, m)?)?;

@@ -4,6 +4,7 @@ stream from the checkpoint's mapping into arena memory that parameters view with
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -120,6 +121,37 @@ def test_the_module_is_built_without_weights(tmp_path, flux):
     # Parameters view arena memory (not tensors of their own).
     assert metrics(loaded.offload)["setup"]["registered_bytes"] > 0
     assert loaded.bound == len(loaded.source["tensors"])
+
+
+def test_the_mapping_tier_reads_the_checkpoint_while_the_module_is_built(tmp_path, flux):
+    """With no host-tier setting and room on the host, the checkpoint's files are read into the
+    page cache while the module is built, then read in and registered range by range; the load
+    says how long each stage took."""
+    model, _ = flux
+    loaded = load_native(tmp_path, model)
+    files = loaded.source["files"]
+    assert loaded.read_ahead_bytes == sum(os.path.getsize(f) for f in files)
+    assert set(loaded.stage_seconds) == {"validate", "load", "attach"}
+    assert all(s >= 0 for s in loaded.stage_seconds.values())
+    setup = metrics(loaded.offload)["setup"]
+    # Every registered byte was read in before it was registered.
+    assert setup["read_in_bytes"] >= setup["registered_bytes"] > 0
+    assert setup["registration_seconds"] >= 0 and setup["source_seconds"] >= 0
+    assert setup["resident_upload_seconds"] >= 0
+    assert "setup_stages=source_seconds=" in loaded.offload.metrics_snapshot().format_profile()
+
+
+def test_a_host_tier_setting_reads_nothing_ahead(tmp_path, flux):
+    model, _ = flux
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model), vmm_source_cache_gb=1.0
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(path, apply_dynamic=True, dynamic_offload_config=config)
+    assert loaded.read_ahead_bytes == 0
+    assert "read_in_bytes" not in metrics(loaded.offload)["setup"]
+    loaded.offload.remove()
 
 
 @pytest.mark.parametrize("storage_gb", [1.0, 0.0001])

@@ -72,6 +72,12 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.tensor_count = Some(a.tensor_count);
         setup.total_bytes = Some(a.total_bytes);
         setup.setup_seconds = Some(a.setup_seconds);
+        let st = a.stages;
+        setup.source_seconds = Some(st.source_seconds);
+        setup.read_in_bytes = (st.read_in_bytes > 0).then_some(st.read_in_bytes);
+        setup.read_in_seconds = (st.read_in_bytes > 0).then_some(st.read_in_seconds);
+        setup.registration_seconds = Some(st.registration_seconds);
+        setup.resident_upload_seconds = Some(st.resident_seconds);
         setup.unit_count = Some(a.units.len() as u64);
         setup.resident_units = Some(a.plan.resident.iter().filter(|r| **r).count() as u64);
         setup.streamed_units = Some(a.plan.streamed_units() as u64);

@@ -221,6 +221,34 @@ struct HostReport {
     encoding_note: Option<String>,
     /// What encoding the chosen tensors did.
     encoding: Option<EncodingReport>,
+    /// Ranges of file mappings to read in (populate) just before they are registered.
+    read_in: Vec<ReadIn>,
+    /// How long the attach's stages took.
+    stages: SetupStages,
+}
+
+/// A range (an index into the attach's host ranges) of a file mapping, read in from the page
+/// cache or the disk before registration pins it.
+#[derive(Debug, Clone)]
+struct ReadIn {
+    range: usize,
+    file: Arc<ddo_source::MappedFile>,
+}
+
+/// Seconds the attach's stages took, and the bytes read in.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SetupStages {
+    /// Opening the source: headers, host tier, retained windows or staging, conversions and
+    /// encodings at load.
+    pub source_seconds: f64,
+    /// Bytes of file mappings read in before registration (a cold file arrives here).
+    pub read_in_bytes: u64,
+    /// Seconds the read-in of those bytes took (overlapping registration).
+    pub read_in_seconds: f64,
+    /// Seconds registration took, waits for the read-in included.
+    pub registration_seconds: f64,
+    /// Seconds the resident units took to upload.
+    pub resident_seconds: f64,
 }
 
 /// The device memory of one attach and the host registrations its copies use. Shared by the
@@ -500,7 +528,6 @@ impl ComponentSession {
     fn attach_with(&self, host_only: bool, on_device: &mut bool) -> Result<Attached, SessionError> {
         let t = Instant::now();
         let p = &self.platform.platform;
-        let s = &self.plan.settings;
         let (source, ranges, mut host): (
             Arc<dyn WeightSource>,
             Vec<(HostSlice, bool)>,
@@ -511,40 +538,21 @@ impl ComponentSession {
                 self.host_source(storages, tensors, *mmap)?
             }
         };
+        host.stages.source_seconds = t.elapsed().as_secs_f64();
         *on_device = !host.device_conversions.is_empty();
         let slices = self.bind(source.slices(), &host.device_conversions)?;
         let specs = self.unit_specs(&*source);
         let budget = self.budget(source.slices(), &specs)?;
         // Register host bytes before the arena exists, so the first uploads run at link speed.
         let registrar = self.registrar(&ranges)?;
+        let registering = Instant::now();
         let mut registered = Vec::new();
-        let register = self.route != SessionRoute::Linear || self.plan.effective_pin_cpu_memory;
-        for (range, read_only) in ranges {
-            let len = range.len() as u64;
-            if !register {
-                host.unregistered += len;
-                host.unregistered_reason.get_or_insert_with(|| "pin_cpu_memory is off".into());
-                continue;
-            }
-            match registrar.register(range, read_only) {
-                Ok(r) => {
-                    host.registered += len;
-                    registered.push(r);
-                }
-                Err(
-                    e @ (SourceError::CeilingExceeded { .. }
-                    | SourceError::Refused(_)
-                    | SourceError::Device(_)),
-                ) if self.route != SessionRoute::Linear || s.allow_pin_memory_fallback => {
-                    host.unregistered += len;
-                    host.unregistered_reason.get_or_insert(e.to_string());
-                }
-                Err(e) => {
-                    let cleanup = Self::unregister_all(&registrar, &mut registered);
-                    return Err(SessionError::Source(e).with_cleanup(cleanup));
-                }
-            }
+        if let Err(e) = self.register_all(ranges, &registrar, &mut registered, &mut host) {
+            let cleanup = Self::unregister_all(&registrar, &mut registered);
+            return Err(SessionError::Source(e).with_cleanup(cleanup));
         }
+        host.stages.registration_seconds = registering.elapsed().as_secs_f64();
+        let priming = Instant::now();
         let arena = match Arena::with_conversions(
             p,
             source.clone(),
@@ -568,6 +576,7 @@ impl ComponentSession {
                 .and_then(|()| Self::unregister_all(&registrar, &mut registered));
             return Err(SessionError::Arena(e).with_cleanup(cleanup));
         }
+        host.stages.resident_seconds = priming.elapsed().as_secs_f64();
         let plan = arena.plan();
         let units = specs
             .iter()
@@ -1208,19 +1217,19 @@ impl ComponentSession {
                 } else {
                     stored_runs(checkpoint.slices(), skip, &maps)
                 };
-                // A cold file is read in at the disk's speed before registration pins it.
-                let readers = std::thread::available_parallelism()
-                    .map_or(1, usize::from)
-                    .clamp(1, 16)
-                    .max(workers);
-                for (range, _) in &ranges {
-                    let file = (0..checkpoint.files().len())
-                        .filter_map(|i| source.mapping(i))
-                        .find(|m| std::ptr::addr_eq(Arc::as_ptr(range.region()), Arc::as_ptr(*m)));
-                    if let Some(file) = file {
-                        file.populate(range.offset(), range.len(), readers);
-                    }
-                }
+                // A cold file is read in at the disk's speed before registration pins it: each
+                // range just before it is registered, the next one read meanwhile.
+                let read_in = ranges
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(range, (slice, _))| {
+                        let file =
+                            (0..checkpoint.files().len()).filter_map(|i| source.mapping(i)).find(
+                                |m| std::ptr::addr_eq(Arc::as_ptr(slice.region()), Arc::as_ptr(*m)),
+                            )?;
+                        Some(ReadIn { range, file: file.clone() })
+                    })
+                    .collect();
                 let tier_reason = reason.or_else(|| {
                     Some(if s.vmm_source_registered_gb > 0.0 {
                         format!(
@@ -1235,7 +1244,7 @@ impl ComponentSession {
                     source.clone() as Arc<dyn WeightSource>,
                     Some(source),
                     ranges,
-                    HostReport { kind: "mapping", tier_reason, ..HostReport::default() },
+                    HostReport { kind: "mapping", tier_reason, read_in, ..HostReport::default() },
                 ))
             }
             None => {
@@ -1523,6 +1532,95 @@ impl ComponentSession {
         Ok((Arc::new(source), ranges, host))
     }
 
+    /// Registers `ranges` in order into `registered`, counting what stays unregistered (and
+    /// why) in `host`. The ranges of file mappings are read in first, on their own threads,
+    /// one range ahead: registering one overlaps reading the next, and registration never
+    /// pins a page it would have to fault in itself. An error leaves `registered` for the
+    /// caller to unregister.
+    fn register_all(
+        &self,
+        ranges: Vec<(HostSlice, bool)>,
+        registrar: &Registrar,
+        registered: &mut Vec<RegisteredRange>,
+        host: &mut HostReport,
+    ) -> Result<(), SourceError> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let s = &self.plan.settings;
+        let register = self.route != SessionRoute::Linear || self.plan.effective_pin_cpu_memory;
+        let read_in = std::mem::take(&mut host.read_in);
+        let readers = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .clamp(1, 16)
+            .max(s.pin_cpu_workers as usize);
+        let pending: HashSet<usize> = read_in.iter().map(|r| r.range).collect();
+        let spans: Vec<(usize, usize)> =
+            ranges.iter().map(|(r, _)| (r.offset(), r.len())).collect();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let (done, arrived) = std::sync::mpsc::channel::<usize>();
+            let (stop, spans) = (&stop, &spans);
+            let reader = scope.spawn(move || {
+                let started = Instant::now();
+                let mut bytes = 0u64;
+                for r in &read_in {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let (offset, len) = spans[r.range];
+                    bytes += r.file.populate(offset, len, readers) as u64;
+                    if done.send(r.range).is_err() {
+                        break;
+                    }
+                }
+                (bytes, started.elapsed().as_secs_f64())
+            });
+            let mut read = HashSet::new();
+            let mut result = Ok(());
+            for (i, (range, read_only)) in ranges.into_iter().enumerate() {
+                // A range not read in yet waits for its read (a reader that stopped leaves the
+                // rest to the first touch).
+                while pending.contains(&i) && !read.contains(&i) {
+                    match arrived.recv() {
+                        Ok(r) => read.insert(r),
+                        Err(_) => break,
+                    };
+                }
+                let len = range.len() as u64;
+                if !register {
+                    host.unregistered += len;
+                    host.unregistered_reason.get_or_insert_with(|| "pin_cpu_memory is off".into());
+                    continue;
+                }
+                match registrar.register(range, read_only) {
+                    Ok(r) => {
+                        host.registered += len;
+                        registered.push(r);
+                    }
+                    Err(
+                        e @ (SourceError::CeilingExceeded { .. }
+                        | SourceError::Refused(_)
+                        | SourceError::Device(_)),
+                    ) if self.route != SessionRoute::Linear || s.allow_pin_memory_fallback => {
+                        host.unregistered += len;
+                        host.unregistered_reason.get_or_insert(e.to_string());
+                    }
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            drop(arrived);
+            if let Ok((bytes, seconds)) = reader.join() {
+                host.stages.read_in_bytes = bytes;
+                host.stages.read_in_seconds = seconds;
+            }
+            result
+        })
+    }
+
+    /// The registrar of `ranges`: its ceiling from the route's settings.
     fn registrar(&self, ranges: &[(HostSlice, bool)]) -> Result<Registrar, SessionError> {
         let s = &self.plan.settings;
         let needed: u64 = ranges
@@ -1953,6 +2051,7 @@ impl ComponentSession {
                     encoding_note: a.host.encoding_note.as_deref(),
                     encoding: a.host.encoding.as_ref(),
                     setup_seconds: a.setup_seconds,
+                    stages: a.host.stages,
                     total_bytes: a.total_bytes,
                     tensor_count: a.tensor_count,
                 };
@@ -2002,6 +2101,7 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) encoding_note: Option<&'a str>,
     pub(crate) encoding: Option<&'a EncodingReport>,
     pub(crate) setup_seconds: f64,
+    pub(crate) stages: SetupStages,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,
 }

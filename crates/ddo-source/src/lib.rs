@@ -23,6 +23,8 @@
 //! - [`StagingPool`] reads announced checkpoint ranges ahead into a fixed set of staging
 //!   buffers (O_DIRECT or pread, several requests in flight) under a staging ceiling;
 //!   [`StagedSource`] serves the ranges its inner source does not hold in memory from it.
+//! - [`ReadAhead`] reads a checkpoint's files into the page cache in the background, so a cold
+//!   file is being read while the host builds the module that maps it.
 //!
 //! Every failure is a [`ddo_core::SourceError`] naming the file, the tensor and the reason; no
 //! input makes parsing panic.
@@ -38,6 +40,7 @@ mod host_tensors;
 mod mapping;
 mod plan;
 mod read;
+mod read_ahead;
 mod registration;
 mod retained;
 mod retained_source;
@@ -54,6 +57,7 @@ pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
 pub use host_tensors::{HostTensor, HostTensorSource, PackReport};
 pub use mapping::{MappedFile, POPULATE_CHUNK};
 pub use read::{DIRECT_ALIGN, ReadMethod, ReadOptions};
+pub use read_ahead::ReadAhead;
 pub use registration::{REGISTRATION_SEGMENT, RegisteredRange, Registrar};
 pub use retained::{RetainedBuffer, RetainedStore};
 pub use retained_source::{RetainedReport, RetainedSource};

@@ -79,3 +79,62 @@ fn a_file_truncated_while_mapped_stops_populating_without_a_fault() {
     assert!(got < LEN, "the lost range is not populated: {got}");
     assert!(!map.faulted(), "no read went past the end");
 }
+
+/// Pages of `path` in the page cache, of all its pages (through a mapping that touches none).
+fn cached(path: &Path) -> (usize, usize) {
+    // SAFETY: the test's file is not modified while mapped.
+    let map = unsafe { MappedFile::map(path) }.unwrap();
+    resident(&map)
+}
+
+#[test]
+fn reading_ahead_brings_an_evicted_file_into_the_page_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = [dir.path().join("a.safetensors"), dir.path().join("b.safetensors")];
+    for p in &paths {
+        written(p, LEN);
+        evicted(p);
+    }
+    let (before, _) = cached(&paths[1]);
+    let ahead = ddo_source::ReadAhead::start(&paths, 3).unwrap();
+    assert_eq!(ahead.total(), 2 * LEN as u64);
+    assert_eq!(ahead.wait(), 2 * LEN as u64, "every chunk of both files is asked for");
+    // The kernel reads asynchronously: wait for the pages to land.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    for p in &paths {
+        loop {
+            let (now, pages) = cached(p);
+            if now == pages {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} of {pages} pages cached (before: {before})",
+                now
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn reading_ahead_a_missing_file_names_it_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let there = dir.path().join("a.safetensors");
+    written(&there, 4096);
+    let missing = dir.path().join("gone.safetensors");
+    let err = ddo_source::ReadAhead::start(&[there, missing.clone()], 2).unwrap_err();
+    assert!(err.to_string().contains("gone.safetensors"), "{err}");
+}
+
+#[test]
+fn dropping_a_read_ahead_stops_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.safetensors");
+    written(&path, LEN);
+    let ahead = ddo_source::ReadAhead::start(std::slice::from_ref(&path), 1).unwrap();
+    drop(ahead);
+    // The worker ended (joined in drop); a new read ahead of the same file still works.
+    let again = ddo_source::ReadAhead::start(&[path], 1).unwrap();
+    assert_eq!(again.wait(), LEN as u64);
+}

@@ -326,6 +326,12 @@ class DynamicOffloadLoadResult:
     source: Dict[str, Any]
     bound: int
     offload: Optional[DynamicOffloadApplyResult] = None
+    #: Seconds each stage took: ``validate`` (every header), ``load`` (building the module),
+    #: ``attach`` (the offload, with ``apply_dynamic``).
+    stage_seconds: Dict[str, float] = field(default_factory=dict)
+    #: Checkpoint bytes read into the page cache while the module was built (the native
+    #: route's mapping tier, when the host can hold them; 0 otherwise).
+    read_ahead_bytes: int = 0
 
     def metrics_snapshot(self) -> DynamicOffloadMetrics:
         """Route ``model_load``: how many tensors were bound to checkpoint slices."""
@@ -800,6 +806,8 @@ def from_pretrained_with_dynamic_offload(
     # One step per stage Python drives: validate (every header), load (build the module), attach.
     stages = bar(total=3 if apply_dynamic else 2, desc=f"ddo {component}", unit="stage", leave=False)
     stages.set_postfix_str("validate")
+    clock = time.perf_counter()
+    seconds: Dict[str, float] = {}
     path = _local_path(pretrained_model_name_or_path, from_pretrained_kwargs.get("revision"))
     folder = os.path.join(path, subfolder) if subfolder else path
     gguf_path = _gguf_path(folder, gguf_file, from_pretrained_kwargs.get("variant"))
@@ -820,6 +828,42 @@ def from_pretrained_with_dynamic_offload(
         )
     if subfolder and not gguf_path:
         from_pretrained_kwargs["subfolder"] = subfolder
+    settings = resolve_settings(component, config=dynamic_offload_config) if apply_dynamic else None
+    # A cold checkpoint the mapping tier will serve is read while the module is built.
+    ahead = _read_ahead(settings, source["files"]) if settings is not None else None
+    try:
+        result = _load_and_attach(
+            stages, seconds, clock, settings, path, folder, checkpoint, source, gguf_path, gguf_tensors,
+            model_loader, apply_dynamic, component, dynamic_offload_config, from_pretrained_kwargs,
+        )
+    finally:
+        read_ahead_bytes = ahead.stop() if ahead is not None else 0
+        stages.close()
+    result.stage_seconds = seconds
+    result.read_ahead_bytes = read_ahead_bytes
+    return result
+
+
+def _read_ahead(settings: Any, files: Sequence[str]) -> Any:
+    """Starts reading ``files`` into the page cache when the native route will map them (no
+    host-tier setting) and the host can hold them; ``None`` otherwise."""
+    v = settings.values
+    if (
+        settings.route_name != "vmm_fast_runtime"
+        or v.get("vmm_source_cache_gb")
+        or v.get("vmm_source_registered_gb")
+        or v.get("load_safetensors_backend") not in ("auto", "mmap")
+    ):
+        return None
+    return _native.read_ahead(list(files), min(16, os.cpu_count() or 1))
+
+
+def _load_and_attach(
+    stages: Any, seconds: Dict[str, float], clock: float, settings: Any, path: str, folder: str, checkpoint: str,
+    source: Dict[str, Any], gguf_path: Optional[str], gguf_tensors: Any, model_loader: Any, apply_dynamic: bool,
+    component: str, dynamic_offload_config: Optional[DynamicOffloadConfig], from_pretrained_kwargs: Dict[str, Any],
+) -> DynamicOffloadLoadResult:
+    seconds["validate"] = time.perf_counter() - clock
     stages.update()
     stages.set_postfix_str("load")
     module = None
@@ -827,7 +871,6 @@ def from_pretrained_with_dynamic_offload(
         # The native and disk routes stream every weight from the checkpoint (its mapping, or
         # reads into staging): build the module without weights (meta) so host memory holds the
         # model at most once.
-        settings = resolve_settings(component, config=dynamic_offload_config)
         if settings.route_name in ("vmm_fast_runtime", "vmm_runtime"):
             if gguf_tensors is not None:
                 module = _meta_gguf_module(model_loader, folder, gguf_path, gguf_tensors, from_pretrained_kwargs)
@@ -850,14 +893,16 @@ def from_pretrained_with_dynamic_offload(
         if t is not None and (gguf_path is not None or list(t["shape"]) == list(p.shape)):
             bound += 1
     result = DynamicOffloadLoadResult(module=module, source=source, bound=bound)
+    seconds["load"] = time.perf_counter() - clock - seconds["validate"]
     stages.update()
     if apply_dynamic:
         stages.set_postfix_str("attach")
         module.eval()
+        attaching = time.perf_counter()
         result.offload = enable_offload(module, component=component, config=dynamic_offload_config)
         result.offload.source = source
+        seconds["attach"] = time.perf_counter() - attaching
         stages.update()
-    stages.close()
     return result
 
 
