@@ -69,6 +69,17 @@ pub struct BackingId(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamId(pub u64);
 
+/// Device memory of a device other than the one computing (a peer GPU), or of the same device,
+/// holding weight bytes the arena copies from: a weight store on the device side of the link.
+/// Its addresses are only numbers to everything but the adapter that made it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PeerBuffer {
+    /// The device whose memory holds the bytes.
+    pub device: DeviceOrdinal,
+    /// The buffer's addresses (in the adapter's address space).
+    pub range: DeviceRange,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -40,7 +40,9 @@ pub use admission::{
 };
 pub use bytes::{ByteSize, GIB, KIB, MIB};
 pub use convert::{convert, convertible};
-pub use device::{BackingId, DeviceAddress, DeviceOrdinal, DeviceRange, Reservation, StreamId};
+pub use device::{
+    BackingId, DeviceAddress, DeviceOrdinal, DeviceRange, PeerBuffer, Reservation, StreamId,
+};
 pub use dropped::{DropFailure, note_drop_failure, take_drop_failures};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{DeviceError, PlatformError, SourceError};

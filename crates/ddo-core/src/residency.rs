@@ -1,7 +1,7 @@
 //! The residency port: device memory, copies into it, and host registration.
 
 use crate::{
-    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Dtype, HostSlice, Registration,
+    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Dtype, HostSlice, PeerBuffer, Registration,
     Reservation, StreamId,
 };
 
@@ -69,6 +69,44 @@ pub trait Residency: Send + Sync {
     /// completion, holds none).
     fn retire_completed_copies(&self) -> Result<(), DeviceError> {
         Ok(())
+    }
+    /// Allocates `len` bytes of `peer`'s memory (another GPU, or this one) that this device
+    /// reads over the peer link: a weight store copies come from. Refused with a message saying
+    /// why where this device cannot read `peer`'s memory (no peer access between them). None by
+    /// default.
+    fn create_peer_buffer(&self, peer: DeviceOrdinal, len: u64) -> Result<PeerBuffer, DeviceError> {
+        let _ = len;
+        Err(DeviceError::Unsupported(format!(
+            "this device keeps no weight store in {peer}'s memory"
+        )))
+    }
+    /// Writes `src` into `buffer` at `offset`, synchronously (filling the store at load).
+    fn write_peer_buffer(
+        &self,
+        buffer: PeerBuffer,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), DeviceError> {
+        let _ = (buffer, offset, src);
+        Err(DeviceError::Unsupported("this device keeps no peer weight store".into()))
+    }
+    /// Enqueues on `stream` a copy of `dst.len` bytes of `buffer` at `offset` into `dst` (a
+    /// mapped range of this device), completion observed like a host copy's.
+    fn copy_from_peer(
+        &self,
+        buffer: PeerBuffer,
+        offset: u64,
+        dst: DeviceRange,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let _ = (buffer, offset, dst, stream);
+        Err(DeviceError::Unsupported("this device keeps no peer weight store".into()))
+    }
+    /// Frees a peer buffer; no enqueued copy may still read it (waits for the device's work
+    /// on CUDA). A failure keeps it allocated.
+    fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError> {
+        let _ = buffer;
+        Err(DeviceError::Unsupported("this device keeps no peer weight store".into()))
     }
     /// Whether [`convert`](Residency::convert) turns `from` elements into `to` elements on this
     /// device. None by default.

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use ddo_core::{
     BackingId, DeviceAddress, DeviceError, DeviceOrdinal, DeviceRange, Dtype, Fence, FenceValue,
-    HostSlice, Registration, Reservation, Residency, StreamId,
+    HostSlice, PeerBuffer, Registration, Reservation, Residency, StreamId,
 };
 
 use cudarc::driver::result::{self as driver, DriverError};
@@ -51,6 +51,8 @@ struct State {
     decoded: HashMap<u64, (u64, f64)>,
     /// Timing events free for reuse.
     free_timing: Vec<usize>,
+    /// Live peer buffers by address: (physical allocation, mapped length).
+    peers: HashMap<u64, (sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 /// A decode between two timing events recorded on its stream.
@@ -193,6 +195,29 @@ impl CudaDevice {
         })();
         state.decoder = Some(loaded.map(|f| f as usize));
         loaded
+    }
+
+    /// The address `offset` bytes into live peer buffer `buffer`, when `len` bytes fit there.
+    fn peer_at(
+        state: &State,
+        buffer: PeerBuffer,
+        offset: u64,
+        len: u64,
+    ) -> Result<u64, DeviceError> {
+        let start = buffer.range.start.0;
+        if !state.peers.contains_key(&start) {
+            return Err(DeviceError::InvalidUse(format!(
+                "peer buffer at {start:#x} on {} is not live",
+                buffer.device
+            )));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= buffer.range.len => Ok(start + offset),
+            _ => Err(DeviceError::InvalidUse(format!(
+                "{len} bytes at {offset} run past the peer buffer's {} bytes",
+                buffer.range.len
+            ))),
+        }
     }
 
     fn known_stream(state: &State, stream: StreamId) -> Result<sys::CUstream, DeviceError> {
@@ -443,6 +468,119 @@ impl Residency for CudaDevice {
         unsafe { driver::memcpy_htod_async(dst.start.0, src.as_bytes(), raw) }
             .named("cuMemcpyHtoDAsync")?;
         state.pending.push((stream.0, src));
+        Ok(())
+    }
+
+    /// Physical memory of `peer` (`cuMemCreate` located there), mapped at addresses of their own
+    /// with read/write access for this device: copies from it run on this device's copy engines
+    /// over the peer link. Refused where the driver reports no peer access between the two.
+    fn create_peer_buffer(&self, peer: DeviceOrdinal, len: u64) -> Result<PeerBuffer, DeviceError> {
+        let count = driver::device::get_count().named("cuDeviceGetCount")?;
+        let Some(index) = i32::try_from(peer.0).ok().filter(|&i| i < count) else {
+            return Err(DeviceError::InvalidDevice { ordinal: peer.0, count: count as u32 });
+        };
+        if peer.0 != self.ordinal {
+            let peer_dev = driver::device::get(index).named("cuDeviceGet")?;
+            if !super::result::peer::can_access(self.dev, peer_dev)
+                .named("cuDeviceCanAccessPeer")?
+            {
+                return Err(DeviceError::Unsupported(format!(
+                    "cuda:{} cannot read {peer}'s memory (the driver reports no peer access between them): keep the weights in host memory",
+                    self.ordinal
+                )));
+            }
+        }
+        if len == 0 {
+            return Err(DeviceError::InvalidUse("a peer buffer holds at least one byte".into()));
+        }
+        self.bind()?;
+        let granularity = vmm::granularity(index).named("cuMemGetAllocationGranularity")?;
+        let mapped = usize::try_from(len)
+            .ok()
+            .and_then(|l| l.checked_next_multiple_of(granularity))
+            .ok_or(DeviceError::OutOfMemory { requested: len })?;
+        let handle = vmm::create(mapped, index)
+            .named("cuMemCreate")
+            .map_err(|e| e.into_device(mapped as u64))?;
+        let ptr = match vmm::address_reserve(mapped, granularity).named("cuMemAddressReserve") {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: the handle was just created and is mapped nowhere.
+                let _ = unsafe { vmm::release(handle) };
+                return Err(e.into());
+            }
+        };
+        // SAFETY: `ptr..ptr+mapped` is the reservation just made and `handle` holds exactly
+        // `mapped` bytes; on failure each step is undone in reverse.
+        let mapped_ok = unsafe { vmm::map(ptr, mapped, handle) }.named("cuMemMap").and_then(|()| {
+            // SAFETY: the range is wholly mapped just above.
+            unsafe { vmm::set_access(ptr, mapped, self.index()) }.named("cuMemSetAccess")
+        });
+        if let Err(e) = mapped_ok {
+            // SAFETY: undoing the steps above; nothing else uses these handles yet.
+            unsafe {
+                let _ = vmm::unmap(ptr, mapped);
+                let _ = vmm::address_free(ptr, mapped);
+                let _ = vmm::release(handle);
+            }
+            return Err(e.into());
+        }
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.peers.insert(ptr, (handle, mapped));
+        Ok(PeerBuffer { device: peer, range: DeviceRange { start: DeviceAddress(ptr), len } })
+    }
+
+    fn write_peer_buffer(
+        &self,
+        buffer: PeerBuffer,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), DeviceError> {
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = Self::peer_at(&state, buffer, offset, src.len() as u64)?;
+        self.bind()?;
+        // SAFETY: `at..at+src.len()` lies inside a live peer buffer this device can write
+        // (checked under the lock, which keeps it allocated); the copy is synchronous.
+        unsafe { driver::memcpy_htod_sync(at, src) }.named("cuMemcpyHtoD")?;
+        Ok(())
+    }
+
+    fn copy_from_peer(
+        &self,
+        buffer: PeerBuffer,
+        offset: u64,
+        dst: DeviceRange,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_mapped(dst)?;
+        let at = Self::peer_at(&state, buffer, offset, dst.len)?;
+        let raw = Self::known_stream(&state, stream)?;
+        self.bind()?;
+        // SAFETY: `dst` is inside a live mapping and `at..at+dst.len` inside a live peer buffer
+        // (both checked); the buffer is freed only after the device's work is synchronized.
+        unsafe { driver::memcpy_dtod_async(dst.start.0, at, dst.len as usize, raw) }
+            .named("cuMemcpyDtoDAsync")?;
+        Ok(())
+    }
+
+    fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Self::peer_at(&state, buffer, 0, 0)?;
+        self.bind()?;
+        // No copy enqueued from it may still be reading.
+        driver::ctx::synchronize().named("cuCtxSynchronize")?;
+        let (handle, mapped) = state.peers[&buffer.range.start.0];
+        let ptr = buffer.range.start.0;
+        // SAFETY: the context is synchronized, so nothing uses the buffer; each handle was made
+        // by `create_peer_buffer` and is released once (forgotten from `peers` first).
+        unsafe { vmm::unmap(ptr, mapped) }.named("cuMemUnmap")?;
+        state.peers.remove(&ptr);
+        // SAFETY: as above; the range is unmapped now.
+        unsafe {
+            let _ = vmm::address_free(ptr, mapped);
+            let _ = vmm::release(handle);
+        }
         Ok(())
     }
 
@@ -742,6 +880,11 @@ impl Drop for CudaDevice {
             }
             for (ptr, len) in state.book.reservations() {
                 let _ = vmm::address_free(ptr, len as usize);
+            }
+            for (ptr, (handle, mapped)) in std::mem::take(&mut state.peers) {
+                let _ = vmm::unmap(ptr, mapped);
+                let _ = vmm::address_free(ptr, mapped);
+                let _ = vmm::release(handle);
             }
             for (ptr, slice) in std::mem::take(&mut state.registrations) {
                 if let Err(e) = host_memory::unregister(ptr as *mut c_void) {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::{
     BackingId, DeviceError, DeviceOrdinal, DeviceRange, Dtype, Fence, FenceValue, HostSlice,
-    Registration, Reservation, Residency, StreamId,
+    PeerBuffer, Registration, Reservation, Residency, StreamId,
 };
 
 use vm::{Backing, ReservedSpan};
@@ -37,6 +37,34 @@ struct State {
     next_registration: u64,
     /// Bytes written and wall seconds of the decodes done, by stream.
     decoded: HashMap<u64, (u64, f64)>,
+    /// Live peer buffers (another device's memory, modelled in host memory) by start address.
+    peers: HashMap<u64, Box<[u8]>>,
+}
+
+impl State {
+    /// The bytes of `buffer` at `offset`, `len` long, when the buffer is live and holds them.
+    fn peer_bytes(&self, buffer: PeerBuffer, offset: u64, len: u64) -> Result<&[u8], DeviceError> {
+        let bytes = self
+            .peers
+            .get(&buffer.range.start.0)
+            .filter(|b| b.len() as u64 == buffer.range.len)
+            .ok_or_else(|| {
+                DeviceError::InvalidUse(format!(
+                    "peer buffer at {:#x} on {} is not live",
+                    buffer.range.start.0, buffer.device
+                ))
+            })?;
+        offset
+            .checked_add(len)
+            .filter(|&end| end <= bytes.len() as u64)
+            .map(|end| &bytes[offset as usize..end as usize])
+            .ok_or_else(|| {
+                DeviceError::InvalidUse(format!(
+                    "{len} bytes at {offset} run past the peer buffer's {} bytes",
+                    bytes.len()
+                ))
+            })
+    }
 }
 
 impl State {
@@ -72,6 +100,8 @@ pub struct HostUsage {
     pub reserved_bytes: u64,
     /// Bytes registered (accounting only).
     pub registered_bytes: u64,
+    /// Bytes of live peer buffers (a peer device's memory, modelled in host memory).
+    pub peer_bytes: u64,
 }
 
 /// A device made of host memory. Implements [`Residency`] and [`Fence`].
@@ -217,6 +247,66 @@ impl Residency for HostDevice {
                 src.len(),
             )
         };
+        Ok(())
+    }
+
+    /// Any ordinal: the host backend models every device's memory in host memory.
+    fn create_peer_buffer(&self, peer: DeviceOrdinal, len: u64) -> Result<PeerBuffer, DeviceError> {
+        if len == 0 {
+            return Err(Self::invalid("a peer buffer holds at least one byte".into()));
+        }
+        let mut bytes = Vec::new();
+        bytes
+            .try_reserve_exact(len as usize)
+            .map_err(|_| DeviceError::OutOfMemory { requested: len })?;
+        bytes.resize(len as usize, 0);
+        let bytes = bytes.into_boxed_slice();
+        let start = bytes.as_ptr() as u64;
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.peers.insert(start, bytes);
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).peer_bytes += len;
+        Ok(PeerBuffer {
+            device: peer,
+            range: DeviceRange { start: ddo_core::DeviceAddress(start), len },
+        })
+    }
+
+    fn write_peer_buffer(
+        &self,
+        buffer: PeerBuffer,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.peer_bytes(buffer, offset, src.len() as u64)?;
+        let bytes = state.peers.get_mut(&buffer.range.start.0).expect("checked");
+        bytes[offset as usize..offset as usize + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_from_peer(
+        &self,
+        buffer: PeerBuffer,
+        offset: u64,
+        dst: DeviceRange,
+        _stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_mapped(dst)?;
+        let src = state.peer_bytes(buffer, offset, dst.len)?;
+        // SAFETY: `dst` lies inside a live read/write mapping of this device (checked under the
+        // lock, which keeps it mapped during the copy); `src` is a live peer buffer of the same
+        // length, owned here and never mapped as device memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.start.0 as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.peer_bytes(buffer, 0, 0)?;
+        state.peers.remove(&buffer.range.start.0);
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).peer_bytes -=
+            buffer.range.len;
         Ok(())
     }
 
