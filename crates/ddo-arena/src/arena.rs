@@ -107,6 +107,30 @@ struct State {
     close_failure: Option<String>,
     /// The ranges announced to the source last (reused, so announcing allocates nothing).
     announced: Vec<FileRange>,
+    /// Streamed units held in a peer device's memory, copied from there instead of the host.
+    peer: Option<PeerStore>,
+}
+
+/// A weight store in a peer device's memory: each stored unit's bytes as its range holds them
+/// once uploaded (conversions and decodes done), at an offset of one buffer.
+#[derive(Debug)]
+struct PeerStore {
+    buffer: ddo_core::PeerBuffer,
+    /// Per unit: its offset in the buffer, when stored.
+    offsets: Vec<Option<u64>>,
+}
+
+/// What [`Arena::fill_peer_store`] placed in the peer's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PeerStoreReport {
+    /// The device holding the store.
+    pub device: ddo_core::DeviceOrdinal,
+    /// Streamed units stored.
+    pub units: u32,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Streamed units left to the host (the store's limit reached).
+    pub host_units: u32,
 }
 
 /// A bounded GPU weight arena for one component.
@@ -209,6 +233,7 @@ impl Arena {
             closed: false,
             close_failure: None,
             announced: Vec::new(),
+            peer: None,
         };
         let arena_parts = (platform.clone(), source, layout, plan, reservation);
         let setup = Self::setup(&arena_parts, &mut state);
@@ -710,6 +735,12 @@ impl Arena {
         let (f, copies) = result?;
         let u = &self.layout.units[unit.0 as usize];
         state.stats.uploads += 1;
+        if Self::peer_offset(state, unit).is_some() {
+            state.stats.peer_uploads += 1;
+            state.stats.peer_upload_bytes += u.len;
+            state.stats.upload_seconds += t.elapsed().as_secs_f64();
+            return Ok(f);
+        }
         state.stats.upload_bytes += u.link_bytes();
         let (decodes, encoded, decoded) = u.decoded();
         state.stats.device_conversions += u.conversions.len() as u64 - decodes;
@@ -731,6 +762,20 @@ impl Arena {
         let u = &self.layout.units[unit.0 as usize];
         let base = self.reservation.range.start.offset(u.offset);
         let fences = &self.platform.fences;
+        if let Some((buffer, at)) = Self::peer_offset(state, unit) {
+            // The unit's bytes as uploaded (converted and decoded) wait in the peer's memory.
+            self.platform
+                .residency
+                .copy_from_peer(
+                    buffer,
+                    at,
+                    DeviceRange { start: base, len: u.len },
+                    self.copy_stream,
+                )
+                .map_err(device("copy a unit from the peer weight store"))?;
+            let f = fences.record(self.copy_stream).map_err(device("record the upload fence"))?;
+            return Ok((f, 1));
+        }
         let mut copies = 0;
         // The unit's own bytes first, then its staged bytes round by round: each round's
         // kernels run on the conversion stream while the next round crosses the link.
@@ -934,7 +979,7 @@ impl Arena {
                 }
                 None => state.residents[i].holder.upload.is_some(),
             };
-            if on_device {
+            if on_device || Self::peer_offset(state, unit).is_some() {
                 continue;
             }
             if self.plan.slot_of[i].is_some() {
@@ -1124,6 +1169,100 @@ impl Arena {
         Ok(report)
     }
 
+    /// Places streamed units, in the expected order, in `peer`'s memory (another GPU's, or this
+    /// one's) up to `limit` bytes (0: every streamed unit): each is uploaded as usual, then its
+    /// range is copied into the store, and from then on its uploads copy from there over the
+    /// peer link instead of from host memory. Between passes only (no live lease); called
+    /// again, it replaces the store. On an error nothing is stored and uploads stay on the host
+    /// route.
+    pub fn fill_peer_store(
+        &self,
+        peer: ddo_core::DeviceOrdinal,
+        limit: u64,
+    ) -> Result<PeerStoreReport, ArenaError> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ArenaError::Closed);
+        }
+        let live: u32 = state
+            .slots
+            .iter()
+            .map(|s| s.holder.leases)
+            .chain(state.residents.iter().map(|r| r.holder.leases))
+            .sum();
+        if live > 0 {
+            return Err(ArenaError::InvalidUnits(format!(
+                "the peer weight store is filled between passes: {live} leases are live"
+            )));
+        }
+        let residency = &self.platform.residency;
+        if let Some(old) = state.peer.take() {
+            residency
+                .release_peer_buffer(old.buffer)
+                .map_err(device("release the peer weight store"))?;
+            state.stats.peer_store_bytes = 0;
+        }
+        let order = self.expected_order(&state);
+        let streamed: Vec<UnitId> =
+            order.iter().copied().filter(|u| self.plan.slot_of[u.0 as usize].is_some()).collect();
+        let mut offsets = vec![None; self.layout.units.len()];
+        let mut bytes = 0u64;
+        for &u in &streamed {
+            let len = self.layout.units[u.0 as usize].len;
+            if limit > 0 && bytes + len > limit {
+                break;
+            }
+            offsets[u.0 as usize] = Some(bytes);
+            bytes += len;
+        }
+        let stored = offsets.iter().flatten().count() as u32;
+        let report = PeerStoreReport {
+            device: peer,
+            units: stored,
+            bytes,
+            host_units: streamed.len() as u32 - stored,
+        };
+        if bytes == 0 {
+            return Ok(report);
+        }
+        let buffer = residency
+            .create_peer_buffer(peer, bytes)
+            .map_err(device("create the peer weight store"))?;
+        let fences = &self.platform.fences;
+        for &u in &streamed {
+            let Some(at) = offsets[u.0 as usize] else { continue };
+            let filled = self.ensure_loaded(&mut state, u, true).and_then(|f| {
+                if let Some(f) = f {
+                    fences.wait(f).map_err(device("wait for an upload filling the peer store"))?;
+                }
+                residency
+                    .copy_into_peer(self.unit_range(u)?, buffer, at, self.copy_stream)
+                    .map_err(device("copy a unit into the peer weight store"))?;
+                let f =
+                    fences.record(self.copy_stream).map_err(device("record the store's fence"))?;
+                fences.wait(f).map_err(device("wait for the peer weight store"))
+            });
+            if let Err(e) = filled {
+                let _ = residency.release_peer_buffer(buffer);
+                return Err(e);
+            }
+        }
+        // The units filled last sit in their slots as if prefetched; the next pass's look-ahead
+        // may take those slots.
+        for slot in &mut state.slots {
+            slot.prefetched = false;
+        }
+        state.peer = Some(PeerStore { buffer, offsets });
+        state.stats.peer_store_bytes = bytes;
+        Ok(report)
+    }
+
+    /// The peer buffer and offset `unit` is stored at, when it is.
+    fn peer_offset(state: &State, unit: UnitId) -> Option<(ddo_core::PeerBuffer, u64)> {
+        let store = state.peer.as_ref()?;
+        Some((store.buffer, store.offsets[unit.0 as usize]?))
+    }
+
     /// Waits for every outstanding fence, then releases all memory and the reservation.
     /// Refused (nothing freed) while leases are live or memory is retained unsafe.
     pub fn close(&self) -> Result<(), ArenaError> {
@@ -1187,6 +1326,14 @@ impl Arena {
             }
         }
         state.stats.wait_seconds += t.elapsed().as_secs_f64();
+        if let Some(store) = state.peer.take() {
+            if let Err(e) = self.platform.residency.release_peer_buffer(store.buffer) {
+                // Kept allocated (never force-freed); the copies from it stop here.
+                state.peer = Some(store);
+                return Err(device("release the peer weight store")(e));
+            }
+            state.stats.peer_store_bytes = 0;
+        }
         let result = Self::teardown(
             &self.platform,
             &self.layout,

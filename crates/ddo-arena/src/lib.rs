@@ -27,7 +27,7 @@ mod plan;
 mod stats;
 mod tree;
 
-pub use arena::{Arena, Lease, ReclaimReport, drop_failure};
+pub use arena::{Arena, Lease, PeerStoreReport, ReclaimReport, drop_failure};
 pub use error::ArenaError;
 pub use layout::{
     DeviceConversion, DeviceWork, EXTENT_ALIGN, Extent, Layout, MAX_BRIDGED_GAP, MAX_LAYOUT,

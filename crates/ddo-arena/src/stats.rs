@@ -59,6 +59,12 @@ pub struct ArenaStats {
     pub peak_bytes: u64,
     /// Bytes retained unsafe after a failed release.
     pub unsafe_retained_bytes: u64,
+    /// Uploads served from the peer weight store (part of `uploads`).
+    pub peer_uploads: u64,
+    /// Bytes they copied over the peer link (not part of `upload_bytes`, the host link's).
+    pub peer_upload_bytes: u64,
+    /// Bytes the peer weight store holds now.
+    pub peer_store_bytes: u64,
 }
 
 impl ArenaStats {
@@ -93,6 +99,9 @@ impl ArenaStats {
             slot_bytes: later.slot_bytes,
             peak_bytes: self.peak_bytes.max(later.peak_bytes),
             unsafe_retained_bytes: self.unsafe_retained_bytes + later.unsafe_retained_bytes,
+            peer_uploads: self.peer_uploads + later.peer_uploads,
+            peer_upload_bytes: self.peer_upload_bytes + later.peer_upload_bytes,
+            peer_store_bytes: later.peer_store_bytes,
         }
     }
 

@@ -102,6 +102,18 @@ pub trait Residency: Send + Sync {
         let _ = (buffer, offset, dst, stream);
         Err(DeviceError::Unsupported("this device keeps no peer weight store".into()))
     }
+    /// Enqueues on `stream` a copy of `src` (a mapped range of this device) into `buffer` at
+    /// `offset`: filling the store with bytes already on this device.
+    fn copy_into_peer(
+        &self,
+        src: DeviceRange,
+        buffer: PeerBuffer,
+        offset: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let _ = (src, buffer, offset, stream);
+        Err(DeviceError::Unsupported("this device keeps no peer weight store".into()))
+    }
     /// Frees a peer buffer; no enqueued copy may still read it (waits for the device's work
     /// on CUDA). A failure keeps it allocated.
     fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError> {

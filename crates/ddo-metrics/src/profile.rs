@@ -125,6 +125,13 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .count("staging_buffers", s.staging_buffers)
         .text("staging_read", s.staging_read.as_ref())
         .render(&mut out, "");
+    Line::new("peer_store")
+        .text("device", s.peer_store_device.as_ref())
+        .count("units", s.peer_store_units)
+        .gib("gib", s.peer_store_bytes)
+        .count("host_units", s.peer_store_host_units)
+        .text("link_gb_per_s", s.peer_link_bytes_per_second.map(|b| format!("{:.1}", b / 1e9)))
+        .render(&mut out, "");
     Line::new("conversion")
         .text("at", s.conversion.as_ref())
         .count("tensors", s.converted_tensors)
@@ -201,6 +208,10 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .seconds("read_seconds", rt.disk_read_seconds)
         .seconds("stall_seconds", rt.read_stall_seconds)
         .count("on_demand", rt.disk_reads_on_demand)
+        .render(&mut out, "");
+    Line::new("peer")
+        .count("uploads", rt.peer_uploads)
+        .gib("gib", rt.peer_upload_bytes)
         .render(&mut out, "");
     Line::new("unsafe_retained")
         .gib("gib", rt.unsafe_retained_bytes.filter(|b| *b > 0))

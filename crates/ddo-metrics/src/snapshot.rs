@@ -184,6 +184,16 @@ optional_section! {
         encoding_seconds: f64,
         /// The encoded file the encodings were read from or written to, when one is used.
         encoded_file: String,
+        /// The GPU whose memory holds streamed units (`vmm_peer_store_device`), when it does.
+        peer_store_device: String,
+        /// Streamed units held there, streamed over the peer link.
+        peer_store_units: u64,
+        /// Their bytes in the peer's memory.
+        peer_store_bytes: u64,
+        /// Streamed units left to host memory (beyond `vmm_peer_store_gb`).
+        peer_store_host_units: u64,
+        /// The peer link's copy speed measured at attach, bytes per second (two devices).
+        peer_link_bytes_per_second: f64,
         /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `disk`, `host_tensors`.
         host_source: String,
         /// Why the host tier was chosen (mapping, retained windows or disk) from what host
@@ -263,6 +273,10 @@ optional_section! {
         /// time: a first pass before the order is learned, a unit larger than a staging buffer,
         /// or no buffer given back by the device in time).
         disk_reads_on_demand: u64,
+        /// Uploads copied from the peer weight store (part of `uploads`).
+        peer_uploads: u64,
+        /// Bytes those uploads copied over the peer link (not part of `upload_bytes`).
+        peer_upload_bytes: u64,
         /// The execution timer's snapshot, attached by the host (any route).
         execution_timing: ExecutionTiming,
         /// What releasing PyTorch's pinned host cache did (its own route).
@@ -443,7 +457,9 @@ pub fn runtime_counters_of(route: &str) -> &'static [&'static str] {
         "disk_read_seconds",
         "disk_bytes_per_second",
         "read_stall_seconds",
-        "disk_reads_on_demand"
+        "disk_reads_on_demand",
+        "peer_uploads",
+        "peer_upload_bytes"
     );
     match route {
         // Every ddo route streams through the arena (linear_runtime from the module's own host

@@ -341,6 +341,15 @@ settings! {
     /// of two, so host memory stays within twice this and the largest unit must fit in it; on
     /// the native route with part of the checkpoint retained, the read-ahead of the rest.
     vmm_staging_buffer_gb: f64 = 0.625, "VMM_STAGING_BUFFER_GB";
+    /// A GPU (`cuda:N`, the execution device itself included) whose memory holds the native
+    /// route's streamed units: each is uploaded once, copied into that device's memory, and from
+    /// then on streamed over the peer link instead of from host memory. Where the execution
+    /// device cannot read that GPU's memory (no peer access) the plan says so and host memory
+    /// serves. Empty (the default): host memory.
+    vmm_peer_store_device: String = String::new(), "VMM_PEER_STORE_DEVICE";
+    /// Bytes (GiB) of the peer store's device the store may take, in whole units in execution
+    /// order; the rest stream from host memory. 0 (the default): every streamed unit.
+    vmm_peer_store_gb: f64 = 0.0, "VMM_PEER_STORE_GB";
     /// How the native route reads the checkpoint: `auto` and `mmap` = the mapping; `pread` =
     /// positioned reads; `direct` = O_DIRECT reads.
     load_safetensors_backend: ReadBackend = ReadBackend::Auto, "LOAD_SAFETENSORS_BACKEND";

@@ -89,6 +89,15 @@ pub(crate) fn validate(
             allowed: EXECUTION_DEVICE_FORMS.into(),
         });
     }
+    let peer = &s.vmm_peer_store_device;
+    if !peer.is_empty() && (peer == "cpu" || !is_execution_device(peer)) {
+        return Err(ConfigError::InvalidChoice {
+            field: "vmm_peer_store_device".into(),
+            value: peer.clone(),
+            origin: origin("vmm_peer_store_device"),
+            allowed: "cuda, cuda:N, or empty for host memory".into(),
+        });
+    }
     pattern("vmm_module_pattern", &s.vmm_module_pattern, origin)?;
     for entry in &s.always_resident_modules_pattern {
         pattern("always_resident_modules_pattern", entry, origin)?;

@@ -76,8 +76,9 @@ def gguf_file(path: str) -> str:
 VARIANTS = ["resident", "diffusers_leaf", "diffusers_block", "linear", "vmm", "vmm@6", "vmm@9"]
 # Also measurable with --variants: vmm_fast_runtime fed from retained host windows holding the
 # whole model (vmm_source_cache_gb) instead of the checkpoint's mapping, or half of it (the rest
-# read from disk into staging every pass), and the disk route (vmm_runtime, every pass from disk).
-OPTIONAL = ["vmm_retained", "vmm_retained_half", "disk"]
+# read from disk into staging every pass), the disk route (vmm_runtime, every pass from disk), and
+# the streamed units held in the last GPU's memory (vmm_peer_store_device).
+OPTIONAL = ["vmm_retained", "vmm_retained_half", "disk", "vmm_peer"]
 # Variants whose floor is the disk's read speed.
 DISK_VARIANTS = {"vmm_retained_half", "disk"}
 # `vmm@GIB` (a weight budget of GIB), `vmm+dN` (prefetch depth N), or both: `vmm@6+d5`;
@@ -269,6 +270,13 @@ def child(a: argparse.Namespace) -> int:
                 backend="vmm", vmm_resident_weight_budget_gb=STREAMING_BUDGET_GB,
                 vmm_source_cache_gb=round(a.nbytes / 2 / 2**30, 2), load_safetensors_backend="direct",
             )
+        elif a.variant == "vmm_peer":
+            # The streamed units in the last GPU's memory: another GPU's where the machine has two
+            # (over the peer link), else this one's (a same-device store).
+            config = ddo.DynamicOffloadConfig(
+                backend="vmm", vmm_resident_weight_budget_gb=STREAMING_BUDGET_GB,
+                vmm_peer_store_device=f"cuda:{torch.cuda.device_count() - 1}",
+            )
         elif a.variant == "disk":
             config = ddo.DynamicOffloadConfig(
                 backend="vmm", preset="nvme_baseline", vmm_resident_weight_budget_gb=STREAMING_BUDGET_GB
@@ -354,7 +362,10 @@ def child(a: argparse.Namespace) -> int:
             for k in ("disk_bytes_per_pass", "disk_bytes_per_second", "read_stall_seconds", "passes"):
                 if row["runtime"].get(k) is not None:
                     row[k] = row["runtime"][k]
-            for k in ("host_source", "host_tier_reason", "retained_bytes", "unretained_bytes", "staging_read"):
+            for k in (
+                "host_source", "host_tier_reason", "retained_bytes", "unretained_bytes", "staging_read",
+                "peer_store_device", "peer_store_units", "peer_store_bytes", "peer_link_bytes_per_second",
+            ):
                 if after["setup"].get(k) is not None:
                     row[k] = after["setup"][k]
         if a.variant == "vmm_retained_half":
@@ -463,6 +474,11 @@ def floor_of(r: dict, resident_step: float, streamed: float) -> tuple[float | No
     """A row's floor in seconds (None where its disk speed or disk bytes are unknown) and what
     it counts: the link, the disk, or both."""
     base = base_of(r["variant"])
+    if base == "vmm_peer":
+        # Streamed over the peer link (measured at attach between two GPUs); a same-device store
+        # has no link to floor it.
+        peer = r.get("peer_link_bytes_per_second")
+        return (max(resident_step, streamed / peer) if peer else resident_step), " (peer)"
     if base not in DISK_VARIANTS:
         return max(resident_step, streamed / r["link"]), ""
     disk, per_pass = r.get("disk_gbps"), r.get("disk_bytes_per_pass")

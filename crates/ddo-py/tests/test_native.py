@@ -154,6 +154,35 @@ def test_a_host_tier_setting_reads_nothing_ahead(tmp_path, flux):
     loaded.offload.remove()
 
 
+def test_streamed_units_held_in_a_peer_store_give_the_resident_outputs(tmp_path, flux):
+    """vmm_peer_store_device: the streamed units live in that GPU's memory (on the host backend,
+    host memory standing for it) and stream from there; outputs stay bit for bit."""
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model),
+        vmm_peer_store_device="cuda:1",
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(path, apply_dynamic=True, dynamic_offload_config=config)
+    for _ in range(3):
+        assert torch.equal(run(loaded.module, inputs), reference)
+    snapshot = metrics(loaded.offload)
+    setup, runtime = snapshot["setup"], snapshot["runtime"]
+    assert setup["peer_store_device"] == "cuda:1"
+    assert setup["peer_store_units"] == setup["streamed_units"] > 0
+    assert runtime["peer_uploads"] >= 2 * setup["streamed_units"]
+    loaded.offload.remove()
+
+
+def test_a_peer_store_device_that_is_no_gpu_is_refused_by_name():
+    from ddo.settings import resolve_settings
+
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="vmm_peer_store_device"):
+        resolve_settings("transformer", config=ddo.DynamicOffloadConfig(backend="vmm", vmm_peer_store_device="gpu1"))
+
+
 @pytest.mark.parametrize("storage_gb", [1.0, 0.0001])
 def test_retained_windows_feed_the_arena(tmp_path, flux, storage_gb):
     """vmm_source_cache_gb > 0: host bytes come from retained windows under that ceiling; what

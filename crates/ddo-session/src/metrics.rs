@@ -131,6 +131,16 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
             setup.encoding_seconds = Some(e.seconds);
             setup.encoded_file = e.file.as_ref().map(|f| f.display().to_string());
         }
+        if let Some(p) = a.peer {
+            setup.peer_store_device = Some(p.device.to_string());
+            setup.peer_store_units = Some(u64::from(p.units));
+            setup.peer_store_bytes = Some(p.bytes);
+            setup.peer_store_host_units = Some(u64::from(p.host_units));
+            setup.peer_link_bytes_per_second = a.peer_link;
+        }
+        if let Some(note) = a.peer_note {
+            setup.warnings.get_or_insert_with(Vec::new).push(note.to_owned());
+        }
         if let Some(note) = a.staging_note {
             setup.warnings.get_or_insert_with(Vec::new).push(note.to_owned());
         }
@@ -139,6 +149,10 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         }
         let mut runtime = a.stats.runtime_section();
         runtime.passes = Some(a.stats.passes);
+        if a.peer.is_some() {
+            runtime.peer_uploads = Some(a.stats.peer_uploads);
+            runtime.peer_upload_bytes = Some(a.stats.peer_upload_bytes);
+        }
         // Only routes that read the disk into staging have disk counters (absent otherwise).
         if let Some((staging, direct)) = a.staging {
             setup.staging_bytes = Some(staging.bytes);

@@ -223,6 +223,12 @@ struct HostReport {
     encoding: Option<EncodingReport>,
     /// Ranges of file mappings to read in (populate) just before they are registered.
     read_in: Vec<ReadIn>,
+    /// The streamed units held in a peer device's memory (`vmm_peer_store_device`).
+    peer: Option<ddo_arena::PeerStoreReport>,
+    /// Why no peer store serves (it was asked for and refused), or how fast its link is.
+    peer_note: Option<String>,
+    /// The peer link's speed measured at attach, bytes per second (two CUDA devices).
+    peer_link: Option<f64>,
     /// How long the attach's stages took.
     stages: SetupStages,
 }
@@ -577,6 +583,7 @@ impl ComponentSession {
             return Err(SessionError::Arena(e).with_cleanup(cleanup));
         }
         host.stages.resident_seconds = priming.elapsed().as_secs_f64();
+        self.fill_peer_store(&arena, &mut host);
         let plan = arena.plan();
         let units = specs
             .iter()
@@ -1532,6 +1539,48 @@ impl ComponentSession {
         Ok((Arc::new(source), ranges, host))
     }
 
+    /// Places the streamed units in `vmm_peer_store_device`'s memory when it is set, up to
+    /// `vmm_peer_store_gb`; a refusal (no peer access, no memory there) leaves them streaming
+    /// from host memory and says why in `host`.
+    fn fill_peer_store(&self, arena: &Arena, host: &mut HostReport) {
+        let s = &self.plan.settings;
+        host.peer = None;
+        if s.vmm_peer_store_device.is_empty() {
+            return;
+        }
+        let peer = match ExecutionDevice::parse(&s.vmm_peer_store_device) {
+            Ok(ExecutionDevice::Cuda(n)) => n,
+            _ => {
+                host.peer_note = Some(format!(
+                    "vmm_peer_store_device = {:?} names no GPU: the units stream from host memory",
+                    s.vmm_peer_store_device
+                ));
+                return;
+            }
+        };
+        let limit = gib("vmm_peer_store_gb", s.vmm_peer_store_gb).unwrap_or(0);
+        match arena.fill_peer_store(ddo_core::DeviceOrdinal(peer), limit) {
+            Ok(report) => {
+                host.peer_note = None;
+                host.peer = Some(report);
+                if let (Some(dev), None) = (self.cuda(), host.peer_link) {
+                    let own = ddo_core::Residency::device(&**dev).0;
+                    if own != peer {
+                        host.peer_link =
+                            ddo_platform::cuda::measure_peer_link(own, peer, 256 << 20)
+                                .ok()
+                                .map(|m| m.bytes_per_second);
+                    }
+                }
+            }
+            Err(e) => {
+                host.peer_note = Some(format!(
+                    "no peer weight store on cuda:{peer}: {e}; the units stream from host memory"
+                ));
+            }
+        }
+    }
+
     /// Registers `ranges` in order into `registered`, counting what stays unregistered (and
     /// why) in `host`. The ranges of file mappings are read in first, on their own threads,
     /// one range ahead: registering one overlaps reading the next, and registration never
@@ -1902,6 +1951,7 @@ impl ComponentSession {
             },
         };
         memory.arena = arena;
+        self.fill_peer_store(&memory.arena, &mut attached.host);
         if result.is_ok() {
             *self.budget_override.lock().unwrap_or_else(|p| p.into_inner()) = Some(total);
         }
@@ -2052,6 +2102,9 @@ impl ComponentSession {
                     encoding: a.host.encoding.as_ref(),
                     setup_seconds: a.setup_seconds,
                     stages: a.host.stages,
+                    peer: a.host.peer,
+                    peer_note: a.host.peer_note.as_deref(),
+                    peer_link: a.host.peer_link,
                     total_bytes: a.total_bytes,
                     tensor_count: a.tensor_count,
                 };
@@ -2102,6 +2155,9 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) encoding: Option<&'a EncodingReport>,
     pub(crate) setup_seconds: f64,
     pub(crate) stages: SetupStages,
+    pub(crate) peer: Option<ddo_arena::PeerStoreReport>,
+    pub(crate) peer_note: Option<&'a str>,
+    pub(crate) peer_link: Option<f64>,
     pub(crate) total_bytes: u64,
     pub(crate) tensor_count: u64,
 }

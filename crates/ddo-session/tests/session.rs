@@ -1351,3 +1351,91 @@ fn a_chosen_tensor_whose_encoding_is_not_smaller_streams_as_stored() {
         session.end_pass(S).unwrap();
     }
 }
+
+#[test]
+fn streamed_units_held_in_a_peer_store_stream_their_bytes_from_there() {
+    // The host backend models every device's memory in host memory.
+    peer_store("cpu", "cuda:1");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn on_cuda_streamed_units_held_in_a_peer_store_stream_their_bytes_from_there() {
+    // The last GPU the driver lists: another GPU where the machine has two, else the same one.
+    let last = ddo_platform::cuda::topology().unwrap().devices.len() - 1;
+    peer_store("cuda:0", &format!("cuda:{last}"));
+}
+
+fn peer_store(device: &str, peer: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 8);
+    let session =
+        native(&path, &[("execution_device", device), ("vmm_peer_store_device", peer)]).unwrap();
+    let s = setup(&session);
+    let streamed = s.streamed_units.unwrap();
+    assert!(streamed >= 4, "most blocks stream: {streamed}");
+    assert_eq!(s.peer_store_device.as_deref(), Some(peer));
+    assert_eq!(s.peer_store_units, Some(streamed), "every streamed unit is in the store");
+    assert_eq!(s.peer_store_host_units, Some(0));
+    let before = session.metrics(None).runtime;
+    run_and_check(&session, 3, &checkpoint_bytes(8));
+    let after = session.metrics(None);
+    after.validate().unwrap();
+    let rt = after.runtime.clone();
+    // Every upload after the fill copies from the store: the host link carries nothing more.
+    assert_eq!(rt.upload_bytes, before.upload_bytes, "no host bytes cross the link");
+    assert!(rt.peer_uploads.unwrap() >= 2 * streamed, "{rt:?}");
+    assert!(rt.peer_upload_bytes.unwrap() > 0);
+    assert!(after.format_profile().contains("peer_store=device="), "{}", after.format_profile());
+    // A budget change plans the arena again and fills the store again.
+    assert!(session.set_budget(s.gpu_budget_bytes.unwrap() + (1 << 20)).unwrap());
+    assert_eq!(setup(&session).peer_store_units, setup(&session).streamed_units);
+    run_and_check(&session, 1, &checkpoint_bytes(8));
+    session.close().unwrap();
+
+    // A store limited to two units: the rest stream from host memory, bytes as before.
+    let unit = checkpoint_unit_bytes(&path);
+    let limit = format!("{}", (2 * unit) as f64 / (1u64 << 30) as f64 + 1e-9);
+    let session = native(
+        &path,
+        &[
+            ("execution_device", device),
+            ("vmm_peer_store_device", peer),
+            ("vmm_peer_store_gb", &limit),
+        ],
+    )
+    .unwrap();
+    let s = setup(&session);
+    assert_eq!(s.peer_store_units, Some(2), "{s:?}");
+    assert_eq!(s.peer_store_host_units, Some(s.streamed_units.unwrap() - 2));
+    let before = session.metrics(None).runtime.upload_bytes.unwrap();
+    run_and_check(&session, 2, &checkpoint_bytes(8));
+    assert!(
+        session.metrics(None).runtime.upload_bytes.unwrap() > before,
+        "the rest use the host link"
+    );
+    session.close().unwrap();
+}
+
+/// Device bytes of one streamed unit of `checkpoint(dir, n)` (all blocks are alike, each
+/// filling its slot).
+fn checkpoint_unit_bytes(path: &Path) -> u64 {
+    let session = native(path, &[]).unwrap();
+    setup(&session).slot_bytes.unwrap()
+}
+
+#[test]
+fn a_peer_store_device_that_is_not_a_gpu_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 2);
+    for bad in ["cpu", "gpu1", "cuda:x"] {
+        let plan = testing::resolve_plan(&[
+            ("execution_device", "cpu"),
+            ("backend", "vmm"),
+            ("vmm_peer_store_device", bad),
+        ]);
+        let err = plan.unwrap_err().to_string();
+        assert!(err.contains("vmm_peer_store_device") && err.contains("cuda:N"), "{bad}: {err}");
+    }
+    drop(path);
+}

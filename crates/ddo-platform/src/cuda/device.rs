@@ -564,6 +564,25 @@ impl Residency for CudaDevice {
         Ok(())
     }
 
+    fn copy_into_peer(
+        &self,
+        src: DeviceRange,
+        buffer: PeerBuffer,
+        offset: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_mapped(src)?;
+        let at = Self::peer_at(&state, buffer, offset, src.len)?;
+        let raw = Self::known_stream(&state, stream)?;
+        self.bind()?;
+        // SAFETY: `src` is inside a live mapping and `at..at+src.len` inside a live peer buffer
+        // (both checked); the buffer is freed only after the device's work is synchronized.
+        unsafe { driver::memcpy_dtod_async(at, src.start.0, src.len as usize, raw) }
+            .named("cuMemcpyDtoDAsync")?;
+        Ok(())
+    }
+
     fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError> {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         Self::peer_at(&state, buffer, 0, 0)?;

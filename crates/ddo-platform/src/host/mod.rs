@@ -301,6 +301,25 @@ impl Residency for HostDevice {
         Ok(())
     }
 
+    fn copy_into_peer(
+        &self,
+        src: DeviceRange,
+        buffer: PeerBuffer,
+        offset: u64,
+        _stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_mapped(src)?;
+        state.peer_bytes(buffer, offset, src.len)?;
+        let bytes = state.peers.get_mut(&buffer.range.start.0).expect("checked");
+        // SAFETY: `src` lies inside a live mapping of this device (checked under the lock,
+        // which keeps it mapped); the peer buffer is host memory owned here, never mapped.
+        let from =
+            unsafe { std::slice::from_raw_parts(src.start.0 as *const u8, src.len as usize) };
+        bytes[offset as usize..(offset + src.len) as usize].copy_from_slice(from);
+        Ok(())
+    }
+
     fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError> {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.peer_bytes(buffer, 0, 0)?;

@@ -88,6 +88,8 @@ _FLAGS: tuple = (
     ("--ddo-prefetch-depth", "prefetch_depth", int, None, "units kept in flight ahead of execution"),
     ("--ddo-vmm-weight-encoding", "vmm_weight_encoding", str, None, "stream bf16/fp16 weights entropy-coded, decoded on the device: off, auto or on"),
     ("--ddo-vmm-encoded-cache-dir", "vmm_encoded_cache_dir", str, None, "folder of encoded files: a later load maps them instead of encoding again"),
+    ("--ddo-vmm-peer-store-device", "vmm_peer_store_device", str, None, "a GPU (cuda:N) whose memory holds the streamed units, streamed over the peer link"),
+    ("--ddo-vmm-peer-store-gb", "vmm_peer_store_gb", float, None, "GiB of the peer GPU the store may take (0 = every streamed unit)"),
 )
 
 
