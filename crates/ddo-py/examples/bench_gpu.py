@@ -342,6 +342,11 @@ def child(a: argparse.Namespace) -> int:
             rss=peak_rss(), rss_base=rss_base, digest=digest,
             rss_parts_above_base={k: v - parts_base.get(k, 0) for k, v in rss_parts().items()},
         )
+        # PyTorch's allocator under the card's ceiling: retries are cudaMalloc failures it met
+        # by freeing its cache (each a device-wide synchronize).
+        stats = torch.cuda.memory_stats(dev)
+        row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+        row["torch_reserved_peak"] = stats.get("reserved_bytes.all.peak", 0) - (held.numel() if held is not None else 0)
         if not copying and warm_up_s is not None:
             row["auto_warm_up_s"] = warm_up_s
         if held is not None:
@@ -524,6 +529,17 @@ def table(rows: list[dict]) -> None:
             if parts:
                 print(f"| {label(size)} | {res} | {r['variant']}: host memory after the steps, above base: "
                       f"anonymous {parts.get('RssAnon', 0) / 2**30:.2f} GiB, file pages {parts.get('RssFile', 0) / 2**30:.2f} GiB | | | | | | | | |")
+        for r in group:
+            if "error" not in r and r.get("alloc_retries") is not None:
+                print(f"| {label(size)} | {res} | {r['variant']}: PyTorch's pool peaked at "
+                      f"{r['torch_reserved_peak'] / 2**30:.2f} GiB, {r['alloc_retries']} allocation retries "
+                      f"(cache freed to allocate again) | | | | | | | | |")
+            if r.get("peer_store_units") is not None:
+                link = r.get("peer_link_bytes_per_second")
+                print(f"| {label(size)} | {res} | {r['variant']}: {r['peer_store_units']} units "
+                      f"({r['peer_store_bytes'] / 2**30:.2f} GiB) in {r['peer_store_device']}'s memory"
+                      + (f", peer link {link / 1e9:.1f} GB/s" if link else ", the computing GPU's own (no second GPU)")
+                      + " | | | | | | | | |")
         for r in group:
             if "error" not in r and r.get("disk_bytes_per_pass") is not None:
                 print(f"| {label(size)} | {res} | {r['variant']}: {disk_note(r)} | | | | | | | | |")
