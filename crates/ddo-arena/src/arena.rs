@@ -1197,9 +1197,11 @@ impl Arena {
         }
         let residency = &self.platform.residency;
         if let Some(old) = state.peer.take() {
-            residency
-                .release_peer_buffer(old.buffer)
-                .map_err(device("release the peer weight store"))?;
+            if let Err(e) = residency.release_peer_buffer(old.buffer) {
+                // Kept (never force-freed): close tries again.
+                state.peer = Some(old);
+                return Err(device("release the peer weight store")(e));
+            }
             state.stats.peer_store_bytes = 0;
         }
         let order = self.expected_order(&state);
@@ -1243,7 +1245,16 @@ impl Arena {
                 fences.wait(f).map_err(device("wait for the peer weight store"))
             });
             if let Err(e) = filled {
-                let _ = residency.release_peer_buffer(buffer);
+                for slot in &mut state.slots {
+                    slot.prefetched = false;
+                }
+                if let Err(r) = residency.release_peer_buffer(buffer) {
+                    ddo_core::note_drop_failure(ddo_core::DropFailure {
+                        what: "peer weight store",
+                        message: format!("releasing it after a failed fill: {r}"),
+                        retained_bytes: Some(bytes),
+                    });
+                }
                 return Err(e);
             }
         }

@@ -146,7 +146,7 @@ struct ReadAhead {
 
 #[pymethods]
 impl ReadAhead {
-    /// Bytes asked of the kernel so far.
+    /// Bytes read in so far (chunks already cached are not counted).
     fn asked(&self) -> u64 {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |r| r.asked())
     }

@@ -1563,6 +1563,15 @@ impl ComponentSession {
             Ok(report) => {
                 host.peer_note = None;
                 host.peer = Some(report);
+                // The fill leaves its last units in the slots: start the first pass warm again.
+                let _ = arena.prime();
+                let own = self.cuda().map(|d| ddo_core::Residency::device(&**d).0);
+                if own == Some(peer) && report.bytes > 0 {
+                    host.peer_note = Some(format!(
+                        "the peer weight store is in the computing GPU's own memory ({}), outside the arena's budget: set vmm_peer_store_gb to bound it",
+                        ByteSize(report.bytes)
+                    ));
+                }
                 if let (Some(dev), None) = (self.cuda(), host.peer_link) {
                     let own = ddo_core::Residency::device(&**dev).0;
                     if own != peer {
@@ -1606,7 +1615,8 @@ impl ComponentSession {
             ranges.iter().map(|(r, _)| (r.offset(), r.len())).collect();
         let stop = AtomicBool::new(false);
         std::thread::scope(|scope| {
-            let (done, arrived) = std::sync::mpsc::channel::<usize>();
+            // A rendezvous: the reader reads the next range while this one is registered.
+            let (done, arrived) = std::sync::mpsc::sync_channel::<usize>(0);
             let (stop, spans) = (&stop, &spans);
             let reader = scope.spawn(move || {
                 let started = Instant::now();

@@ -73,7 +73,7 @@ impl ReadAhead {
         Ok(ReadAhead { shared, workers: started })
     }
 
-    /// Bytes asked of the kernel so far.
+    /// Bytes read in so far (chunks already in the page cache are not counted).
     pub fn asked(&self) -> u64 {
         self.shared.asked.load(Ordering::Relaxed)
     }
@@ -83,7 +83,7 @@ impl ReadAhead {
         self.shared.files.iter().map(|(_, len)| len).sum()
     }
 
-    /// Waits until every chunk was asked for; returns the bytes asked.
+    /// Waits until every chunk was read in or found cached; returns the bytes read in.
     pub fn wait(mut self) -> u64 {
         for w in self.workers.drain(..) {
             let _ = w.join();
@@ -99,10 +99,13 @@ impl Shared {
             let Some(&(file, offset)) = self.chunks.get(c) else { break };
             let (f, len) = &self.files[file];
             let n = (POPULATE_CHUNK as u64).min(len - offset);
-            if read_in(f, offset, n).is_err() {
-                break;
+            match read_in(f, offset, n) {
+                Ok(true) => {
+                    self.asked.fetch_add(n, Ordering::Relaxed);
+                }
+                Ok(false) => {}
+                Err(_) => break,
             }
-            self.asked.fetch_add(n, Ordering::Relaxed);
         }
     }
 }
@@ -110,17 +113,17 @@ impl Shared {
 /// Brings `n` bytes of `file` at `offset` into the page cache through a mapping of just that
 /// chunk, unmapped at once: the process holds at most one chunk's pages per worker. (Advice
 /// alone, `POSIX_FADV_WILLNEED`, reads only a readahead window per call.)
-fn read_in(file: &File, offset: u64, n: u64) -> std::io::Result<()> {
+fn read_in(file: &File, offset: u64, n: u64) -> std::io::Result<bool> {
     let len = usize::try_from(n).map_err(std::io::Error::other)?;
     // SAFETY: the mapping is read-only and its bytes are never read here: the kernel only
     // faults its pages in. A file truncated meanwhile makes MADV_POPULATE_READ fail (it does
     // not raise SIGBUS), which stops this worker.
     let map = unsafe { memmap2::MmapOptions::new().offset(offset).len(len).map(file) }?;
     if cached(&map) {
-        return Ok(());
+        return Ok(false);
     }
     let _ = map.advise(memmap2::Advice::WillNeed);
-    map.advise(memmap2::Advice::PopulateRead)
+    map.advise(memmap2::Advice::PopulateRead).map(|()| true)
 }
 
 /// Whether every page of `map` is in the page cache already (a warm file is not walked again).

@@ -98,7 +98,9 @@ fn reading_ahead_brings_an_evicted_file_into_the_page_cache() {
     let (before, _) = cached(&paths[1]);
     let ahead = ddo_source::ReadAhead::start(&paths, 3).unwrap();
     assert_eq!(ahead.total(), 2 * LEN as u64);
-    assert_eq!(ahead.wait(), 2 * LEN as u64, "every chunk of both files is asked for");
+    // Every evicted chunk of both files is read in (a partial last page may stay cached).
+    let read = ahead.wait();
+    assert!(read >= 6 * POPULATE_CHUNK as u64 && read <= 2 * LEN as u64, "{read}");
     // The kernel reads asynchronously: wait for the pages to land.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     for p in &paths {
@@ -135,6 +137,9 @@ fn dropping_a_read_ahead_stops_it() {
     let ahead = ddo_source::ReadAhead::start(std::slice::from_ref(&path), 1).unwrap();
     drop(ahead);
     // The worker ended (joined in drop); a new read ahead of the same file still works.
+    evicted(&path);
     let again = ddo_source::ReadAhead::start(&[path], 1).unwrap();
-    assert_eq!(again.wait(), LEN as u64);
+    // Every evicted chunk is read in again (a file's partial last page may stay cached).
+    let read = again.wait();
+    assert!(read >= 3 * POPULATE_CHUNK as u64 && read <= LEN as u64, "{read}");
 }

@@ -828,10 +828,11 @@ def from_pretrained_with_dynamic_offload(
         )
     if subfolder and not gguf_path:
         from_pretrained_kwargs["subfolder"] = subfolder
-    settings = resolve_settings(component, config=dynamic_offload_config) if apply_dynamic else None
-    # A cold checkpoint the mapping tier will serve is read while the module is built.
-    ahead = _read_ahead(settings, source["files"]) if settings is not None else None
+    ahead = None
     try:
+        settings = resolve_settings(component, config=dynamic_offload_config) if apply_dynamic else None
+        # A cold checkpoint the mapping tier will serve is read while the module is built.
+        ahead = _read_ahead(settings, source["files"]) if settings is not None else None
         result = _load_and_attach(
             stages, seconds, clock, settings, path, folder, checkpoint, source, gguf_path, gguf_tensors,
             model_loader, apply_dynamic, component, dynamic_offload_config, from_pretrained_kwargs,
@@ -853,6 +854,7 @@ def _read_ahead(settings: Any, files: Sequence[str]) -> Any:
         or v.get("vmm_source_cache_gb")
         or v.get("vmm_source_registered_gb")
         or v.get("load_safetensors_backend") not in ("auto", "mmap")
+        or v.get("vmm_weight_encoding", "off") != "off"
     ):
         return None
     return _native.read_ahead(list(files), min(16, os.cpu_count() or 1))
