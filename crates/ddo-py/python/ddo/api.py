@@ -857,7 +857,11 @@ def _read_ahead(settings: Any, files: Sequence[str]) -> Any:
         or v.get("vmm_weight_encoding", "off") != "off"
     ):
         return None
-    return _native.read_ahead(list(files), min(16, os.cpu_count() or 1))
+    try:
+        return _native.read_ahead(list(files), min(16, os.cpu_count() or 1))
+    except _native.DynamicOffloadCheckpointError:
+        # Only a head start: a file it cannot open is opened (and named) by the load itself.
+        return None
 
 
 def _load_and_attach(
