@@ -1184,12 +1184,7 @@ impl Arena {
         if state.closed {
             return Err(ArenaError::Closed);
         }
-        let live: u32 = state
-            .slots
-            .iter()
-            .map(|s| s.holder.leases)
-            .chain(state.residents.iter().map(|r| r.holder.leases))
-            .sum();
+        let live = Self::live_leases(&state);
         if live > 0 {
             return Err(ArenaError::InvalidUnits(format!(
                 "the peer weight store is filled between passes: {live} leases are live"
@@ -1268,6 +1263,16 @@ impl Arena {
         Ok(report)
     }
 
+    /// Leases live on the arena's slots and resident units.
+    fn live_leases(state: &State) -> u32 {
+        state
+            .slots
+            .iter()
+            .map(|s| s.holder.leases)
+            .chain(state.residents.iter().map(|r| r.holder.leases))
+            .sum()
+    }
+
     /// The peer buffer and offset `unit` is stored at, when it is.
     fn peer_offset(state: &State, unit: UnitId) -> Option<(ddo_core::PeerBuffer, u64)> {
         let store = state.peer.as_ref()?;
@@ -1303,12 +1308,7 @@ impl Arena {
         if state.closed {
             return Ok(());
         }
-        let live: u32 = state
-            .slots
-            .iter()
-            .map(|s| s.holder.leases)
-            .chain(state.residents.iter().map(|r| r.holder.leases))
-            .sum();
+        let live = Self::live_leases(&state);
         let retained = state.stats.unsafe_retained_bytes;
         let any_unsafe = state.slots.iter().any(|s| s.holder.unsafe_)
             || state.residents.iter().any(|r| r.holder.unsafe_);
