@@ -59,6 +59,13 @@ pub trait Residency: Send + Sync {
     -> Result<Registration, DeviceError>;
     /// Undoes a registration; the bytes stay as they are.
     fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError>;
+    /// Whether exactly `slice` is already page-locked in this process (by another device or
+    /// session): registering it again joins that registration and locks no new memory. The
+    /// default: never (an adapter whose registrations are its own).
+    fn host_registered(&self, slice: &HostSlice) -> bool {
+        let _ = slice;
+        false
+    }
     /// Drops the device's hold on the source of every copy already proven complete (a host
     /// buffer whose copies are done then has no owner but its own), without waiting for any
     /// work in flight and without a device-wide synchronize. Copies no fence covers yet count:

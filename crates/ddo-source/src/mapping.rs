@@ -3,8 +3,14 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use ddo_core::{HostRegion, SourceError};
+
+/// File identity (device, inode, length, modification seconds and nanoseconds) -> the live
+/// shared mapping of that file.
+type SharedKey = (u64, u64, u64, i64, i64);
+static SHARED: Mutex<Vec<(SharedKey, Weak<MappedFile>)>> = Mutex::new(Vec::new());
 
 /// The bytes one worker of [`MappedFile::populate`] brings in at a time.
 pub const POPULATE_CHUNK: usize = 32 << 20;
@@ -34,6 +40,35 @@ impl MappedFile {
             File::open(path).map_err(|source| SourceError::Io { file: path.to_owned(), source })?;
         // SAFETY: forwarded from this function's contract.
         unsafe { Self::map_open(&file, path) }
+    }
+
+    /// The process's mapping of the file at `path`: the live one when another source of this
+    /// process mapped the same file (same device, inode, length and modification time), else a
+    /// new one that later callers share. Sessions of one checkpoint on several GPUs, or several
+    /// components of one file, then hold one mapping, and one page-locked registration of it
+    /// (host registrations are shared per address).
+    ///
+    /// # Safety
+    ///
+    /// As [`map`](Self::map).
+    pub unsafe fn shared(path: &Path) -> Result<Arc<MappedFile>, SourceError> {
+        use std::os::unix::fs::MetadataExt;
+        let io = |source| SourceError::Io { file: path.to_owned(), source };
+        let file = File::open(path).map_err(io)?;
+        let m = file.metadata().map_err(io)?;
+        let key = (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec());
+        let mut live = SHARED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        live.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(map) = live.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade())
+            && !map.faulted()
+        {
+            return Ok(map);
+        }
+        // SAFETY: forwarded from this function's contract.
+        let map = Arc::new(unsafe { Self::map_open(&file, path) }?);
+        live.retain(|(k, _)| *k != key);
+        live.push((key, Arc::downgrade(&map)));
+        Ok(map)
     }
 
     /// Maps `file`, open at `path`, as [`map`](Self::map) maps the file at a path.

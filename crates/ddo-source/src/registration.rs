@@ -101,12 +101,16 @@ impl Registrar {
                 requested: charge,
             });
         }
-        let request = GrowthRequest {
-            kind: GrowthKind::Registration,
-            bytes: slice.len() as u64,
-            registered_bytes: ledger.charged,
-        };
-        self.probe.admit(&request).into_result().map_err(SourceError::Refused)?;
+        // Joining a registration of the process (the same mapping, registered by another device
+        // or session) locks no new memory: the host is not asked again.
+        if !self.residency.host_registered(&slice) {
+            let request = GrowthRequest {
+                kind: GrowthKind::Registration,
+                bytes: slice.len() as u64,
+                registered_bytes: ledger.charged,
+            };
+            self.probe.admit(&request).into_result().map_err(SourceError::Refused)?;
+        }
         let registration = self.residency.register_host(slice, read_only)?;
         ledger.charged += charge;
         Ok(RegisteredRange { registration, charged: charge })

@@ -100,7 +100,7 @@ impl CheckpointSource {
             .files()
             .iter()
             // SAFETY: forwarded from this function's contract.
-            .map(|f| unsafe { MappedFile::map(&f.path) }.map(Arc::new))
+            .map(|f| unsafe { MappedFile::shared(&f.path) })
             .collect::<Result<Vec<_>, _>>()?;
         let options = ReadOptions { method: ReadMethod::Mmap, workers, ..ReadOptions::default() };
         Ok(CheckpointSource { checkpoint, maps: Some(maps), files: Arc::from([]), options })

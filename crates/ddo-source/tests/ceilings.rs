@@ -113,7 +113,14 @@ fn slice(len: usize) -> HostSlice {
 }
 
 fn registering(unregister_fails: bool) -> Arc<MockResidency> {
+    registering_with(unregister_fails, false)
+}
+
+/// A residency that registers everything; `shared`: every slice is already registered in the
+/// process (another session's registration of the same mapping).
+fn registering_with(unregister_fails: bool, shared: bool) -> Arc<MockResidency> {
     let mut r = MockResidency::new();
+    r.expect_host_registered().returning(move |_| shared);
     r.expect_register_host().returning(|slice, _| Ok(Registration { slice, handle: 1 }));
     r.expect_unregister_host().returning(move |_| {
         if unregister_fails { Err(DeviceError::Lost("injected".into())) } else { Ok(()) }
@@ -170,4 +177,18 @@ fn a_failed_unregistration_retains_ownership() {
     assert!(matches!(e, SourceError::Device(DeviceError::Lost(_))));
     assert_eq!(reg.charged(), 4096, "still charged: never reused");
     assert_eq!(reg.unsafe_retained(), 4096);
+}
+
+#[test]
+fn joining_a_registration_the_process_holds_asks_the_host_for_nothing() {
+    // A host that admits no more page-locked memory still lets a session join the registration
+    // another session made of the same mapping: no new memory is locked.
+    let reg = Registrar::new(4 * REGISTRATION_SEGMENT, registering_with(false, true), refusing());
+    let joined = reg.register(slice(4096), true).expect("joining is not a new registration");
+    assert_eq!(reg.charged(), 4096);
+    reg.unregister(joined).unwrap();
+    // The same host refuses a registration of memory no one has registered.
+    let reg = Registrar::new(4 * REGISTRATION_SEGMENT, registering_with(false, false), refusing());
+    assert!(matches!(reg.register(slice(4096), true), Err(SourceError::Refused(_))));
+    assert_eq!(reg.charged(), 0);
 }

@@ -15,7 +15,7 @@ use ddo_core::{
 use cudarc::driver::result::{self as driver, DriverError};
 
 use super::error::{CudaError, Named};
-use super::result::{host_memory, vmm};
+use super::result::vmm;
 use super::sys;
 
 /// Events kept outstanding before `record` starts retiring completed ones.
@@ -747,11 +747,10 @@ impl Residency for CudaDevice {
             )));
         }
         self.bind()?;
-        // SAFETY: the slice's region is held in `registrations` from here until a successful
-        // unregistration (or the device's drop, after its own unregistration), so the pages
-        // stay allocated while registered.
-        unsafe { host_memory::register(ptr as *mut c_void, slice.len(), read_only) }
-            .named("cuMemHostRegister")?;
+        // SAFETY: the slice's region is held in `registrations` from here until this device's
+        // hold ends (unregistration, or the device's drop), so the pages stay allocated while
+        // held; `dev` is the device of the context just bound.
+        unsafe { super::shared::hold(ptr, slice.len(), read_only, self.dev) }?;
         state.registrations.insert(ptr, slice.clone());
         Ok(Registration { slice, handle: ptr })
     }
@@ -765,12 +764,17 @@ impl Residency for CudaDevice {
             )));
         }
         self.bind()?;
-        // SAFETY: registered by this device (checked) and still held in `registrations`.
-        unsafe { host_memory::unregister(registration.handle as *mut c_void) }
-            .named("cuMemHostUnregister")?;
-        // The memory may go now: the driver no longer references it.
+        // SAFETY: held by this device (checked) and still in `registrations`; the caller's
+        // contract: no work of this device reads it any more.
+        unsafe { super::shared::let_go(registration.handle) }?;
+        // The memory may go now: the driver no longer references it for this device (another
+        // holder keeps its own slice of it).
         state.registrations.remove(&registration.handle);
         Ok(())
+    }
+
+    fn host_registered(&self, slice: &HostSlice) -> bool {
+        super::shared::registered(slice.as_bytes().as_ptr() as u64, slice.len())
     }
 
     fn retire_completed_copies(&self) -> Result<(), DeviceError> {
@@ -906,7 +910,7 @@ impl Drop for CudaDevice {
                 let _ = vmm::release(handle);
             }
             for (ptr, slice) in std::mem::take(&mut state.registrations) {
-                if let Err(e) = host_memory::unregister(ptr as *mut c_void) {
+                if let Err(e) = super::shared::let_go(ptr) {
                     // Still registered: its memory stays allocated for the process's life.
                     ddo_core::note_drop_failure(ddo_core::DropFailure {
                         what: "host registration",

@@ -26,6 +26,8 @@ mod not_built;
 #[cfg(feature = "cuda")]
 pub mod result;
 #[cfg(feature = "cuda")]
+mod shared;
+#[cfg(feature = "cuda")]
 mod topology;
 
 #[cfg(feature = "cuda")]
@@ -38,6 +40,8 @@ pub use error::CudaError;
 pub use not_built::CudaDevice;
 #[cfg(not(feature = "cuda"))]
 pub use not_built::{measure_host_link, measure_peer_link, topology};
+#[cfg(feature = "cuda")]
+pub use shared::holders as registration_holders;
 #[cfg(feature = "cuda")]
 pub use topology::{measure_host_link, measure_peer_link, topology};
 
