@@ -230,6 +230,8 @@ const BENCH_USAGE: &str =
   bash DIR/run.sh table           the table of every row measured so far
   bash DIR/run.sh lowram [GIB]    a Wan-14B-shaped bf16 model (26.6 GiB) through ddo with its host
                                    memory held under GIB (default 8), against a resident run
+  bash DIR/run.sh shared          one host copy of a Flux 5 B checkpoint feeding two sessions (one
+                                   per GPU where there are two), then two processes
   (the log is appended to $OUT/bench.log when OUT is set, else DIR/bench.log)";
 
 /// `cargo xtask bench-gpu --bundle DIR`: the side-by-side benchmark as a bundle.
@@ -297,6 +299,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_pipeline.py",
         "gpu_dropin.py",
         "gpu_lowram.py",
+        "gpu_shared.py",
         "host.py",
         "tiny_pipelines.py",
     ] {
@@ -334,6 +337,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh bench [CONFIGS] [VARIANTS]   rows of the side-by-side table (default @CONFIGS@)
 #   bash run.sh table             the table of every row measured so far
 #   bash run.sh lowram [GIB]      Wan-14B-shaped bf16 (26.6 GiB) through ddo under GIB of host memory (default 8)
+#   bash run.sh shared            one host copy of Flux 5 B feeding two sessions, then two processes
 case "${1:-bench}" in
   native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
@@ -346,7 +350,8 @@ case "${1:-bench}" in
          [ -n "${3:-}" ] && cmd+=(--variants "$3") ;;
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
   lowram) cmd=(python3 "$bundle/gpu_lowram.py" --dir "$work" --ceiling-gb "${2:-8}") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB]" >&2; exit 2 ;;
+  shared) cmd=(python3 "$bundle/gpu_shared.py" --dir "$work") ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

@@ -23,6 +23,11 @@ variant (``vmm^cold``, ``resident^cold``) evicts the checkpoint's files from the
 the model loads and records the seconds from the start of loading to the end of the first step,
 beside the time the disk takes to read those files.
 
+With DDO_BENCH_TRACE=FOLDER set, each row also runs two steps under torch.profiler, saves their
+Chrome trace in FOLDER and records its summary: the compute stream's kernel, busy and idle
+milliseconds per step, the host's milliseconds in the forward, copy milliseconds and bytes, the
+largest idle gaps and the kernels with the most time.
+
     python bench_gpu.py [--configs 5:512,5:1024,5:2048,12:1024] [--variants ...] [--steps 4] [--dir DIR]
     python bench_gpu.py --table --dir DIR
 """
@@ -319,10 +324,14 @@ def child(a: argparse.Namespace) -> int:
         x = inputs_of(fam)(res, dev, g)
         if copying:
             timed(step, 1)
+            host_alone = host_work_ms()
             with BackgroundCopies(dev) as copies:
                 t = time.perf_counter()
                 times, out = timed(step, a.steps)
                 copy_gbps = copies.copied / (time.perf_counter() - t) / 1e9
+                # What the copies cost the host: enqueueing a step, and plain interpreter work.
+                enqueue_copying = enqueue_ms(lambda: model(**x), 3)
+                host_copying = host_work_ms()
         else:
             warm_up_s = None
             if a.variant.endswith("~auto"):
@@ -358,6 +367,8 @@ def child(a: argparse.Namespace) -> int:
             row["gpu_budget_bytes"] = after["setup"]["gpu_budget_bytes"]
         if copying:
             row["background_copy_gbps"] = copy_gbps
+            row["enqueue_ms_copying"] = enqueue_copying
+            row["host_work_ms"] = {"alone": host_alone, "copying": host_copying}
         if native is not None:
             snapshot = native.metrics_snapshot()
             row["runtime"] = snapshot.as_dict()["runtime"]
@@ -387,6 +398,10 @@ def child(a: argparse.Namespace) -> int:
             row["nbytes_on_disk"] = sum(os.path.getsize(f) for f in files)
             row["evicted_by"], row["cached_after_evict"] = evicted_by, cached_after
         row["enqueue_ms"] = enqueue_ms(lambda: model(**x), 3)
+        if os.environ.get("DDO_BENCH_TIMELINE"):
+            row["timeline"] = timeline(model, lambda: model(**x), 2)
+        if os.environ.get("DDO_BENCH_TRACE"):
+            row["trace"] = traced(lambda: model(**x), 2, os.environ["DDO_BENCH_TRACE"], f"{fam}-{full}-{res}")
         print("ROW " + json.dumps(row), flush=True)
     sampler.stop = True
     return 0
@@ -449,6 +464,19 @@ def host_ms_per_step(runtime, step, steps: int) -> dict:
     return {"session_calls": spent[0] * 1e3 / steps, "checks": checks[0] * 1e3 / steps, "gpu_waits_for_uploads": gpu_wait}
 
 
+def host_work_ms() -> float:
+    """Milliseconds of a fixed piece of interpreter work (dictionary and list operations): the
+    host's own speed, beside what else the machine does at the time."""
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        d: dict = {}
+        for i in range(200_000):
+            d[i & 1023] = [i, i + 1]
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
 def enqueue_ms(step, steps: int) -> dict:
     """Milliseconds until a step's forward returns on the host (its work enqueued) and until the
     GPU finishes it: a host-bound step finishes soon after it is enqueued."""
@@ -462,6 +490,128 @@ def enqueue_ms(step, steps: int) -> dict:
         torch.cuda.synchronize()
         total += time.perf_counter() - t
     return {"enqueued": host * 1e3 / steps, "finished": total * 1e3 / steps}
+
+
+def timeline(model, step, steps: int) -> dict:
+    """Per block of ``model`` (each child, each element of a ModuleList), over ``steps`` steps: when
+    the GPU reached its start (before ddo's acquire), its weights (after the acquire's wait) and
+    its end, and how far the GPU ran behind the host at its start (a slack near zero: the GPU
+    waited for the host to enqueue work). Events on the current stream, host times beside them;
+    the two clocks are aligned at an idle GPU."""
+    blocks = []
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            blocks += [(f"{name}.{i}", m) for i, m in enumerate(child)]
+        else:
+            blocks.append((name, child))
+    marks: list = []
+
+    def mark(kind, name):
+        def hook(*_args):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            marks.append((kind, name, time.perf_counter(), e))
+        return hook
+
+    handles = []
+    for name, m in blocks:
+        handles.append(m.register_forward_pre_hook(mark("start", name), prepend=True))
+        handles.append(m.register_forward_pre_hook(mark("ready", name)))
+        handles.append(m.register_forward_hook(mark("end", name), prepend=True))
+    out = []
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            time.sleep(0.01)
+            zero = torch.cuda.Event(enable_timing=True)
+            zero.record()
+            h0 = time.perf_counter()
+            marks.clear()
+            with torch.no_grad():
+                step()
+            torch.cuda.synchronize()
+            rows: dict = {}
+            for kind, name, h, e in marks:
+                g = zero.elapsed_time(e)
+                r = rows.setdefault(name, {})
+                r[kind] = round(g, 3)
+                if kind == "start":
+                    r["slack"] = round(g - (h - h0) * 1e3, 3)
+            out.append([dict(block=n, **r) for n, r in rows.items()])
+    finally:
+        for h in handles:
+            h.remove()
+    return {"steps": out}
+
+
+def traced(step, steps: int, folder: str, name: str) -> dict:
+    """Runs ``steps`` steps under torch.profiler (CUDA activity), saves the Chrome trace as
+    FOLDER/trace-NAME.json.gz and returns its summary (see ``trace_summary``)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with torch.no_grad(), record_function("ddo_bench_step"):
+                step()
+            torch.cuda.synchronize()
+    os.makedirs(folder, exist_ok=True)
+    raw = os.path.join(folder, "trace-" + re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as f:
+        trace = json.load(f)
+    with gzip.open(raw + ".gz", "wt") as f:
+        json.dump(trace, f)
+    os.remove(raw)
+    return trace_summary(trace, steps)
+
+
+def trace_summary(trace: dict, steps: int) -> dict:
+    """Per step: the compute stream's kernel milliseconds, its busy and idle time within the
+    step's span on the GPU, host-to-device copy milliseconds and bytes, the host's milliseconds
+    in the forward, the largest idle gaps with the kernels around them, and the kernels with the
+    most time."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    host = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == "ddo_bench_step"]
+    per_stream: dict = {}
+    for k in kernels:
+        per_stream.setdefault(k.get("args", {}).get("stream", k.get("tid")), []).append(k)
+    if not per_stream:
+        return {"error": "no kernels in the trace"}
+    stream, ks = max(per_stream.items(), key=lambda kv: sum(k["dur"] for k in kv[1]))
+    ks.sort(key=lambda k: k["ts"])
+    busy, gaps, end = 0.0, [], None
+    for a, k in enumerate(ks):
+        if end is not None and k["ts"] > end:
+            gaps.append((k["ts"] - end, ks[a - 1]["name"][:60], k["name"][:60]))
+        s = k["ts"] if end is None else max(k["ts"], end)
+        busy += max(0.0, k["ts"] + k["dur"] - s)
+        end = max(end or 0.0, k["ts"] + k["dur"])
+    span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+    by_name: dict = {}
+    for k in ks:
+        n = by_name.setdefault(k["name"][:80], [0, 0.0])
+        n[0] += 1
+        n[1] += k["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    gaps.sort(reverse=True)
+    return {
+        "compute_stream": stream,
+        "kernels": len(ks) / steps,
+        "kernel_ms": sum(k["dur"] for k in ks) / steps / 1e3,
+        "busy_ms": busy / steps / 1e3,
+        "idle_ms": (span - busy) / steps / 1e3,
+        "host_forward_ms": sum(e["dur"] for e in host) / steps / 1e3,
+        "copy_ms": sum(c["dur"] for c in copies) / steps / 1e3,
+        "copy_gb": sum(c.get("args", {}).get("bytes", 0) for c in copies) / steps / 1e9,
+        "other_streams_kernel_ms": {str(s): sum(k["dur"] for k in v) / steps / 1e3 for s, v in per_stream.items() if s != stream},
+        "gaps_us": [(round(g), a, b) for g, a, b in gaps[:12]],
+        "top_kernels": [(n, c / steps, round(t / steps)) for n, (c, t) in top],
+    }
 
 
 def load_rows(path: str) -> list[dict]:
@@ -700,6 +850,15 @@ def main() -> int:
                 for r in got:
                     if r.get("enqueue_ms"):
                         print(f"  ms per step, enqueued / finished: {r['enqueue_ms']}", flush=True)
+                    if r.get("trace"):
+                        t = r["trace"]
+                        print("  trace per step: " + ", ".join(
+                            f"{k} {t[k]:.2f}" for k in ("kernels", "kernel_ms", "busy_ms", "idle_ms", "host_forward_ms", "copy_ms", "copy_gb")
+                            if isinstance(t.get(k), (int, float))
+                        ), flush=True)
+                    if r.get("enqueue_ms_copying"):
+                        print(f"  beside the copies: ms per step, enqueued / finished: {r['enqueue_ms_copying']}; "
+                              f"host work ms alone / copying: {r['host_work_ms']}", flush=True)
                     if r.get("background_copy_gbps"):
                         print(f"  background copies beside the steps: {r['background_copy_gbps']:.1f} GB/s", flush=True)
                 for r in new:
