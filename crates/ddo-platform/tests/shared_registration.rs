@@ -2,6 +2,7 @@
 //! session's device on the same GPU) registering the same host memory joins the first one's
 //! registration, copies from it at once, and the last holder unregisters it. Needs a GPU:
 //! `cargo xtask test-gpu` (where the machine has two GPUs, the second device is the other GPU).
+#![cfg(feature = "cuda")]
 
 use std::sync::Arc;
 
