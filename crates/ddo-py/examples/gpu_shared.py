@@ -53,7 +53,9 @@ def rss_parts() -> dict:
 
 
 def digest(t) -> str:
-    return hashlib.sha256(t.contiguous().view(__import__("torch").uint8).cpu().numpy().tobytes()).hexdigest()[:12]
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
 
 
 def child(a: argparse.Namespace) -> int:
