@@ -96,11 +96,29 @@ impl ResidencyPlan {
             let extra = u32::try_from(left / slot).unwrap_or(u32::MAX).min(desired_slots - 2);
             let slots = 2 + extra;
             left -= u64::from(extra) * slot;
-            // Spread the extra resident units evenly through the execution order.
+            // The most extra resident units that fit, evenly spaced through the execution order
+            // (so the streamed ones are too, and their uploads spread over the pass), then any
+            // other that still fits (units of unequal sizes).
             let small: Vec<usize> = candidates.iter().copied().filter(|&i| !resident[i]).collect();
+            let smallest = small.iter().map(|&i| units[i].len).min().unwrap_or(1).max(1);
+            let most = usize::try_from(left / smallest).unwrap_or(usize::MAX);
+            for k in (1..small.len().min(most.saturating_add(1))).rev() {
+                let picks = evenly_spaced(small.len(), k);
+                let bytes: u64 = picks.iter().map(|&i| units[small[i]].len).sum();
+                if bytes <= left {
+                    for i in picks {
+                        resident[small[i]] = true;
+                    }
+                    left -= bytes;
+                    break;
+                }
+            }
             for i in spread_order(small.len()) {
                 let u = small[i];
-                if units[u].len <= left && !all_but_none_streamed(&resident, &candidates, u) {
+                if !resident[u]
+                    && units[u].len <= left
+                    && !all_but_none_streamed(&resident, &candidates, u)
+                {
                     resident[u] = true;
                     left -= units[u].len;
                 }
@@ -298,6 +316,11 @@ fn simulated_pass(layout: &Layout, resident: &[bool], slots: usize) -> f64 {
 /// would be the all-resident plan, handled before).
 fn all_but_none_streamed(resident: &[bool], candidates: &[usize], adding: usize) -> bool {
     candidates.iter().all(|&i| i == adding || resident[i])
+}
+
+/// `k` of the indices `0..n` (`k <= n`), evenly spaced: the middle of each of `k` equal shares.
+fn evenly_spaced(n: usize, k: usize) -> Vec<usize> {
+    (0..k).map(|j| ((2 * j + 1) * n) / (2 * k)).collect()
 }
 
 /// Indices `0..n` with evenly spaced ones first, then the rest in order.
@@ -509,6 +532,29 @@ mod tests {
         assert!((20.0..=30.0).contains(&t), "{t}");
         // A unit alone in its slot uploads once: only compute remains.
         assert_eq!(simulated_pass(&l, &[true, true, true, false], 2), 20.0);
+    }
+
+    #[test]
+    fn streamed_units_spread_evenly_through_the_pass() {
+        // SD3-shaped: 39 equal blocks, a budget for two slots and 21 resident blocks. The 18
+        // streamed blocks sit evenly apart, not bunched at one end of the pass.
+        let l = layout(&[10; 39], &[false; 39]);
+        let p = ResidencyPlan::new(&l, budget(230, 1)).unwrap();
+        assert_eq!((p.slots, p.streamed_units()), (2, 18));
+        let streamed: Vec<usize> = (0..39).filter(|&i| !p.resident[i]).collect();
+        let gaps: Vec<usize> = streamed.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.iter().all(|&g| (2..=3).contains(&g)), "{streamed:?}");
+        assert!(streamed[0] <= 2 && streamed[17] >= 36, "{streamed:?}");
+        for n in 1..40 {
+            for k in 0..=n {
+                let e = evenly_spaced(n, k);
+                assert_eq!(e.len(), k);
+                assert!(
+                    e.windows(2).all(|w| w[0] < w[1]) && e.iter().all(|&i| i < n),
+                    "{n} {k}: {e:?}"
+                );
+            }
+        }
     }
 
     #[test]
