@@ -606,6 +606,7 @@ class SessionRuntime:
         # Every parameter as published (by identity), with the address it views.
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
         self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int], int]] = []
+        self.checked: List[Tuple[Dict[str, Any], str, torch.nn.Parameter, Optional[int], int]] = []
         # Streamed units' places: (owner, attribute, view, placeholder) per unit; the view is in
         # place only while the unit's forward runs.
         self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
@@ -759,6 +760,9 @@ class SessionRuntime:
         self.published = {id(p): (p, _address(p)) for _, _, p in current}
         # What each forward checks, flat: (owner, attribute, parameter, address).
         self.watched = [(owner, attr, p, _address(p), p._version) for owner, attr, p in current]
+        # The same, as each forward walks it: the owner's parameter dict, and no address for a
+        # placeholder (its data cannot be assigned).
+        self.checked = [(owner._parameters, attr, p, ptr, version) for owner, attr, p, ptr, version in self.watched]
         self.views_whole = True
 
     def _publish_meta(self) -> None:
@@ -773,7 +777,7 @@ class SessionRuntime:
         self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
         # Cleared last: a publish interrupted before here is checked for writes at the next pass.
         self.published = {}
-        self.watched = []
+        self.watched, self.checked = [], []
 
     # ---- hooks ----------------------------------------------------------------------------
 
@@ -881,11 +885,19 @@ class SessionRuntime:
     def _check_parameters(self) -> None:
         # Every forward: each parameter still the one published, at its address, not written
         # in place, without grad.
-        watched = self.watched
-        if len(watched) != len(self.places) or any(
-            owner._parameters.get(attr) is not p or _address(p) != ptr or p._version != version or p.requires_grad
-            for owner, attr, p, ptr, version in watched
-        ):
+        if len(self.checked) != len(self.places):
+            self._refuse_changed_parameter()
+        try:
+            for params, attr, p, ptr, version in self.checked:
+                if (
+                    params.get(attr) is not p
+                    or p._version != version
+                    or p.requires_grad
+                    or (ptr is not None and p.data_ptr() != ptr)
+                ):
+                    self._refuse_changed_parameter()
+                    break
+        except RuntimeError:  # data_ptr() of data given no storage
             self._refuse_changed_parameter()
         for name, p, version in self.sources:
             if p._version != version:
@@ -1255,7 +1267,7 @@ class SessionRuntime:
             self.module.__dict__.pop(guarded, None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
-        self.published, self.watched = {}, []
+        self.published, self.watched, self.checked = {}, [], []
         if self.session is None:
             return
         self.synchronize()
