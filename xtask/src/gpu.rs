@@ -300,6 +300,8 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_dropin.py",
         "gpu_lowram.py",
         "gpu_shared.py",
+        "gpu_contention.py",
+        "gpu_interleaved.py",
         "host.py",
         "tiny_pipelines.py",
     ] {
@@ -338,6 +340,8 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh table             the table of every row measured so far
 #   bash run.sh lowram [GIB]      Wan-14B-shaped bf16 (26.6 GiB) through ddo under GIB of host memory (default 8)
 #   bash run.sh shared            one host copy of Flux 5 B feeding two sessions, then two processes
+#   bash run.sh contention [ARGS] what host-to-device copies cost kernel launches, by host memory kind
+#   bash run.sh interleaved [ARGS] resident and ddo budgets stepped in turn in one process (--model sd3|flux12|q8)
 case "${1:-bench}" in
   native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
@@ -351,7 +355,9 @@ case "${1:-bench}" in
   table) cmd=(python3 "$bundle/bench_gpu.py" --table --dir "$work") ;;
   lowram) cmd=(python3 "$bundle/gpu_lowram.py" --dir "$work" --ceiling-gb "${2:-8}") ;;
   shared) cmd=(python3 "$bundle/gpu_shared.py" --dir "$work") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared" >&2; exit 2 ;;
+  contention) mkdir -p "$work"; cmd=(python3 "$bundle/gpu_contention.py" --dir "$work" "${@:2}") ;;
+  interleaved) cmd=(python3 "$bundle/gpu_interleaved.py" --dir "$work" "${@:2}") ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | interleaved [ARGS]" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

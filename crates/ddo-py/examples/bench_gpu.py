@@ -93,7 +93,11 @@ DISK_VARIANTS = {"vmm_retained_half", "disk"}
 # the bf16 weights entropy-coded (vmm_weight_encoding = on), `~auto` where the device decodes
 # faster than the link copies (auto): their "x raw floor" column divides the step by the floor
 # of the bytes the raw route streams at the same budget.
-VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+|auto))?(?:\+d([0-9]+))?(?:%([0-9.]+))?(~enc|~auto)?$")
+# A `~peer` suffix holds the streamed units in the last GPU's memory (as `vmm_peer`, at the
+# variant's budget), `~retained` feeds them from retained host windows holding the whole model (as
+# `vmm_retained`): the same budget with copies from device memory or from anonymous host memory
+# instead of the checkpoint's mapping.
+VMM_VARIANT = re.compile(r"^vmm(?:@([0-9.]+|auto))?(?:\+d([0-9]+))?(?:%([0-9.]+))?(~enc|~auto|~peer|~retained)?$")
 # The budget of `vmm`: every unit streamed for the 5 B model.
 STREAMING_BUDGET_GB = 3.0
 
@@ -294,7 +298,11 @@ def child(a: argparse.Namespace) -> int:
                 budget = STREAMING_BUDGET_GB
             else:
                 budget = float(m.group(1)) if m.group(1) else STREAMING_BUDGET_GB
-            if m.group(4):
+            if m.group(4) == "~peer":
+                extra_config["vmm_peer_store_device"] = f"cuda:{torch.cuda.device_count() - 1}"
+            elif m.group(4) == "~retained":
+                extra_config["vmm_source_cache_gb"] = min(32.0, float(int(a.nbytes / 2**30) + 1))
+            elif m.group(4):
                 os.environ["DDO_VMM_WEIGHT_ENCODING"] = "on" if m.group(4) == "~enc" else "auto"
             config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=budget, **extra_config)
         extra = {"gguf_file": gguf_file(a.path)} if quantized else {}
@@ -398,6 +406,7 @@ def child(a: argparse.Namespace) -> int:
             row["nbytes_on_disk"] = sum(os.path.getsize(f) for f in files)
             row["evicted_by"], row["cached_after_evict"] = evicted_by, cached_after
         row["enqueue_ms"] = enqueue_ms(lambda: model(**x), 3)
+        row["host_threads"] = host_threads(lambda: model(**x), 3)
         if os.environ.get("DDO_BENCH_TIMELINE"):
             row["timeline"] = timeline(model, lambda: model(**x), 2)
         if os.environ.get("DDO_BENCH_TRACE"):
@@ -490,6 +499,72 @@ def enqueue_ms(step, steps: int) -> dict:
         torch.cuda.synchronize()
         total += time.perf_counter() - t
     return {"enqueued": host * 1e3 / steps, "finished": total * 1e3 / steps}
+
+
+def _thread_sample() -> dict:
+    """Each thread of this process: name, nanoseconds on a CPU and waiting in the run queue
+    (schedstat), voluntary and involuntary context switches, and the CPU it last ran on."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        base = f"/proc/self/task/{tid}"
+        try:
+            with open(f"{base}/schedstat") as f:
+                run, wait = (int(v) for v in f.read().split()[:2])
+            with open(f"{base}/comm") as f:
+                name = f.read().strip()
+            with open(f"{base}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"{base}/stat") as f:
+                cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(tid)] = dict(
+            name=name, run=run, wait=wait, cpu=cpu,
+            voluntary=int(status.get("voluntary_ctxt_switches", 0)),
+            involuntary=int(status.get("nonvoluntary_ctxt_switches", 0)),
+        )
+    return out
+
+
+def _siblings(cpu: int) -> str:
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def host_threads(step, steps: int) -> dict:
+    """Where the host's time goes over ``steps`` steps, per step: the forward's thread's wall and
+    CPU milliseconds (CPU well below wall: it blocked in the driver, a lock or a syscall) and, for
+    it and every thread that ran 0.5 ms or more, CPU and run-queue milliseconds (waiting for a
+    CPU: contention) and context switches; with the CPUs they last ran on and those CPUs' SMT
+    siblings (two busy threads on siblings share one core)."""
+    main = threading.get_native_id()
+    torch.cuda.synchronize()
+    before, wall, cpu = _thread_sample(), time.perf_counter(), time.thread_time()
+    with torch.no_grad():
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    after = _thread_sample()
+    threads = []
+    for tid, a in after.items():
+        b = before.get(tid, dict(run=0, wait=0, voluntary=0, involuntary=0))
+        run = (a["run"] - b["run"]) / 1e6 / steps
+        if tid != main and run < 0.5:
+            continue
+        threads.append(dict(
+            name=a["name"] + (" (forward)" if tid == main else ""), cpu_ms=round(run, 2),
+            runqueue_ms=round((a["wait"] - b["wait"]) / 1e6 / steps, 2),
+            voluntary=round((a["voluntary"] - b["voluntary"]) / steps, 1),
+            involuntary=round((a["involuntary"] - b["involuntary"]) / steps, 1),
+            last_cpu=a["cpu"], siblings=_siblings(a["cpu"]),
+        ))
+    threads.sort(key=lambda t: -t["cpu_ms"])
+    return {"wall_ms": round(wall * 1e3 / steps, 2), "forward_cpu_ms": round(cpu * 1e3 / steps, 2),
+            "cpus": len(os.sched_getaffinity(0)), "threads": threads}
 
 
 def timeline(model, step, steps: int) -> dict:
@@ -629,7 +704,7 @@ def floor_of(r: dict, resident_step: float, streamed: float) -> tuple[float | No
     """A row's floor in seconds (None where its disk speed or disk bytes are unknown) and what
     it counts: the link, the disk, or both."""
     base = base_of(r["variant"])
-    if base == "vmm_peer":
+    if base == "vmm_peer" or base.endswith("~peer"):
         # Streamed over the peer link (measured at attach between two GPUs); a same-device store
         # has no link to floor it.
         peer = r.get("peer_link_bytes_per_second")
@@ -775,7 +850,7 @@ def main() -> int:
     if unknown:
         raise SystemExit(
             f"unknown variants {unknown}; known: {', '.join(VARIANTS + OPTIONAL)}, vmm@GIB, vmm@auto, vmm+dDEPTH, "
-            "vmm%CARD_GIB, vmm~enc, vmm~auto (combinable: vmm@6+d5%16~enc), each optionally +copy then ^cold"
+            "vmm%CARD_GIB, vmm~enc, vmm~auto, vmm~peer, vmm~retained (combinable: vmm@6+d5%16~enc), each optionally +copy then ^cold"
         )
     explicit = a.variants != ap.get_default("variants")
     link = link_speed()
@@ -850,6 +925,12 @@ def main() -> int:
                 for r in got:
                     if r.get("enqueue_ms"):
                         print(f"  ms per step, enqueued / finished: {r['enqueue_ms']}", flush=True)
+                    if r.get("host_threads"):
+                        h = r["host_threads"]
+                        print(f"  host per step: wall {h['wall_ms']} ms, forward thread CPU {h['forward_cpu_ms']} ms "
+                              f"({h['cpus']} CPUs); threads: " + "; ".join(
+                                  f"{t['name']} cpu {t['cpu_ms']} runq {t['runqueue_ms']} sw {t['voluntary']}/{t['involuntary']} "
+                                  f"on {t['last_cpu']} [{t['siblings']}]" for t in h["threads"]), flush=True)
                     if r.get("trace"):
                         t = r["trace"]
                         print("  trace per step: " + ", ".join(
