@@ -1149,7 +1149,14 @@ def _meta_transformers(loader: Any, folder: str, kwargs: Dict[str, Any]) -> Opti
         return None
     dtype_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype") if k in kwargs}
     extra = {k: kwargs[k] for k in ("revision", "trust_remote_code", "variant") if k in kwargs}
-    module = loader.from_pretrained(folder, device_map="meta", **dtype_kwargs, **extra)
+    # Recent transformers swap layers for kernels of the loading device ("kernelize") by default;
+    # a model on the meta device has none, and ddo keeps the model's own layers.
+    try:
+        module = loader.from_pretrained(folder, device_map="meta", use_kernels=False, **dtype_kwargs, **extra)
+    except TypeError as e:
+        if "use_kernels" not in str(e):
+            raise
+        module = loader.from_pretrained(folder, device_map="meta", **dtype_kwargs, **extra)
     missing = [n for n, b in module.named_buffers() if b.is_meta]
     if missing:
         if set(missing) & set(module.state_dict().keys()):
