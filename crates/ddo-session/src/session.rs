@@ -1559,6 +1559,26 @@ impl ComponentSession {
             }
         };
         let limit = gib("vmm_peer_store_gb", s.vmm_peer_store_gb).unwrap_or(0);
+        if self.cuda().is_none() {
+            // The host backend holds a peer's memory in host memory: the host must admit it.
+            let plan = arena.plan();
+            let mut bytes = 0u64;
+            for (u, _) in
+                arena.layout().units.iter().zip(&plan.slot_of).filter(|(_, s)| s.is_some())
+            {
+                if limit > 0 && bytes + u.len > limit {
+                    break;
+                }
+                bytes += u.len;
+            }
+            let request = GrowthRequest { kind: GrowthKind::Retained, bytes, registered_bytes: 0 };
+            if let Err(refusal) = self.platform.platform.admission.admit(&request).into_result() {
+                host.peer_note = Some(format!(
+                    "no peer weight store on cuda:{peer}: the host backend holds it in host memory, and {refusal}; the units stream from host memory"
+                ));
+                return;
+            }
+        }
         match arena.fill_peer_store(ddo_core::DeviceOrdinal(peer), limit) {
             Ok(report) => {
                 host.peer_note = None;

@@ -202,6 +202,32 @@ fn a_setting_that_names_the_tier_keeps_it_and_says_so() {
 }
 
 #[test]
+fn a_peer_store_the_host_backend_would_hold_in_host_memory_asks_the_host_first() {
+    // The host backend stands in host memory for a peer GPU's: a host without room for the
+    // store streams from the mapping as before, and says why.
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path());
+    let args = [("load_safetensors_backend", "mmap"), ("vmm_peer_store_device", "cuda:1")];
+    let session = open(&path, host(dir.path(), Some(4 * MIB)), &args).unwrap();
+    passes_serve_the_checkpoint(&session);
+    let s = session.metrics(None).setup;
+    assert_eq!(s.peer_store_units, None, "{s:?}");
+    let warnings = s.warnings.unwrap_or_default();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("no peer weight store on cuda:1") && w.contains("host memory")),
+        "{warnings:?}"
+    );
+    session.close().unwrap();
+    let session = open(&path, host(dir.path(), Some(1 << 30)), &args).unwrap();
+    passes_serve_the_checkpoint(&session);
+    let s = session.metrics(None).setup;
+    assert_eq!(s.peer_store_units, s.streamed_units, "{s:?}");
+    session.close().unwrap();
+}
+
+#[test]
 fn a_host_whose_memory_cannot_be_observed_keeps_the_mapping_and_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let path = checkpoint(dir.path());
