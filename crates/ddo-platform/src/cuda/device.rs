@@ -584,17 +584,27 @@ impl Residency for CudaDevice {
     }
 
     fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        Self::peer_at(&state, buffer, 0, 0)?;
-        self.bind()?;
-        // No copy enqueued from it may still be reading.
-        driver::ctx::synchronize().named("cuCtxSynchronize")?;
-        let (handle, mapped) = state.peers[&buffer.range.start.0];
         let ptr = buffer.range.start.0;
-        // SAFETY: the context is synchronized, so nothing uses the buffer; each handle was made
-        // by `create_peer_buffer` and is released once (forgotten from `peers` first).
-        unsafe { vmm::unmap(ptr, mapped) }.named("cuMemUnmap")?;
-        state.peers.remove(&ptr);
+        // Forgotten under the lock first: no copy can be enqueued from it after this.
+        let (handle, mapped) = {
+            let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            Self::peer_at(&state, buffer, 0, 0)?;
+            state.peers.remove(&ptr).expect("checked")
+        };
+        let keep = |e: DeviceError| {
+            // Not proven idle, or still mapped: kept, so a later release can try again.
+            let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.peers.insert(ptr, (handle, mapped));
+            e
+        };
+        // No copy enqueued from it may still be reading. Synchronized outside the device's
+        // lock, so other work on this device is not held up meanwhile.
+        self.bind().map_err(|e| keep(e.into()))?;
+        driver::ctx::synchronize().named("cuCtxSynchronize").map_err(|e| keep(e.into()))?;
+        // SAFETY: the context is synchronized and no copy can be enqueued from the buffer any
+        // more, so nothing uses it; each handle was made by `create_peer_buffer` and is
+        // released once (removed from `peers`).
+        unsafe { vmm::unmap(ptr, mapped) }.named("cuMemUnmap").map_err(|e| keep(e.into()))?;
         // SAFETY: as above; the range is unmapped now.
         unsafe {
             let _ = vmm::address_free(ptr, mapped);
