@@ -65,6 +65,46 @@ def test_one_gpu_budget_is_split_by_weight_bytes(tmp_path):
         tiny(tmp_path / "flux", dynamic_offload_config=every_model_streamed(), gpu_budget_gb=0.001)
 
 
+def test_device_map_places_components_and_each_device_splits_its_own_budget(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    torch.manual_seed(0)
+    pipe, extra = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "flux")
+    want = generate(own_memory(DiffusionPipeline.from_pretrained(tmp_path / "flux")), extra)
+    placed = {"text_encoder": "cpu", "text_encoder_2": torch.device("cpu")}
+    result = ddo.from_pretrained_pipeline_with_dynamic_offload(
+        tmp_path / "flux", dynamic_offload_config=every_model_streamed(), device_map=placed, gpu_budget_gb={"cpu": 1.0}
+    )
+    assert result.devices == {"text_encoder": "cpu", "text_encoder_2": "cpu"}
+    assert set(result.budgets_gb) == set(result.offload) and abs(sum(result.budgets_gb.values()) - 1.0) < 1e-9
+    for name, r in result.offload.items():
+        setup = r.metrics_snapshot().as_dict()["setup"]
+        assert setup["execution_device"] == "cpu", (name, setup["execution_device"])
+        assert abs(setup["gpu_budget_bytes"] - result.budgets_gb[name] * 2**30) < 1e6, name
+    np.testing.assert_array_equal(generate(result.pipeline, extra), want)
+    result.remove()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"device_map": {"unet": "cpu"}}, r"device_map names unet, which this pipeline does not load \(its components: .*transformer"),
+        ({"device_map": {"vae": "gpu7"}}, r"device_map\['vae'\] is 'gpu7', not a device"),
+        ({"device_map": {"vae": "meta"}}, r"device_map\['vae'\] is 'meta': ddo runs components on 'cuda:N' or 'cpu'"),
+        ({"gpu_budget_gb": {"cuda:1": 1.0}}, r"gpu_budget_gb names cuda:1, and these components .* run elsewhere: .*transformer \(cpu\)"),
+        ({"gpu_budget_gb": {"cpu": 1.0, "cuda:1": 2.0}}, r"gives cuda:1 a budget, and no component on vmm_fast_runtime runs there"),
+        ({"gpu_budget_gb": {"cpu": -1}}, r"gpu_budget_gb\['cpu'\] must be a positive number of GiB"),
+        ({"gpu_budget_gb": "8"}, r"gpu_budget_gb must be a number of GiB or a mapping of devices to GiB"),
+    ],
+)
+def test_placements_and_budgets_that_cannot_be_served_are_refused_by_name(tmp_path, kwargs, message):
+    pipe, _ = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "flux")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match=message):
+        ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "flux", dynamic_offload_config=every_model_streamed(), **kwargs)
+
+
 def test_a_folder_without_a_pipeline_says_so(tmp_path):
     with pytest.raises(ddo.DynamicOffloadError, match="model_index.json"):
         ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path)

@@ -8,13 +8,14 @@ import dataclasses
 import importlib
 import json
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
 from . import _native
 from .api import (
     DynamicOffloadApplyResult,
+    _default_device,
     _local_path,
     _variant_checkpoint,
     enable_offload,
@@ -37,6 +38,8 @@ class DynamicOffloadPipelineResult:
     pipeline: Any
     offload: Dict[str, DynamicOffloadApplyResult]
     budgets_gb: Dict[str, float]
+    #: The execution device of each component ``device_map`` placed.
+    devices: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def metrics_snapshots(self) -> Dict[str, DynamicOffloadMetrics]:
         """Each offloaded component's metrics."""
@@ -88,13 +91,60 @@ def _weight_bytes(checkpoint: str, dtype: Optional[torch.dtype]) -> int:
     return total
 
 
+def _device_name(value: Any, what: str) -> str:
+    """A device as ddo names it (``cuda`` is ``cuda:0``); anything else is refused by name."""
+    try:
+        d = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise DynamicOffloadConfigError(f"{what} is {value!r}, not a device: use 'cuda:N' or 'cpu'") from None
+    if d.type == "cuda":
+        return f"cuda:{d.index or 0}"
+    if d.type == "cpu":
+        return "cpu"
+    raise DynamicOffloadConfigError(f"{what} is {value!r}: ddo runs components on 'cuda:N' or 'cpu'")
+
+
+def _split_budgets(
+    gpu_budget_gb: Any, arena: list, sizes: Dict[str, int], devices: Dict[str, str], default: str
+) -> Dict[str, float]:
+    """Each arena component's share of ``gpu_budget_gb`` by weight bytes: of the one budget, or
+    of its device's budget when ``gpu_budget_gb`` maps devices to GiB."""
+    if not isinstance(gpu_budget_gb, Mapping):
+        total = sum(sizes.values()) or 1
+        return {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
+    per_device = {_device_name(d, f"gpu_budget_gb key {d!r}"): v for d, v in gpu_budget_gb.items()}
+    for d, v in per_device.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise DynamicOffloadConfigError(f"gpu_budget_gb[{d!r}] must be a positive number of GiB, not {v!r}")
+    on = {n: devices.get(n, default) for n in arena}
+    unnamed = sorted(f"{n} ({d})" for n, d in on.items() if d not in per_device)
+    if unnamed:
+        raise DynamicOffloadConfigError(
+            f"gpu_budget_gb names {', '.join(per_device)}, and these components on vmm_fast_runtime run elsewhere: "
+            f"{', '.join(unnamed)}; add their devices to gpu_budget_gb or place them with device_map"
+        )
+    idle = sorted(d for d in per_device if d not in on.values())
+    if idle:
+        raise DynamicOffloadConfigError(
+            f"gpu_budget_gb gives {', '.join(idle)} a budget, and no component on vmm_fast_runtime runs there; "
+            "remove it, or place a component there with device_map"
+        )
+    budgets = {}
+    for d, v in per_device.items():
+        names = [n for n in arena if on[n] == d]
+        total = sum(sizes[n] for n in names) or 1
+        budgets.update({n: float(v) * sizes[n] / total for n in names})
+    return budgets
+
+
 def from_pretrained_pipeline_with_dynamic_offload(
     path: Union[str, os.PathLike],
     *,
     pipeline_class: Any = None,
     torch_dtype: Optional[torch.dtype] = None,
     dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
-    gpu_budget_gb: Optional[float] = None,
+    gpu_budget_gb: Union[float, Mapping[str, float], None] = None,
+    device_map: Optional[Mapping[str, Any]] = None,
     revision: Optional[str] = None,
     variant: Optional[str] = None,
     **pipeline_kwargs: Any,
@@ -113,6 +163,13 @@ def from_pretrained_pipeline_with_dynamic_offload(
     on ``linear_runtime`` take their execution slots plus ``resident_module_budget_gb``. A share
     too small for a component's working set raises :class:`DynamicOffloadCapacityError` naming
     it; a budget with no ``vmm_fast_runtime`` component to split among is refused.
+
+    ``device_map`` places components on execution devices (``{"text_encoder_2": "cuda:1"}``;
+    the others run on the config's ``execution_device``). With components on several GPUs,
+    ``gpu_budget_gb`` may map each device to its own budget (``{"cuda:0": 10, "cuda:1": 20}``),
+    split among the ``vmm_fast_runtime`` components on that device; every such component's
+    device must be named, and every named device must run one. A number is split among all of
+    them, whatever their devices.
     ``torch_dtype`` and ``variant`` (``fp16``: the ``*.fp16.safetensors`` files) go to every model
     component, whatever its route.
     If any component fails, the ones already offloaded are removed and the error re-raised."""
@@ -127,12 +184,27 @@ def from_pretrained_pipeline_with_dynamic_offload(
         raise DynamicOffloadError(f"{index_path} cannot be read as JSON: {e}") from None
     if not isinstance(index, dict):
         raise DynamicOffloadError(f"{index_path} holds a {type(index).__name__}, not an object of components")
-    if gpu_budget_gb is not None and (isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, (int, float))):
-        raise DynamicOffloadConfigError(f"gpu_budget_gb must be a number of GiB, not {gpu_budget_gb!r}")
+    if gpu_budget_gb is not None and not isinstance(gpu_budget_gb, Mapping) and (
+        isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, (int, float))
+    ):
+        raise DynamicOffloadConfigError(
+            f"gpu_budget_gb must be a number of GiB or a mapping of devices to GiB, not {gpu_budget_gb!r}"
+        )
     if pipeline_class is None:
         pipeline_class = _class_of("diffusers", str(index.get("_class_name")), index_path)
     config = dynamic_offload_config
     specs = {k: v for k, v in index.items() if not k.startswith("_")}
+    devices = {n: _device_name(d, f"device_map[{n!r}]") for n, d in (device_map or {}).items()}
+    unknown = sorted(n for n in devices if not _is_component(specs.get(n)) or n in pipeline_kwargs)
+    if unknown:
+        known = ", ".join(n for n, v in specs.items() if _is_component(v) and n not in pipeline_kwargs)
+        raise DynamicOffloadConfigError(
+            f"device_map names {', '.join(unknown)}, which this pipeline does not load (its components: {known})"
+        )
+    given = config is not None and "execution_device" in config.explicit_fields()
+    default_device = _device_name(
+        config.execution_device if given else _default_device(), "dynamic_offload_config.execution_device"
+    )
     modules: Dict[str, Any] = {}
     routes: Dict[str, str] = {}
     for name, spec in specs.items():
@@ -153,8 +225,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 "use backend='vmm', or leave gpu_budget_gb unset"
             )
         sizes = {n: _weight_bytes(_variant_checkpoint(os.path.join(root, n), variant), torch_dtype) for n in arena}
-        total = sum(sizes.values()) or 1
-        budgets = {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
+        budgets = _split_budgets(gpu_budget_gb, arena, sizes, devices, default_device)
     components: Dict[str, Any] = dict(pipeline_kwargs)
     offload: Dict[str, DynamicOffloadApplyResult] = {}
     progress = bar(specs.items(), total=len(specs), desc="ddo pipeline", unit="component")
@@ -174,11 +245,21 @@ def from_pretrained_pipeline_with_dynamic_offload(
             if name not in modules:
                 components[name] = loader.from_pretrained(folder)
                 continue
+            placed: Dict[str, Any] = {}
+            if name in devices:
+                placed["execution_device"] = devices[name]
+                config_here = (config or DynamicOffloadConfig()).replace(**placed)
+            else:
+                config_here = config
             dtype_kwargs: Dict[str, Any] = {"variant": variant} if variant else {}
             if torch_dtype is not None:
                 dtype_kwargs["dtype" if spec[0] == "transformers" else "torch_dtype"] = torch_dtype
             if routes.get(name) in ("vmm_fast_runtime", "linear_runtime"):
-                own = (config or DynamicOffloadConfig()).replace(vmm_resident_weight_budget_gb=budgets[name]) if name in budgets else config
+                own = (
+                    (config_here or DynamicOffloadConfig()).replace(vmm_resident_weight_budget_gb=budgets[name])
+                    if name in budgets
+                    else config_here
+                )
                 try:
                     loaded = from_pretrained_with_dynamic_offload(
                         folder, model_loader=loader, apply_dynamic=True, component=name, dynamic_offload_config=own,
@@ -195,7 +276,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 offload[name] = loaded.offload
             else:
                 module = loader.from_pretrained(folder, **dtype_kwargs)
-                offload[name] = enable_offload(module, component=name, config=config)
+                offload[name] = enable_offload(module, component=name, config=config_here)
                 components[name] = module
         pipeline = pipeline_class(**components)
     except BaseException:
@@ -203,4 +284,4 @@ def from_pretrained_pipeline_with_dynamic_offload(
             with contextlib.suppress(Exception):
                 r.remove()
         raise
-    return DynamicOffloadPipelineResult(pipeline=pipeline, offload=offload, budgets_gb=budgets)
+    return DynamicOffloadPipelineResult(pipeline=pipeline, offload=offload, budgets_gb=budgets, devices=devices)
