@@ -2,7 +2,7 @@
 
 use ddo_core::SlotId;
 
-use crate::{ArenaError, Layout};
+use crate::{ArenaError, Layout, UnitLayout};
 
 /// The budget an arena plans for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,47 +96,42 @@ impl ResidencyPlan {
             let extra = u32::try_from(left / slot).unwrap_or(u32::MAX).min(desired_slots - 2);
             let slots = 2 + extra;
             left -= u64::from(extra) * slot;
-            // The most extra resident units that fit, evenly spaced through the execution order
-            // (so the streamed ones are too, and their uploads spread over the pass), then any
-            // other that still fits (units of unequal sizes).
             let small: Vec<usize> = candidates.iter().copied().filter(|&i| !resident[i]).collect();
-            let smallest = small.iter().map(|&i| units[i].len).min().unwrap_or(1).max(1);
-            let most = usize::try_from(left / smallest).unwrap_or(usize::MAX);
-            for k in (1..small.len().min(most.saturating_add(1))).rev() {
-                let picks = evenly_spaced(small.len(), k);
-                let bytes: u64 = picks.iter().map(|&i| units[small[i]].len).sum();
-                if bytes <= left {
-                    for i in picks {
-                        resident[small[i]] = true;
+            // Two selections of the extra resident units, each simulated: the most that fit
+            // evenly spaced through the execution order (so the streamed ones are too, and
+            // their uploads spread over the pass), then any other that still fits; and the
+            // bisecting order alone, which fits more of them where sizes are unequal.
+            for even in [true, false] {
+                let mut resident = resident.clone();
+                let mut left = left;
+                if even {
+                    keep_evenly_spaced(units, &small, &mut resident, &mut left);
+                }
+                for i in spread_order(small.len()) {
+                    let u = small[i];
+                    if !resident[u]
+                        && units[u].len <= left
+                        && !all_but_none_streamed(&resident, &candidates, u)
+                    {
+                        resident[u] = true;
+                        left -= units[u].len;
                     }
-                    left -= bytes;
-                    break;
                 }
-            }
-            for i in spread_order(small.len()) {
-                let u = small[i];
-                if !resident[u]
-                    && units[u].len <= left
-                    && !all_but_none_streamed(&resident, &candidates, u)
-                {
-                    resident[u] = true;
-                    left -= units[u].len;
+                let resident_bytes: u64 =
+                    units.iter().zip(&resident).filter(|(_, r)| **r).map(|(u, _)| u.len).sum();
+                let pass = simulated_pass(layout, &resident, slots as usize);
+                let better = match &best {
+                    None => true,
+                    Some((t, bytes, s, _, _)) => {
+                        pass < t * (1.0 - SIMULATION_TOLERANCE)
+                            || (pass <= t * (1.0 + SIMULATION_TOLERANCE)
+                                && (resident_bytes > *bytes
+                                    || (resident_bytes == *bytes && slots > *s)))
+                    }
+                };
+                if better {
+                    best = Some((pass, resident_bytes, slots, resident, slot));
                 }
-            }
-            let resident_bytes: u64 =
-                units.iter().zip(&resident).filter(|(_, r)| **r).map(|(u, _)| u.len).sum();
-            let pass = simulated_pass(layout, &resident, slots as usize);
-            let better = match &best {
-                None => true,
-                Some((t, bytes, s, _, _)) => {
-                    pass < t * (1.0 - SIMULATION_TOLERANCE)
-                        || (pass <= t * (1.0 + SIMULATION_TOLERANCE)
-                            && (resident_bytes > *bytes
-                                || (resident_bytes == *bytes && slots > *s)))
-                }
-            };
-            if better {
-                best = Some((pass, resident_bytes, slots, resident, slot));
             }
         }
         let Some((_, _, slots, resident, slot)) = best else {
@@ -316,6 +311,33 @@ fn simulated_pass(layout: &Layout, resident: &[bool], slots: usize) -> f64 {
 /// would be the all-resident plan, handled before).
 fn all_but_none_streamed(resident: &[bool], candidates: &[usize], adding: usize) -> bool {
     candidates.iter().all(|&i| i == adding || resident[i])
+}
+
+/// Keeps resident as many units of `small` as fit in `left`, evenly spaced through them (at
+/// least one stays streamed): counts tried from what the mean unit size allows, down by one a
+/// bounded number of times (unequal sizes may fit none of them; the caller fills the rest).
+fn keep_evenly_spaced(
+    units: &[UnitLayout],
+    small: &[usize],
+    resident: &mut [bool],
+    left: &mut u64,
+) {
+    const TRIES: usize = 8;
+    let n = small.len();
+    let total: u64 = small.iter().map(|&i| units[i].len).sum();
+    let mean = (total / n.max(1) as u64).max(1);
+    let most = usize::try_from(*left / mean).unwrap_or(usize::MAX).min(n.saturating_sub(1));
+    for k in (1..=most).rev().take(TRIES) {
+        let picks = evenly_spaced(n, k);
+        let bytes: u64 = picks.iter().map(|&i| units[small[i]].len).sum();
+        if bytes <= *left {
+            for i in picks {
+                resident[small[i]] = true;
+            }
+            *left -= bytes;
+            return;
+        }
+    }
 }
 
 /// `k` of the indices `0..n` (`k <= n`), evenly spaced: the middle of each of `k` equal shares.
@@ -555,6 +577,35 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn unequal_units_keep_the_selection_whose_pass_simulates_shorter() {
+        // Large and small units alternating: the most evenly spaced units that fit mix both
+        // sizes and leave no room for more, where the bisecting order keeps far more small ones
+        // resident. Both are simulated; the shorter pass is kept.
+        let lens: Vec<u64> = (0..40).map(|i| if i % 2 == 0 { 30 } else { 3 }).collect();
+        let l = layout(&lens, &[false; 40]);
+        for total in [420, 450] {
+            let p = ResidencyPlan::new(&l, budget(total, 1)).unwrap();
+            assert!(p.device_bytes() <= total);
+            let chosen = simulated_pass(&l, &p.resident, p.slots as usize);
+            assert!(
+                chosen <= 370.0,
+                "budget {total}: pass {chosen}, {} streamed",
+                p.streamed_units()
+            );
+        }
+    }
+
+    #[test]
+    fn thousands_of_units_of_distinct_sizes_plan_within_the_budget() {
+        let lens: Vec<u64> = (0..3000).map(|i| 1000 + i).collect();
+        let l = layout(&lens, &[false; 3000]);
+        let total: u64 = lens.iter().sum();
+        let p = ResidencyPlan::new(&l, budget(total / 2, 2)).unwrap();
+        assert!(p.device_bytes() <= total / 2 && p.streamed_units() > 0);
+        assert!(p.resident_bytes > total / 3, "most of the budget holds resident units");
     }
 
     #[test]
