@@ -229,6 +229,15 @@ def test_a_weight_kept_after_the_offload_ends_stays_readable(tmp_path, flux, end
         streamed.float().sum()
 
 
+def swap_two_weights(m):
+    """Two published parameters trade places: each is still one ddo published, at its address."""
+    attn = m.transformer_blocks[0].attn
+    attn.to_q._parameters["weight"], attn.to_k._parameters["weight"] = (
+        attn.to_k._parameters["weight"],
+        attn.to_q._parameters["weight"],
+    )
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -239,6 +248,11 @@ def test_a_weight_kept_after_the_offload_ends_stays_readable(tmp_path, flux, end
             "was changed after ddo attached",
         ),
         (lambda m: setattr(m.transformer_blocks[0].attn.to_q.weight, "data", torch.zeros(32, 32)), "was changed"),
+        (swap_two_weights, "not the one ddo published there"),
+        (
+            lambda m: setattr(m.transformer_blocks[0].attn.to_q, "_parameters", dict(m.transformer_blocks[0].attn.to_q._parameters)),
+            "were replaced as a whole",
+        ),
     ],
 )
 def test_changes_the_arena_cannot_serve_are_refused_at_the_next_forward(flux, change, message):

@@ -607,6 +607,7 @@ class SessionRuntime:
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
         self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int], int]] = []
         self.checked: List[Tuple[Dict[str, Any], str, torch.nn.Parameter, Optional[int], int]] = []
+        self.owners: List[Tuple[torch.nn.Module, Dict[str, Any]]] = []
         # Streamed units' places: (owner, attribute, view, placeholder) per unit; the view is in
         # place only while the unit's forward runs.
         self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
@@ -760,9 +761,10 @@ class SessionRuntime:
         self.published = {id(p): (p, _address(p)) for _, _, p in current}
         # What each forward checks, flat: (owner, attribute, parameter, address).
         self.watched = [(owner, attr, p, _address(p), p._version) for owner, attr, p in current]
-        # The same, as each forward walks it: the owner's parameter dict, and no address for a
-        # placeholder (its data cannot be assigned).
+        # The same, as each forward walks it: the owner's parameter dict (each owner's dict is
+        # checked to be still its own).
         self.checked = [(owner._parameters, attr, p, ptr, version) for owner, attr, p, ptr, version in self.watched]
+        self.owners = list({id(owner): (owner, owner._parameters) for owner, _, _ in self.places}.values())
         self.views_whole = True
 
     def _publish_meta(self) -> None:
@@ -777,7 +779,7 @@ class SessionRuntime:
         self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
         # Cleared last: a publish interrupted before here is checked for writes at the next pass.
         self.published = {}
-        self.watched, self.checked = [], []
+        self.watched, self.checked, self.owners = [], [], []
 
     # ---- hooks ----------------------------------------------------------------------------
 
@@ -887,18 +889,32 @@ class SessionRuntime:
         # in place, without grad.
         if len(self.checked) != len(self.places):
             self._refuse_changed_parameter()
+        changed = next((o for o, params in self.owners if o.__dict__.get("_parameters") is not params), None)
+        if changed is not None:
+            raise _native.DynamicOffloadLifecycleError(
+                f"the parameters of {type(changed).__name__} were replaced as a whole since ddo attached: call "
+                "remove_dynamic_offload(module) first, change the module, then offload it again"
+            )
+        at, i = None, 0
         try:
-            for params, attr, p, ptr, version in self.checked:
+            for i, (params, attr, p, ptr, version) in enumerate(self.checked):
                 if (
                     params.get(attr) is not p
                     or p._version != version
                     or p.requires_grad
                     or (ptr is not None and p.data_ptr() != ptr)
                 ):
-                    self._refuse_changed_parameter()
+                    at = i
                     break
         except RuntimeError:  # data_ptr() of data given no storage
+            at = i
+        if at is not None:
             self._refuse_changed_parameter()
+            # Each parameter in place is one ddo published, at its own address: two traded places.
+            raise _native.DynamicOffloadLifecycleError(
+                f"parameter {self.places[at][2]} is not the one ddo published there (parameters were exchanged "
+                "between places): call remove_dynamic_offload(module) first, change the module, then offload it again"
+            )
         for name, p, version in self.sources:
             if p._version != version:
                 raise _native.DynamicOffloadSourceChangedError(
@@ -1267,7 +1283,7 @@ class SessionRuntime:
             self.module.__dict__.pop(guarded, None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
-        self.published, self.watched, self.checked = {}, [], []
+        self.published, self.watched, self.checked, self.owners = {}, [], [], []
         if self.session is None:
             return
         self.synchronize()
