@@ -96,6 +96,9 @@ def test_device_map_places_components_and_each_device_splits_its_own_budget(tmp_
         ({"gpu_budget_gb": {"cpu": 1.0, "cuda:1": 2.0}}, r"gives cuda:1 a budget, and no component on vmm_fast_runtime runs there"),
         ({"gpu_budget_gb": {"cpu": -1}}, r"gpu_budget_gb\['cpu'\] must be a positive number of GiB"),
         ({"gpu_budget_gb": "8"}, r"gpu_budget_gb must be a number of GiB or a mapping of devices to GiB"),
+        ({"gpu_budget_gb": float("nan")}, r"gpu_budget_gb must be a positive number of GiB, not nan"),
+        ({"gpu_budget_gb": 0}, r"gpu_budget_gb must be a positive number of GiB, not 0"),
+        ({"gpu_budget_gb": {"cpu": float("inf")}}, r"gpu_budget_gb\['cpu'\] must be a positive number of GiB, not inf"),
     ],
 )
 def test_placements_and_budgets_that_cannot_be_served_are_refused_by_name(tmp_path, kwargs, message):

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import math
 import os
 from typing import Any, Dict, Mapping, Optional, Union
 
@@ -114,7 +115,7 @@ def _split_budgets(
         return {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
     per_device = {_device_name(d, f"gpu_budget_gb key {d!r}"): v for d, v in gpu_budget_gb.items()}
     for d, v in per_device.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise DynamicOffloadConfigError(f"gpu_budget_gb[{d!r}] must be a positive number of GiB, not {v!r}")
     on = {n: devices.get(n, default) for n in arena}
     unnamed = sorted(f"{n} ({d})" for n, d in on.items() if d not in per_device)
@@ -190,6 +191,8 @@ def from_pretrained_pipeline_with_dynamic_offload(
         raise DynamicOffloadConfigError(
             f"gpu_budget_gb must be a number of GiB or a mapping of devices to GiB, not {gpu_budget_gb!r}"
         )
+    if isinstance(gpu_budget_gb, (int, float)) and not (math.isfinite(gpu_budget_gb) and gpu_budget_gb > 0):
+        raise DynamicOffloadConfigError(f"gpu_budget_gb must be a positive number of GiB, not {gpu_budget_gb!r}")
     if pipeline_class is None:
         pipeline_class = _class_of("diffusers", str(index.get("_class_name")), index_path)
     config = dynamic_offload_config
