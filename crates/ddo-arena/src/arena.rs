@@ -1263,6 +1263,15 @@ impl Arena {
         Ok(report)
     }
 
+    /// For each unit, whether the peer weight store holds it (all `false` without a store).
+    pub fn peer_stored(&self) -> Vec<bool> {
+        let state = self.lock();
+        match &state.peer {
+            Some(store) => store.offsets.iter().map(Option::is_some).collect(),
+            None => vec![false; self.layout.units.len()],
+        }
+    }
+
     /// Leases live on the arena's slots and resident units.
     fn live_leases(state: &State) -> u32 {
         state

@@ -100,6 +100,7 @@ pub fn format_profile(m: &DynamicOffloadMetrics) -> String {
         .text("link_gb_per_s", s.link_bytes_per_second.map(|b| format!("{:.1}", b / 1e9)))
         .seconds("copy_floor_seconds", s.expected_copy_floor_seconds)
         .render(&mut out, "");
+    Line::new("tiers").text("units", s.unit_tiers.as_ref()).render(&mut out, "");
     capacity_profile_line(m, &mut out);
     auto_budget_line(m, &mut out);
     if let Some(g) = &s.group_offload {

@@ -192,6 +192,10 @@ optional_section! {
         peer_store_bytes: u64,
         /// Streamed units left to host memory (beyond `vmm_peer_store_gb`).
         peer_store_host_units: u64,
+        /// Where each unit's weights come from, as unit-id ranges per tier: `device`
+        /// (resident), `peer` (the peer weight store), and the host tier feeding the rest
+        /// (`mapping`, `retained`, `disk`, ...): `device=0-3,5 mapping=4,6-9`.
+        unit_tiers: String,
         /// The peer link's copy speed measured at attach, bytes per second (two devices).
         peer_link_bytes_per_second: f64,
         /// Where uploads read host bytes: `mapping`, `retained`, `reads`, `disk`, `host_tensors`.

@@ -81,6 +81,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.unit_count = Some(a.units.len() as u64);
         setup.resident_units = Some(a.plan.resident.iter().filter(|r| **r).count() as u64);
         setup.streamed_units = Some(a.plan.streamed_units() as u64);
+        setup.unit_tiers = Some(unit_tiers(a));
         setup.execution_slots = Some(u64::from(a.plan.slots));
         setup.slot_bytes = Some(a.plan.slot_len);
         setup.gpu_budget_bytes = Some(a.plan.budget.total);
@@ -170,4 +171,46 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
     });
     m.setup = setup;
     m
+}
+
+/// Where each unit's weights come from, as ranges of unit ids (`session.units()` order) per
+/// tier: `device` (resident), `peer` (streamed from the peer weight store), and the host tier
+/// that feeds the rest (`mapping`, `retained`, `disk`...), e.g. `device=0-3,5 mapping=4,6-9`.
+fn unit_tiers(a: &crate::session::AttachedView<'_>) -> String {
+    let tier = |i: usize| -> &str {
+        if a.plan.resident[i] {
+            "device"
+        } else if a.peer_stored.get(i).copied().unwrap_or(false) {
+            "peer"
+        } else {
+            a.host_kind
+        }
+    };
+    let mut tiers: Vec<(&str, Vec<(usize, usize)>)> = Vec::new();
+    for i in 0..a.plan.resident.len() {
+        let t = tier(i);
+        let at = match tiers.iter().position(|(name, _)| *name == t) {
+            Some(at) => at,
+            None => {
+                tiers.push((t, Vec::new()));
+                tiers.len() - 1
+            }
+        };
+        let runs = &mut tiers[at].1;
+        match runs.last_mut() {
+            Some(run) if run.1 + 1 == i => run.1 = i,
+            _ => runs.push((i, i)),
+        }
+    }
+    tiers
+        .iter()
+        .map(|(name, runs)| {
+            let runs: Vec<String> = runs
+                .iter()
+                .map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") })
+                .collect();
+            format!("{name}={}", runs.join(","))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }

@@ -2133,6 +2133,7 @@ impl ComponentSession {
                     setup_seconds: a.setup_seconds,
                     stages: a.host.stages,
                     peer: a.host.peer,
+                    peer_stored: a.memory.arena.peer_stored(),
                     peer_note: a.host.peer_note.as_deref(),
                     peer_link: a.host.peer_link,
                     total_bytes: a.total_bytes,
@@ -2186,6 +2187,8 @@ pub(crate) struct AttachedView<'a> {
     pub(crate) setup_seconds: f64,
     pub(crate) stages: SetupStages,
     pub(crate) peer: Option<ddo_arena::PeerStoreReport>,
+    /// Per unit: held by the peer weight store.
+    pub(crate) peer_stored: Vec<bool>,
     pub(crate) peer_note: Option<&'a str>,
     pub(crate) peer_link: Option<f64>,
     pub(crate) total_bytes: u64,

@@ -1377,6 +1377,11 @@ fn peer_store(device: &str, peer: &str) {
     assert_eq!(s.peer_store_device.as_deref(), Some(peer));
     assert_eq!(s.peer_store_units, Some(streamed), "every streamed unit is in the store");
     assert_eq!(s.peer_store_host_units, Some(0));
+    // Each unit's tier: the resident ones on the device, every streamed one in the store.
+    let tiers = tier_of_units(s.unit_tiers.as_deref().unwrap());
+    assert_eq!(tiers.len() as u64, s.unit_count.unwrap(), "{tiers:?}");
+    assert_eq!(tiers.iter().filter(|t| *t == "peer").count() as u64, streamed, "{tiers:?}");
+    assert_eq!(tiers.iter().filter(|t| *t == "device").count() as u64, s.resident_units.unwrap());
     let before = session.metrics(None).runtime;
     run_and_check(&session, 3, &checkpoint_bytes(8));
     let after = session.metrics(None);
@@ -1408,6 +1413,14 @@ fn peer_store(device: &str, peer: &str) {
     let s = setup(&session);
     assert_eq!(s.peer_store_units, Some(2), "{s:?}");
     assert_eq!(s.peer_store_host_units, Some(s.streamed_units.unwrap() - 2));
+    let tiers = tier_of_units(s.unit_tiers.as_deref().unwrap());
+    assert_eq!(tiers.iter().filter(|t| *t == "peer").count(), 2, "{tiers:?}");
+    let host = s.host_source.clone().unwrap();
+    assert_eq!(
+        tiers.iter().filter(|t| **t == host).count() as u64,
+        s.streamed_units.unwrap() - 2,
+        "the rest from the host tier {host}: {tiers:?}"
+    );
     let before = session.metrics(None).runtime.upload_bytes.unwrap();
     run_and_check(&session, 2, &checkpoint_bytes(8));
     assert!(
@@ -1415,6 +1428,25 @@ fn peer_store(device: &str, peer: &str) {
         "the rest use the host link"
     );
     session.close().unwrap();
+}
+
+/// The tier of each unit id from a `unit_tiers` text (`device=0-2,5 peer=3-4`).
+fn tier_of_units(text: &str) -> Vec<String> {
+    let mut out: Vec<Option<String>> = Vec::new();
+    for part in text.split(' ') {
+        let (tier, runs) = part.split_once('=').expect("tier=runs");
+        for run in runs.split(',') {
+            let (a, b) = run.split_once('-').unwrap_or((run, run));
+            for i in a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap() {
+                if out.len() <= i {
+                    out.resize(i + 1, None);
+                }
+                assert!(out[i].is_none(), "unit {i} in two tiers: {text}");
+                out[i] = Some(tier.to_owned());
+            }
+        }
+    }
+    out.into_iter().map(|t| t.expect("every unit has a tier")).collect()
 }
 
 /// Device bytes of one streamed unit of `checkpoint(dir, n)` (all blocks are alike, each
