@@ -108,6 +108,22 @@ def test_placements_and_budgets_that_cannot_be_served_are_refused_by_name(tmp_pa
         ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "flux", dynamic_offload_config=every_model_streamed(), **kwargs)
 
 
+def test_a_component_that_fails_to_load_is_named_and_the_others_are_removed(tmp_path, monkeypatch):
+    pipe, _ = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "flux")
+    removed = []
+    real_remove = ddo.DynamicOffloadApplyResult.remove
+    monkeypatch.setattr(ddo.DynamicOffloadApplyResult, "remove", lambda self: (removed.append(self), real_remove(self)))
+    # A GPU this machine does not have: the component placed on it fails.
+    absent = f"cuda:{torch.cuda.device_count() + 1}"
+    with pytest.raises(ddo.DynamicOffloadError, match=absent) as info:
+        ddo.from_pretrained_pipeline_with_dynamic_offload(
+            tmp_path / "flux", dynamic_offload_config=every_model_streamed(), device_map={"transformer": absent}
+        )
+    assert any("while loading component transformer" in n and absent in n for n in info.value.__notes__), info.value.__notes__
+    assert removed, "the components loaded before it are removed"
+
+
 def test_a_folder_without_a_pipeline_says_so(tmp_path):
     with pytest.raises(ddo.DynamicOffloadError, match="model_index.json"):
         ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path)

@@ -232,6 +232,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
     components: Dict[str, Any] = dict(pipeline_kwargs)
     offload: Dict[str, DynamicOffloadApplyResult] = {}
     progress = bar(specs.items(), total=len(specs), desc="ddo pipeline", unit="component")
+    name: Optional[str] = None
     try:
         for name, spec in progress:
             progress.set_postfix_str(name, refresh=False)
@@ -282,7 +283,9 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 offload[name] = enable_offload(module, component=name, config=config_here)
                 components[name] = module
         pipeline = pipeline_class(**components)
-    except BaseException:
+    except BaseException as error:
+        if isinstance(error, DynamicOffloadError) and name in specs and hasattr(error, "add_note"):
+            error.add_note(f"while loading component {name} of {root} (on {devices.get(name, default_device)})")
         for r in offload.values():
             with contextlib.suppress(Exception):
                 r.remove()
