@@ -89,7 +89,7 @@ def test_device_map_places_components_and_each_device_splits_its_own_budget(tmp_
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"device_map": {"unet": "cpu"}}, r"device_map names unet, which this pipeline does not load \(its components: .*transformer"),
+        ({"device_map": {"unet": "cpu"}}, r"device_map names unet, which is not a model component this call loads \(model components: .*transformer"),
         ({"device_map": {"vae": "gpu7"}}, r"device_map\['vae'\] is 'gpu7', not a device"),
         ({"device_map": {"vae": "meta"}}, r"device_map\['vae'\] is 'meta': ddo runs components on 'cuda:N' or 'cpu'"),
         ({"gpu_budget_gb": {"cuda:1": 1.0}}, r"gpu_budget_gb names cuda:1, and these components .* run elsewhere: .*transformer \(cpu\)"),
@@ -99,6 +99,11 @@ def test_device_map_places_components_and_each_device_splits_its_own_budget(tmp_
         ({"gpu_budget_gb": float("nan")}, r"gpu_budget_gb must be a positive number of GiB, not nan"),
         ({"gpu_budget_gb": 0}, r"gpu_budget_gb must be a positive number of GiB, not 0"),
         ({"gpu_budget_gb": {"cpu": float("inf")}}, r"gpu_budget_gb\['cpu'\] must be a positive number of GiB, not inf"),
+        ({"gpu_budget_gb": 10**400}, r"gpu_budget_gb must be a positive number of GiB"),
+        ({"gpu_budget_gb": {"cpu": 1.0, "cpu:0": 2.0}}, r"gpu_budget_gb names cpu twice"),
+        ({"gpu_budget_gb": {}}, r"gpu_budget_gb is an empty mapping"),
+        ({"device_map": "balanced"}, r"device_map must map component names to devices"),
+        ({"device_map": {"tokenizer": "cpu"}}, r"device_map names tokenizer, which is not a model component .*tokenizers and schedulers have no device"),
     ],
 )
 def test_placements_and_budgets_that_cannot_be_served_are_refused_by_name(tmp_path, kwargs, message):
@@ -106,6 +111,21 @@ def test_placements_and_budgets_that_cannot_be_served_are_refused_by_name(tmp_pa
     pipe.save_pretrained(tmp_path / "flux")
     with pytest.raises(ddo.DynamicOffloadConfigError, match=message):
         ddo.from_pretrained_pipeline_with_dynamic_offload(tmp_path / "flux", dynamic_offload_config=every_model_streamed(), **kwargs)
+
+
+def test_budgets_follow_the_device_the_environment_names_and_take_numpy_numbers(tmp_path, monkeypatch):
+    pipe, _ = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "flux")
+    load = ddo.from_pretrained_pipeline_with_dynamic_offload
+    # The config leaves execution_device unset: DDO_EXECUTION_DEVICE decides, for the split too.
+    config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=6 / 1024)
+    monkeypatch.setenv("DDO_EXECUTION_DEVICE", "cuda:3")
+    with pytest.raises(ddo.DynamicOffloadConfigError, match=r"run elsewhere: transformer \(cuda:3\)"):
+        load(tmp_path / "flux", dynamic_offload_config=config, gpu_budget_gb={"cpu": 1.0})
+    monkeypatch.setenv("DDO_EXECUTION_DEVICE", "cpu")
+    result = load(tmp_path / "flux", dynamic_offload_config=config, gpu_budget_gb={"cpu": np.float32(1.0)})
+    assert abs(sum(result.budgets_gb.values()) - 1.0) < 1e-6, result.budgets_gb
+    result.remove()
 
 
 def test_a_component_that_fails_to_load_is_named_and_the_others_are_removed(tmp_path, monkeypatch):

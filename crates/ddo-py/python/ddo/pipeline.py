@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import json
 import math
+import numbers
 import os
 from typing import Any, Dict, Mapping, Optional, Union
 
@@ -16,7 +17,6 @@ import torch
 from . import _native
 from .api import (
     DynamicOffloadApplyResult,
-    _default_device,
     _local_path,
     _variant_checkpoint,
     enable_offload,
@@ -105,19 +105,32 @@ def _device_name(value: Any, what: str) -> str:
     raise DynamicOffloadConfigError(f"{what} is {value!r}: ddo runs components on 'cuda:N' or 'cpu'")
 
 
-def _split_budgets(
-    gpu_budget_gb: Any, arena: list, sizes: Dict[str, int], devices: Dict[str, str], default: str
-) -> Dict[str, float]:
+def _gib(value: Any, what: str) -> float:
+    """A positive, finite number of GiB (Python or NumPy numbers), as a float."""
+    try:
+        number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+    except OverflowError:
+        number = math.inf
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise DynamicOffloadConfigError(f"{what} must be a positive number of GiB, not {value!r}")
+    return number
+
+
+def _split_budgets(gpu_budget_gb: Any, arena: list, sizes: Dict[str, int], on: Dict[str, str]) -> Dict[str, float]:
     """Each arena component's share of ``gpu_budget_gb`` by weight bytes: of the one budget, or
-    of its device's budget when ``gpu_budget_gb`` maps devices to GiB."""
+    of its device's budget when ``gpu_budget_gb`` maps devices to GiB (``on``: each component's
+    device)."""
     if not isinstance(gpu_budget_gb, Mapping):
         total = sum(sizes.values()) or 1
-        return {n: float(gpu_budget_gb) * sizes[n] / total for n in arena}
-    per_device = {_device_name(d, f"gpu_budget_gb key {d!r}"): v for d, v in gpu_budget_gb.items()}
-    for d, v in per_device.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise DynamicOffloadConfigError(f"gpu_budget_gb[{d!r}] must be a positive number of GiB, not {v!r}")
-    on = {n: devices.get(n, default) for n in arena}
+        return {n: _gib(gpu_budget_gb, "gpu_budget_gb") * sizes[n] / total for n in arena}
+    per_device: Dict[str, float] = {}
+    for d, v in gpu_budget_gb.items():
+        name = _device_name(d, f"gpu_budget_gb key {d!r}")
+        if name in per_device:
+            raise DynamicOffloadConfigError(f"gpu_budget_gb names {name} twice (as {d!r} too): give each device one budget")
+        per_device[name] = _gib(v, f"gpu_budget_gb[{d!r}]")
+    if not per_device:
+        raise DynamicOffloadConfigError("gpu_budget_gb is an empty mapping: give each device a budget, or leave it unset")
     unnamed = sorted(f"{n} ({d})" for n, d in on.items() if d not in per_device)
     if unnamed:
         raise DynamicOffloadConfigError(
@@ -186,28 +199,22 @@ def from_pretrained_pipeline_with_dynamic_offload(
     if not isinstance(index, dict):
         raise DynamicOffloadError(f"{index_path} holds a {type(index).__name__}, not an object of components")
     if gpu_budget_gb is not None and not isinstance(gpu_budget_gb, Mapping) and (
-        isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, (int, float))
+        isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, numbers.Real)
     ):
         raise DynamicOffloadConfigError(
             f"gpu_budget_gb must be a number of GiB or a mapping of devices to GiB, not {gpu_budget_gb!r}"
         )
-    if isinstance(gpu_budget_gb, (int, float)) and not (math.isfinite(gpu_budget_gb) and gpu_budget_gb > 0):
-        raise DynamicOffloadConfigError(f"gpu_budget_gb must be a positive number of GiB, not {gpu_budget_gb!r}")
+    if gpu_budget_gb is not None and not isinstance(gpu_budget_gb, Mapping):
+        _gib(gpu_budget_gb, "gpu_budget_gb")
+    if device_map is not None and not isinstance(device_map, Mapping):
+        raise DynamicOffloadConfigError(
+            f"device_map must map component names to devices ({{'text_encoder_2': 'cuda:1'}}), not {device_map!r}"
+        )
     if pipeline_class is None:
         pipeline_class = _class_of("diffusers", str(index.get("_class_name")), index_path)
     config = dynamic_offload_config
     specs = {k: v for k, v in index.items() if not k.startswith("_")}
     devices = {n: _device_name(d, f"device_map[{n!r}]") for n, d in (device_map or {}).items()}
-    unknown = sorted(n for n in devices if not _is_component(specs.get(n)) or n in pipeline_kwargs)
-    if unknown:
-        known = ", ".join(n for n, v in specs.items() if _is_component(v) and n not in pipeline_kwargs)
-        raise DynamicOffloadConfigError(
-            f"device_map names {', '.join(unknown)}, which this pipeline does not load (its components: {known})"
-        )
-    given = config is not None and "execution_device" in config.explicit_fields()
-    default_device = _device_name(
-        config.execution_device if given else _default_device(), "dynamic_offload_config.execution_device"
-    )
     modules: Dict[str, Any] = {}
     routes: Dict[str, str] = {}
     for name, spec in specs.items():
@@ -218,6 +225,18 @@ def from_pretrained_pipeline_with_dynamic_offload(
             modules[name] = loader
             if _has_safetensors(os.path.join(root, name)):
                 routes[name] = resolve_settings(name, config=config).route_name
+    unknown = sorted(n for n in devices if n not in modules)
+    if unknown:
+        raise DynamicOffloadConfigError(
+            f"device_map names {', '.join(unknown)}, which is not a model component this call loads (model components: "
+            f"{', '.join(modules) or 'none'}); tokenizers and schedulers have no device"
+        )
+
+    def device_of(name: str) -> str:
+        if name in devices:
+            return devices[name]
+        return _device_name(resolve_settings(name, config=config).device, f"the execution device of {name}")
+
     budgets: Dict[str, float] = {}
     if gpu_budget_gb is not None:
         arena = [n for n, r in routes.items() if r == "vmm_fast_runtime"]
@@ -228,7 +247,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 "use backend='vmm', or leave gpu_budget_gb unset"
             )
         sizes = {n: _weight_bytes(_variant_checkpoint(os.path.join(root, n), variant), torch_dtype) for n in arena}
-        budgets = _split_budgets(gpu_budget_gb, arena, sizes, devices, default_device)
+        budgets = _split_budgets(gpu_budget_gb, arena, sizes, {n: device_of(n) for n in arena})
     components: Dict[str, Any] = dict(pipeline_kwargs)
     offload: Dict[str, DynamicOffloadApplyResult] = {}
     progress = bar(specs.items(), total=len(specs), desc="ddo pipeline", unit="component")
@@ -282,10 +301,12 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 module = loader.from_pretrained(folder, **dtype_kwargs)
                 offload[name] = enable_offload(module, component=name, config=config_here)
                 components[name] = module
+        name = None
         pipeline = pipeline_class(**components)
     except BaseException as error:
-        if isinstance(error, DynamicOffloadError) and name in specs and hasattr(error, "add_note"):
-            error.add_note(f"while loading component {name} of {root} (on {devices.get(name, default_device)})")
+        if isinstance(error, DynamicOffloadError) and name in modules and hasattr(error, "add_note"):
+            with contextlib.suppress(Exception):
+                error.add_note(f"while loading component {name} of {root} (on {device_of(name)})")
         for r in offload.values():
             with contextlib.suppress(Exception):
                 r.remove()
