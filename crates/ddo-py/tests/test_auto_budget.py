@@ -176,7 +176,7 @@ def test_an_interrupt_while_the_budget_is_planned_again_leaves_the_module_usable
     real = getattr(runtime, where)
     calls = {"n": 0}
 
-    def interrupted():
+    def interrupted(*args):
         calls["n"] += 1
         if calls["n"] == 1:
             # Half the parameters changed, then Ctrl-C.
@@ -185,7 +185,7 @@ def test_an_interrupt_while_the_budget_is_planned_again_leaves_the_module_usable
                 p = owner._parameters[attr]
                 owner._parameters[attr] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), False)
             raise KeyboardInterrupt
-        return real()
+        return real(*args)
 
     setattr(runtime, where, interrupted)
     with pytest.raises(KeyboardInterrupt):

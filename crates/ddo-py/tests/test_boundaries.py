@@ -248,7 +248,7 @@ def swap_two_weights(m):
             "was changed after ddo attached",
         ),
         (lambda m: setattr(m.transformer_blocks[0].attn.to_q.weight, "data", torch.zeros(32, 32)), "was changed"),
-        (swap_two_weights, "not the one ddo published there"),
+        (swap_two_weights, "now holds another of the module's parameters"),
         (
             lambda m: setattr(m.transformer_blocks[0].attn.to_q, "_parameters", dict(m.transformer_blocks[0].attn.to_q._parameters)),
             "were replaced as a whole",
@@ -501,3 +501,67 @@ def test_placeholders_as_inputs_of_out_and_foreach_ops(tmp_path, flux):
     assert module.transformer_blocks[0].to(torch.float32) is module.transformer_blocks[0]
     assert torch.equal(weight.detach().clone(), value)
     result.remove()
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+@pytest.mark.parametrize("op", ["unload", "reclaim", "set_budget"])
+def test_a_change_is_refused_before_anything_publishes_again_over_it(tmp_path, flux, route, op):
+    # Publishing views (or placeholders) again would silently undo the change, or keep half of
+    # it: a tie or a swap of two weights is refused with what to do, and remove() still works.
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, route)
+    assert torch.equal(run(module, inputs), reference)
+    swap_two_weights(module)
+    runtime = result.runtime
+    act = {
+        "unload": result.unload,
+        "reclaim": result.reclaim,
+        "set_budget": lambda: runtime.set_budget(64 << 20),
+    }[op]
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="now holds another of the module's parameters"):
+        act()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="now holds another"):
+        run(module, inputs)
+    result.remove()
+
+
+def test_a_change_while_unloaded_is_refused_at_reload(tmp_path, flux):
+    model, inputs = flux
+    result, module = offload(tmp_path, model, "native")
+    run(module, inputs)
+    result.unload()
+    attn = module.transformer_blocks[0].attn
+    attn.to_q.weight = torch.nn.Parameter(torch.zeros_like(attn.to_q.weight), requires_grad=False)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="to_q.weight was changed after ddo attached"):
+        result.reload()
+    result.remove()
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+@pytest.mark.parametrize("change", ["delete", "parametrize"])
+def test_remove_closes_the_session_whatever_became_of_the_parameters(tmp_path, flux, route, change):
+    model, inputs = flux
+    result, module = offload(tmp_path, model, route)
+    run(module, inputs)
+    # A resident layer (the rest outside the blocks): a streamed one refuses both at once.
+    layer = module.x_embedder
+    if change == "delete":
+        del layer.bias
+    else:
+
+        class Double(torch.nn.Module):
+            def forward(self, w):
+                return 2 * w
+
+        torch.nn.utils.parametrize.register_parametrization(layer, "weight", Double())
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="was changed after ddo attached"):
+        run(module, inputs)
+    if route == "linear" and change == "delete":
+        result.remove()  # the module's own tensors go back, the deleted one too
+        assert isinstance(layer.bias, torch.nn.Parameter) and not layer.bias.is_meta
+    else:
+        with pytest.warns(UserWarning, match="could not be given back .*x_embedder"):
+            result.remove()
+    assert result.runtime.session.is_unloaded()
+    result.remove()  # a second remove changes nothing

@@ -607,6 +607,9 @@ class SessionRuntime:
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
         self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int], int]] = []
         self.checked: List[Tuple[Dict[str, Any], str, torch.nn.Parameter, Optional[int], int]] = []
+        self.watched_names: List[str] = []
+        # The record above matches the last complete publish (views or placeholders).
+        self.watched_whole = False
         self.owners: List[Tuple[torch.nn.Module, Dict[str, Any]]] = []
         # Streamed units' places: (owner, attribute, view, placeholder) per unit; the view is in
         # place only while the unit's forward runs.
@@ -705,14 +708,40 @@ class SessionRuntime:
             self.originals = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.originals.items()}
             self.original_buffers = {}
 
-    def _publish(self, make) -> None:
-        """Sets every managed parameter (aliases too) to ``make(name, old)``, one object per key."""
+    def _publish(self, make, failed: Optional[List[str]] = None) -> None:
+        """Sets every managed parameter (aliases too) to ``make(name, old)``, one object per key.
+        With ``failed``, a place the module no longer has as a parameter (deleted, or re-registered
+        by parametrize) is skipped and named there instead of raising."""
         new: Dict[int, torch.nn.Parameter] = {}
         for owner, attr, name in self.places:
-            p = owner._parameters[attr]
-            if id(p) not in new:
-                new[id(p)] = make(name, p)
-            setattr(owner, attr, new[id(p)])
+            try:
+                p = owner._parameters[attr]
+                if id(p) not in new:
+                    new[id(p)] = make(name, p)
+                setattr(owner, attr, new[id(p)])
+            except (KeyError, AttributeError, TypeError, RuntimeError):
+                if failed is None:
+                    raise
+                failed.append(name)
+
+    def _record_published(self) -> None:
+        """What the next check compares with: every place's parameter as published now."""
+        current = [(owner, attr, owner._parameters.get(attr), name) for owner, attr, name in self.places]
+        current = [c for c in current if c[2] is not None]
+        self.published = {id(p): (p, _address(p)) for _, _, p, _ in current}
+        self.watched = [(owner, attr, p, _address(p), p._version) for owner, attr, p, _ in current]
+        self.watched_names = [name for *_, name in current]
+        # The same, as each forward walks it: the owner's parameter dict (each owner's dict is
+        # checked to be still its own).
+        self.checked = [(owner._parameters, attr, p, ptr, version) for owner, attr, p, ptr, version in self.watched]
+        self.owners = list({id(owner): (owner, owner._parameters) for owner, _, _ in self.places}.values())
+
+    def _refuse_changes(self) -> None:
+        """Refuses a parameter changed since the last publish before anything publishes again
+        (unload, reload, reclaim, a re-plan): publishing again would undo the change silently."""
+        if self.watched_whole:
+            with torch._C.DisableTorchFunctionSubclass():
+                self._check_places()
 
     def _publish_views(self) -> None:
         # Views made under inference mode would be inference tensors, which have no version
@@ -731,6 +760,7 @@ class SessionRuntime:
         self._publish_views()
 
     def _publish_views_now(self) -> None:
+        self.watched_whole = False
         views: Dict[str, torch.Tensor] = {}
         for names in self.session.parameter_names():
             view = torch.utils.dlpack.from_dlpack(self.session.dlpack(names[0]))
@@ -757,29 +787,27 @@ class SessionRuntime:
                 placeholders[id(view)] = torch.nn.Parameter(weight, requires_grad=False)
             self.swaps[unit].append((owner, attr, view, placeholders[id(view)]))
             owner._parameters[attr] = placeholders[id(view)]
-        current = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self.places]
-        self.published = {id(p): (p, _address(p)) for _, _, p in current}
-        # What each forward checks, flat: (owner, attribute, parameter, address).
-        self.watched = [(owner, attr, p, _address(p), p._version) for owner, attr, p in current]
-        # The same, as each forward walks it: the owner's parameter dict (each owner's dict is
-        # checked to be still its own).
-        self.checked = [(owner._parameters, attr, p, ptr, version) for owner, attr, p, ptr, version in self.watched]
-        self.owners = list({id(owner): (owner, owner._parameters) for owner, _, _ in self.places}.values())
-        self.views_whole = True
+        self._record_published()
+        self.views_whole = self.watched_whole = True
 
-    def _publish_meta(self) -> None:
+    def _publish_meta(self, failed: Optional[List[str]] = None) -> None:
         # Holding the views would keep the arena's memory alive. The views go back first, so
         # the placeholders take their class (a quantized parameter's).
         self.views_whole = False
         for places in self.swaps.values():
             for owner, attr, view, _ in places:
-                owner._parameters[attr] = view
+                if failed is None or attr in owner._parameters:
+                    owner._parameters[attr] = view
         self.swaps = {}
         self.ranges = {}
-        self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")))
-        # Cleared last: a publish interrupted before here is checked for writes at the next pass.
-        self.published = {}
-        self.watched, self.checked, self.owners = [], [], []
+        # Ordinary tensors (with version counters) also under inference mode, as for the views.
+        with torch.inference_mode(False):
+            self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")), failed)
+            # Recorded last: a publish interrupted before here is checked for writes at the next
+            # pass; a reload checks the placeholders against this record.
+            self.watched_whole = False
+            self._record_published()
+        self.watched_whole = True
 
     # ---- hooks ----------------------------------------------------------------------------
 
@@ -886,7 +914,21 @@ class SessionRuntime:
 
     def _check_parameters(self) -> None:
         # Every forward: each parameter still the one published, at its address, not written
-        # in place, without grad.
+        # in place, without grad; the host tensors streamed from unwritten; added ones usable.
+        self._check_places()
+        for name, p, version in self.sources:
+            if p._version != version:
+                raise _native.DynamicOffloadSourceChangedError(
+                    f"the host tensor of parameter {name}, which ddo streams from, was written since ddo attached "
+                    "(through a reference to it: one kept from before, or a state_dict() value): blocks already on the "
+                    "device would not see the write. "
+                    "Call remove_dynamic_offload(module) first, change the weights, then offload the module again"
+                )
+        self._check_added_parameters()
+
+    def _check_places(self) -> None:
+        """Each managed place still holds the parameter published there, at its address, not
+        written in place, without grad."""
         if len(self.checked) != len(self.places):
             self._refuse_changed_parameter()
         changed = next((o for o, params in self.owners if o.__dict__.get("_parameters") is not params), None)
@@ -912,23 +954,14 @@ class SessionRuntime:
             self._refuse_changed_parameter()
             # Each parameter in place is one ddo published, at its own address: two traded places.
             raise _native.DynamicOffloadLifecycleError(
-                f"parameter {self.places[at][2]} is not the one ddo published there (parameters were exchanged "
-                "between places): call remove_dynamic_offload(module) first, change the module, then offload it again"
+                f"parameter {self.watched_names[at]} now holds another of the module's parameters (exchanged or tied "
+                "since ddo attached): call remove_dynamic_offload(module) first, change the module, then offload it again"
             )
-        for name, p, version in self.sources:
-            if p._version != version:
-                raise _native.DynamicOffloadSourceChangedError(
-                    f"the host tensor of parameter {name}, which ddo streams from, was written since ddo attached "
-                    "(through a reference to it: one kept from before, or a state_dict() value): blocks already on the "
-                    "device would not see the write. "
-                    "Call remove_dynamic_offload(module) first, change the weights, then offload the module again"
-                )
-        self._check_added_parameters()
 
     def _refuse_changed_parameter(self) -> None:
         """Raises for the first managed parameter changed since it was published."""
         published = self.published
-        for (owner, attr, name), (*_, p, _ptr, version) in zip(self.places, self.watched):
+        for (owner, attr, p, _ptr, version), name in zip(self.watched, self.watched_names):
             if owner._parameters.get(attr) is p and p._version != version:
                 raise _native.DynamicOffloadLifecycleError(
                     f"parameter {name} was written in place since ddo attached: its values come from the checkpoint "
@@ -1061,6 +1094,7 @@ class SessionRuntime:
         again with the streamed units encoded (new addresses) and the new views are published,
         as a budget change does. ``False`` when tensors kept by the host still view the arena
         (the component stays raw)."""
+        self._refuse_changes()
         self.synchronize()
         try:
             self._publish_meta()
@@ -1075,6 +1109,7 @@ class SessionRuntime:
         """Plans the arena again under ``total`` bytes between passes (the caller holds the
         forward lock or is at the end of a pass): the views go, the arena is rebuilt, the new
         views are published. ``False`` when tensors kept by the host still view the arena."""
+        self._refuse_changes()
         self.synchronize()
         try:
             self._publish_meta()
@@ -1214,6 +1249,7 @@ class SessionRuntime:
         views are in place only while their block runs); resident ones keep their memory."""
         self._not_inside_forward("reclaim()")
         with self.forward_lock:
+            self._refuse_changes()
             self.synchronize()
             self._rest_all()
             return self.session.reclaim()
@@ -1230,6 +1266,7 @@ class SessionRuntime:
             self._unload()
 
     def _unload(self) -> None:
+        self._refuse_changes()
         self.synchronize()
         self._publish_meta()
         self.session.end_pass(_stream(self.device))
@@ -1246,6 +1283,7 @@ class SessionRuntime:
         another thread ends (a forward waits for the reload)."""
         self._not_inside_forward("reload()")
         with self.forward_lock:
+            self._refuse_changes()
             self.session.reload()
             try:
                 self._publish_views()
@@ -1284,19 +1322,33 @@ class SessionRuntime:
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
         self.published, self.watched, self.checked, self.owners = {}, [], [], []
+        self.watched_whole = False
         if self.session is None:
             return
         self.synchronize()
-        if self.checkpoint is None or restore:
-            for owner, attr, name in self.places:
-                if name in self.originals:
-                    setattr(owner, attr, self.originals[name])
-            for owner, attr, name in self.buffer_places:
-                if name in self.original_buffers:
-                    setattr(owner, attr, self.original_buffers[name])
-        else:
-            self._publish_meta()
-        if not self.session.is_unloaded():
-            self.session.end_pass(_stream(self.device))
-            self.session.unload()
-        report_drop_failures()
+        # Places the module no longer has as they were (a parameter deleted, or re-registered by
+        # parametrize) are skipped: the session is closed whatever the module became.
+        failed: List[str] = []
+        try:
+            if self.checkpoint is None or restore:
+                for places, originals in ((self.places, self.originals), (self.buffer_places, self.original_buffers)):
+                    for owner, attr, name in places:
+                        if name in originals:
+                            try:
+                                setattr(owner, attr, originals[name])
+                            except (KeyError, AttributeError, TypeError, RuntimeError):
+                                failed.append(name)
+            else:
+                self._publish_meta(failed)
+        finally:
+            if not self.session.is_unloaded():
+                self.session.end_pass(_stream(self.device))
+                self.session.unload()
+            report_drop_failures()
+        if failed:
+            warnings.warn(
+                f"ddo: {len(failed)} weight(s) of {type(self.module).__name__} could not be given back ({', '.join(failed[:3])}"
+                f"{', ...' if len(failed) > 3 else ''}): the module no longer has them as they were (deleted, or "
+                "re-registered by parametrize) since ddo attached; its other weights are given back",
+                stacklevel=3,
+            )
