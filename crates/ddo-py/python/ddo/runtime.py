@@ -1321,7 +1321,7 @@ class SessionRuntime:
             self.module.__dict__.pop(guarded, None)
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
-        self.published, self.watched, self.checked, self.owners = {}, [], [], []
+        self.published, self.watched, self.watched_names, self.checked, self.owners = {}, [], [], [], []
         self.watched_whole = False
         if self.session is None:
             return
