@@ -53,13 +53,28 @@ pub struct ReclaimReport {
 struct Holder {
     /// Upload of the bytes now held (device-side completion).
     upload: Option<FenceValue>,
-    /// Fences recorded by consumers since the upload; reuse waits for all of them.
-    releases: Vec<FenceValue>,
+    /// The last fence each consumer stream recorded since the upload (a later fence on a
+    /// stream completes after the earlier ones); reuse waits for all of them.
+    releases: Vec<(StreamId, FenceValue)>,
     leases: u32,
     /// The upload was observed complete on the host: consumers need not wait for it.
     upload_done: bool,
     /// Retained after a failed release: never reused, close refuses.
     unsafe_: bool,
+}
+
+impl Holder {
+    /// Records `fence` as `stream`'s last release, replacing the one it recorded before.
+    fn released_on(&mut self, stream: StreamId, fence: FenceValue) {
+        match self.releases.iter_mut().find(|(s, _)| *s == stream) {
+            Some(last) => last.1 = fence,
+            None => self.releases.push((stream, fence)),
+        }
+    }
+
+    fn release_fences(&self) -> impl Iterator<Item = FenceValue> + '_ {
+        self.releases.iter().map(|&(_, f)| f)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -529,7 +544,7 @@ impl Arena {
             Ok(f) => {
                 let h = self.holder_mut(&mut state, unit);
                 h.leases = h.leases.saturating_sub(1);
-                h.releases.push(f);
+                h.released_on(consumer, f);
             }
             Err(e) => {
                 let retained = self.holder_len(unit);
@@ -695,9 +710,9 @@ impl Arena {
                 {
                     return Err(device("make the copy stream wait for the slot's last upload")(e));
                 }
-                for f in std::mem::take(&mut st.holder.releases) {
+                for (s, f) in std::mem::take(&mut st.holder.releases) {
                     if let Err(e) = self.platform.fences.stream_wait(self.copy_stream, f) {
-                        st.holder.releases.push(f);
+                        st.holder.releases.push((s, f));
                         return Err(device("make the copy stream wait for the slot's consumers")(
                             e,
                         ));
@@ -1119,7 +1134,7 @@ impl Arena {
                 continue;
             }
             let fences: Vec<FenceValue> =
-                slot.holder.upload.iter().chain(&slot.holder.releases).copied().collect();
+                slot.holder.upload.into_iter().chain(slot.holder.release_fences()).collect();
             let mut idle = true;
             for f in fences {
                 match self.platform.fences.query(f) {
@@ -1330,7 +1345,7 @@ impl Arena {
             .iter()
             .map(|s| &s.holder)
             .chain(state.residents.iter().map(|r| &r.holder))
-            .flat_map(|h| h.upload.iter().chain(&h.releases).copied())
+            .flat_map(|h| h.upload.into_iter().chain(h.release_fences()))
             .collect();
         for f in holders {
             if let Err(e) = self.platform.fences.wait(f) {

@@ -71,6 +71,54 @@ fn slot_reuse_waits_for_every_consumer_fence() {
     arena.release(c, stream).unwrap();
 }
 
+/// Contract 1 across passes: a slot's reuse waits for the last release of each consumer stream
+/// (a later fence on a stream completes after the earlier ones), and a resident unit keeps one
+/// fence per stream however many passes release it: close waits on a handful, not thousands.
+#[test]
+fn release_fences_are_kept_per_consumer_stream() {
+    let (_d, spy, arena, stream) = spy_arena(4, 2);
+    let other = ddo_core::Residency::create_stream(&*spy).unwrap();
+    let copy = arena.copy_stream();
+    let record = |s: StreamId| {
+        spy.calls()
+            .iter()
+            .rev()
+            .find_map(|c| match c {
+                Call::Record(r, f) if *r == s => Some(*f),
+                _ => None,
+            })
+            .unwrap()
+    };
+    for _ in 0..3 {
+        let a = arena.acquire(UnitId(1), stream).unwrap();
+        arena.release(a, stream).unwrap();
+    }
+    let last_on_stream = record(stream);
+    let a = arena.acquire(UnitId(1), other).unwrap();
+    arena.release(a, other).unwrap();
+    let last_on_other = record(other);
+    let mark = spy.calls().len();
+    let c = arena.acquire(UnitId(3), stream).unwrap();
+    let waits: Vec<_> = spy.calls()[mark..]
+        .iter()
+        .filter_map(|c| match c {
+            Call::StreamWait(s, f) if *s == copy => Some(*f),
+            _ => None,
+        })
+        .collect();
+    assert!(waits.contains(&last_on_stream) && waits.contains(&last_on_other), "{waits:?}");
+    assert!(waits.len() <= 3, "slot reuse waited on superseded fences: {waits:?}");
+    arena.release(c, stream).unwrap();
+    for _ in 0..500 {
+        let r = arena.acquire(UnitId(0), stream).unwrap();
+        arena.release(r, stream).unwrap();
+    }
+    let mark = spy.calls().len();
+    arena.close().unwrap();
+    let waited = spy.calls()[mark..].iter().filter(|c| matches!(c, Call::Wait(_))).count();
+    assert!(waited <= 12, "close waited on {waited} fences after 500 releases of one unit");
+}
+
 /// Contract 1: freeing (reclaim) needs a host-observed fence; an incomplete one frees nothing.
 #[test]
 fn reclaim_frees_nothing_while_a_fence_is_incomplete() {
