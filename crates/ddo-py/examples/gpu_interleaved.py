@@ -6,7 +6,12 @@ bytes it streams per step / the pinned link speed measured in the same process).
 
 Variants: ``resident``, ``vmm@GIB`` (a weight budget), with ``+dN`` (prefetch depth N) and a
 ``~peer`` suffix (the streamed units held in this GPU's own memory: the same budget, copies from
-device memory instead of over the host link).
+device memory instead of over the host link). ``vmm@GIB~bare`` is a diagnostic for budgets that
+stream nothing: after its first pass ddo's hooks and pass entry are taken off, so the module runs
+as plain PyTorch on weights in arena memory. Against ``resident`` it measures what the memory
+costs; against ``vmm@GIB`` what ddo's per-pass and per-block host work costs. The ``host s``
+column is the time until the forward returned (the host's enqueue time): near the step, the host
+sets the pace.
 
     python gpu_interleaved.py --model sd3|flux12|q8 [--variants resident,vmm@3,vmm@6] [--rounds 8] [--dir DIR]
 """
@@ -24,7 +29,7 @@ import torch
 
 from flux_workload import flux_inputs, link_speed, saved_flux, saved_flux_q8, saved_sd3, sd3_inputs
 
-VARIANT = re.compile(r"^vmm@([0-9.]+)(?:\+d([0-9]+))?(~peer)?$")
+VARIANT = re.compile(r"^vmm@([0-9.]+)(?:\+d([0-9]+))?(~peer|~bare)?$")
 
 
 def load(variant: str, model: str, path: str):
@@ -45,9 +50,9 @@ def load(variant: str, model: str, path: str):
         return cls.from_pretrained(path, torch_dtype=torch.bfloat16).to(dev).eval(), None
     m = VARIANT.match(variant)
     if m is None:
-        raise SystemExit(f"unknown variant {variant!r}: resident, vmm@GIB, vmm@GIB+dN, vmm@GIB~peer")
+        raise SystemExit(f"unknown variant {variant!r}: resident, vmm@GIB, vmm@GIB+dN, vmm@GIB~peer, vmm@GIB~bare")
     extra = {"prefetch_depth": int(m.group(2))} if m.group(2) else {}
-    if m.group(3):
+    if m.group(3) == "~peer":
         extra["vmm_peer_store_device"] = "cuda:0"
     config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=float(m.group(1)), **extra)
     loaded = ddo.from_pretrained_with_dynamic_offload(
@@ -55,6 +60,19 @@ def load(variant: str, model: str, path: str):
         **({"gguf_file": gguf} if gguf else {}),
     )
     return loaded.module, loaded.offload
+
+
+def strip_ddo(module, offload) -> None:
+    """Diagnostic only: takes ddo's hooks and pass entry off a module whose units are all
+    resident (their views stay published), so it runs as plain PyTorch on arena memory."""
+    streamed = offload.metrics_snapshot().as_dict()["setup"]["streamed_units"]
+    if streamed:
+        raise SystemExit(f"~bare needs a budget that streams nothing; this one streams {streamed} units")
+    runtime = offload.runtime
+    for handle in runtime.handles:
+        handle.remove()
+    for name in runtime.entries:
+        delattr(module, name)
 
 
 def main() -> int:
@@ -85,16 +103,20 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     x = (sd3_inputs if a.model == "sd3" else flux_inputs)(a.resolution, dev, g)
     steps: dict = {v: [] for v in variants}
+    hosts: dict = {v: [] for v in variants}
     digests: dict = {}
     with torch.no_grad():
         for v in variants:  # warm-up: each variant's first pass learns its order
             models[v](**x)
+            if v.endswith("~bare"):
+                strip_ddo(models[v], offloads[v])
         for r in range(a.rounds):
             # A rotating order: no variant always runs right after the same other one.
             for v in variants[r % len(variants):] + variants[: r % len(variants)]:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 out = models[v](**x)[0]
+                hosts[v].append(time.perf_counter() - t)
                 torch.cuda.synchronize()
                 steps[v].append(time.perf_counter() - t)
                 if r == 0:
@@ -102,8 +124,8 @@ def main() -> int:
     resident = statistics.median(steps["resident"])
     print(f"\n{a.model} at {a.resolution}: {nbytes / 2**30:.2f} GiB, pinned link {link / 1e9:.1f} GB/s, "
           f"{a.rounds} interleaved rounds\n")
-    print("| variant | streamed GiB/step | step s (median; min-max) | floor s | x floor | x resident | output = resident |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | streamed GiB/step | step s (median; min-max) | host s | floor s | x floor | x resident | output = resident |")
+    print("|---|---|---|---|---|---|---|---|")
     for v in variants:
         s = statistics.median(steps[v])
         streamed = 0
@@ -112,7 +134,7 @@ def main() -> int:
         peer = v.endswith("~peer")
         floor = resident if peer else max(resident, streamed / link)
         print(f"| {v} | {streamed / 2**30:.2f}{' (device memory)' if peer else ''} | {s:.4f} ({min(steps[v]):.4f}-{max(steps[v]):.4f}) | "
-              f"{floor:.4f} | {s / floor:.3f} | {s / resident:.3f} | {'yes' if digests[v] == digests['resident'] else 'NO'} |", flush=True)
+              f"{statistics.median(hosts[v]):.4f} | {floor:.4f} | {s / floor:.3f} | {s / resident:.3f} | {'yes' if digests[v] == digests['resident'] else 'NO'} |", flush=True)
     return 0 if all(d == digests["resident"] for d in digests.values()) else 1
 
 
