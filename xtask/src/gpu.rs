@@ -302,6 +302,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_shared.py",
         "gpu_contention.py",
         "gpu_interleaved.py",
+        "host_costs.py",
         "host.py",
         "tiny_pipelines.py",
     ] {
@@ -342,6 +343,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh shared            one host copy of Flux 5 B feeding two sessions, then two processes
 #   bash run.sh contention [ARGS] what host-to-device copies cost kernel launches, by host memory kind
 #   bash run.sh interleaved [ARGS] resident and ddo budgets stepped in turn in one process (--model sd3|flux12|q8)
+#   bash run.sh host-costs [ARGS] ddo's host work per step and per block on a tiny host-bound model
 case "${1:-bench}" in
   native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
@@ -357,7 +359,8 @@ case "${1:-bench}" in
   shared) cmd=(python3 "$bundle/gpu_shared.py" --dir "$work") ;;
   contention) mkdir -p "$work"; cmd=(python3 "$bundle/gpu_contention.py" --dir "$work" "${@:2}") ;;
   interleaved) cmd=(python3 "$bundle/gpu_interleaved.py" --dir "$work" "${@:2}") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | interleaved [ARGS]" >&2; exit 2 ;;
+  host-costs) mkdir -p "$work"; cmd=(python3 "$bundle/host_costs.py" --dir "$work" "${@:2}") ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | interleaved [ARGS] | host-costs [ARGS]" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

@@ -313,3 +313,17 @@ def test_bench_takes_one_checkpoint_file_with_the_config_beside_it_or_given(flux
     assert "is not a .safetensors file" in capsys.readouterr().err
     assert main(["bench", str(tmp_path / "nothing"), *args]) == 1
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_host_costs_measures_each_part_of_ddos_host_work(tmp_path, capsys):
+    import host_costs
+
+    assert host_costs.main(["--device", "cpu", "--blocks", "4", "--rounds", "2", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \|", out, re.M))
+    for what in [
+        "step, plain", "step, ddo, all resident", "step, ddo, every block streamed",
+        "pre + post hooks of a resident block, in a pass", "of which native acquire + release",
+    ]:
+        assert float(rows[what]) > 0, (what, out)
+    assert re.search(r"per-forward check \((\d+) parameters\)", out), out
