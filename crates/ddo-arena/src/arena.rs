@@ -529,6 +529,114 @@ impl Arena {
         Ok(Lease { unit, range, arena: self.id })
     }
 
+    /// Leases resident `units` for a whole pass on `consumer`, without tracking them in the
+    /// execution order: work on `consumer` may read them until the leases are given back (with
+    /// [`release_all`](Arena::release_all), after the pass). The pass tells the arena when it
+    /// reaches each with [`reached`](Arena::reached). A unit the plan streams is refused.
+    pub fn lease_for_pass(
+        &self,
+        units: &[UnitId],
+        consumer: StreamId,
+    ) -> Result<Vec<Lease>, ArenaError> {
+        let t = Instant::now();
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ArenaError::Closed);
+        }
+        let mut leases = Vec::with_capacity(units.len());
+        let mut granted = || -> Result<(), ArenaError> {
+            for &unit in units {
+                let range = self.unit_range(unit)?;
+                if self.plan.slot_of[unit.0 as usize].is_some() {
+                    return Err(ArenaError::InvalidUnits(format!(
+                        "unit {} streams through a slot: it cannot be leased for a whole pass",
+                        self.layout.units[unit.0 as usize].name
+                    )));
+                }
+                if let Some(f) = self.ensure_loaded(&mut state, unit, false)? {
+                    self.platform
+                        .fences
+                        .stream_wait(consumer, f)
+                        .map_err(device("make the consumer wait for the upload"))?;
+                }
+                state.residents[unit.0 as usize].holder.leases += 1;
+                leases.push(Lease { unit, range, arena: self.id });
+            }
+            Ok(())
+        };
+        if let Err(e) = granted() {
+            for l in &leases {
+                let h = &mut state.residents[l.unit.0 as usize].holder;
+                h.leases = h.leases.saturating_sub(1);
+            }
+            return Err(e);
+        }
+        state.stats.acquires += leases.len() as u64;
+        state.stats.acquire_seconds += t.elapsed().as_secs_f64();
+        Ok(leases)
+    }
+
+    /// The pass reached `unit`, which it holds by a pass lease: the order is tracked and the
+    /// next units prefetched as [`acquire`](Arena::acquire) does, without a lease or a fence.
+    pub fn reached(&self, unit: UnitId) -> Result<(), ArenaError> {
+        let t = Instant::now();
+        self.unit_range(unit)?;
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ArenaError::Closed);
+        }
+        let i = unit.0 as usize;
+        if self.plan.slot_of[i].is_some() || state.residents[i].holder.leases == 0 {
+            return Err(ArenaError::InvalidUnits(format!(
+                "unit {} is not held by a pass lease: acquire it",
+                self.layout.units[i].name
+            )));
+        }
+        if self.observe(&mut state, unit) && state.order.lookahead {
+            self.prefetch_after(&mut state, unit)?;
+        }
+        state.stats.acquire_seconds += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Gives `leases` back with one fence recorded on `consumer` after the work that used them,
+    /// as [`release`](Arena::release) does for one. If recording fails, all their memory is
+    /// retained as unsafe. Leases of another arena are refused (none is given back).
+    pub fn release_all(&self, leases: Vec<Lease>, consumer: StreamId) -> Result<(), ArenaError> {
+        if let Some(i) = leases.iter().position(|l| l.arena != self.id) {
+            let mut leases = leases;
+            return Err(ArenaError::ForeignLease { lease: leases.swap_remove(i) });
+        }
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let mut state = self.lock();
+        match self.platform.fences.record(consumer) {
+            Ok(f) => {
+                for l in &leases {
+                    let h = self.holder_mut(&mut state, l.unit);
+                    h.leases = h.leases.saturating_sub(1);
+                    h.released_on(consumer, f);
+                }
+            }
+            Err(e) => {
+                for l in &leases {
+                    let retained = self.holder_len(l.unit);
+                    let h = self.holder_mut(&mut state, l.unit);
+                    if !h.unsafe_ {
+                        h.unsafe_ = true;
+                        state.stats.unsafe_retained_bytes += retained;
+                    }
+                }
+                return Err(device("record the consumer's completion fence")(e));
+            }
+        }
+        state.stats.releases += leases.len() as u64;
+        state.stats.release_seconds += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
     /// Gives a lease back: records a fence on `consumer` after the work that used the unit; the
     /// unit's memory is reused only after that fence. If recording fails, the memory is retained
     /// as unsafe (never reused; close refuses) and the error is returned. A lease this arena did

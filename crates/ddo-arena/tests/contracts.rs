@@ -216,6 +216,43 @@ fn a_failed_release_retains_and_refuses_reuse_and_close() {
     arena.release(ok, stream).unwrap();
 }
 
+/// Contracts 1 and 2 for pass leases: resident units leased for a pass are given back after one
+/// fence on the consumer (its work on them completes before their memory can go), a unit the
+/// plan streams is refused with nothing left leased, and a failed record retains every unit.
+#[test]
+fn pass_leases_end_on_one_fence_and_a_failed_one_retains_them_all() {
+    let (_d, spy, arena, stream) = spy_arena(4, 2);
+    let e = arena.lease_for_pass(&[UnitId(0), UnitId(1)], stream).unwrap_err();
+    assert!(e.to_string().contains("streams through a slot"), "{e}");
+    let e = arena.reached(UnitId(0)).unwrap_err();
+    assert!(e.to_string().contains("not held by a pass lease"), "{e}");
+    arena.begin_pass();
+    let leases = arena.lease_for_pass(&[UnitId(0)], stream).unwrap();
+    arena.reached(UnitId(0)).unwrap();
+    let mark = spy.calls().len();
+    arena.release_all(leases, stream).unwrap();
+    let records: Vec<_> =
+        spy.calls()[mark..].iter().filter(|c| matches!(c, Call::Record(..))).cloned().collect();
+    assert_eq!(records.len(), 1, "{records:?}");
+    let Call::Record(_, fence) = records[0] else { unreachable!() };
+    let mark = spy.calls().len();
+    arena.close().unwrap();
+    assert!(
+        spy.calls()[mark..].contains(&Call::Wait(fence)),
+        "close did not wait on the pass fence"
+    );
+
+    let (_d, spy, arena, stream) = spy_arena(4, 2);
+    let mut leases = arena.lease_for_pass(&[UnitId(0)], stream).unwrap();
+    leases.push(arena.acquire(UnitId(1), stream).unwrap());
+    spy.fail(Op::Record, 0);
+    let e = arena.release_all(leases, stream).unwrap_err();
+    assert!(e.to_string().starts_with("record the consumer's completion fence"), "{e}");
+    let resident = arena.stats().resident_bytes;
+    assert_eq!(arena.stats().unsafe_retained_bytes, resident + arena.plan().slot_len);
+    assert!(matches!(arena.close().unwrap_err(), ArenaError::CloseRefused { .. }));
+}
+
 /// Contract 2: an unmap failure during reclaim keeps the backing (no release) and marks it unsafe.
 #[test]
 fn a_failed_unmap_keeps_the_backing() {

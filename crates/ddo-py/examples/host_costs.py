@@ -3,8 +3,9 @@ matter: an SD3-shaped transformer of tiny width, so each step is as host-bound a
 
 Rows (median over rounds, microseconds): the step of the plain module and of ddo with every unit
 resident and with every block streamed (the difference is ddo's host cost per step), then the
-parts: the per-forward check, one block's pre and post hooks inside a pass, the native acquire
-and release of a resident unit, the tracer check, and on CUDA an event record for scale. The
+parts: the per-forward check, one resident block's pre and post hooks inside a pass (the unit is
+leased for the pass: a native `reached`) and outside one (its own lease: a native acquire and
+release), the tracer check, and on CUDA an event record for scale. The
 parts are timed alone, thousands of times, and are the steadier figures: on a shared host the
 step rows move by more than their difference.
 
@@ -18,6 +19,7 @@ import copy
 import os
 import statistics
 import tempfile
+import threading
 import time
 import timeit
 
@@ -103,9 +105,22 @@ def main(argv=None) -> int:
         pre, post = run._pre(unit), run._post(unit)
         stream = run.stream()
         check = per_call(lambda: run._check_module((), x), 100, a.rounds)
-        run.session.begin_pass(stream)
+        ident = threading.get_ident()
+        leased = frozenset(run.session.begin_pass(stream))
+        if unit not in leased:
+            raise SystemExit(f"unit {unit} was not leased for the pass: {sorted(leased)}")
         try:
-            hooks = per_call(lambda: (pre(blk, ()), post(blk, (), None)), 1000, a.rounds)
+            # As inside the module's forward: the block's unit is leased for the pass.
+            run.pass_units, run.pass_stream, run.pass_thread = leased, stream, ident
+            run.in_forward[ident] = True
+            try:
+                hooks = per_call(lambda: (pre(blk, ()), post(blk, (), None)), 1000, a.rounds)
+                reached = per_call(lambda: run.session.reached(unit), 1000, a.rounds)
+            finally:
+                run.in_forward.pop(ident, None)
+                run.pass_units = frozenset()
+            # Outside a pass (or on another stream or thread) a block takes its own lease.
+            own = per_call(lambda: (pre(blk, ()), post(blk, (), None)), 1000, a.rounds)
             native = per_call(lambda: run.session.release(run.session.acquire(unit, stream), stream), 1000, a.rounds)
         finally:
             run.session.end_pass(stream)
@@ -122,6 +137,8 @@ def main(argv=None) -> int:
         print(f"| step, {n} | {s * 1e6:.1f} | {extra} |")
     print(f"| per-forward check ({params} parameters) | {check:.1f} | {check / a.blocks:.2f} |")
     print(f"| pre + post hooks of a resident block, in a pass | {hooks:.2f} | {hooks:.2f} |")
+    print(f"| of which native reached | {reached:.2f} | {reached:.2f} |")
+    print(f"| pre + post hooks of a block taking its own lease | {own:.2f} | {own:.2f} |")
     print(f"| of which native acquire + release | {native:.2f} | {native:.2f} |")
     print(f"| of which tracer check | {traced:.2f} | {traced:.2f} |")
     if event is not None:

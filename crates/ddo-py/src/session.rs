@@ -242,10 +242,18 @@ impl Session {
 
     /// Starts a pass on `stream` (a raw `cudaStream_t`; any value on the host backend). These
     /// per-pass and per-unit calls release the GIL: an acquisition may read from disk or wait
-    /// for room on the device.
-    fn begin_pass(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+    /// for room on the device. Returns the units leased for the whole pass (the plan's
+    /// resident blocks): for work on `stream`, call `reached` for them instead of acquiring.
+    fn begin_pass(&self, py: Python<'_>, stream: u64) -> PyResult<Vec<u32>> {
         let stream = self.stream(stream);
-        py.detach(|| self.inner.begin_pass(stream)).map_err(session_error)
+        let units = py.detach(|| self.inner.begin_pass(stream)).map_err(session_error)?;
+        Ok(units.into_iter().map(|u| u.0).collect())
+    }
+
+    /// The pass reached unit `unit`, leased for it by `begin_pass`: tracks the order and
+    /// prefetches what comes next (it may upload, so it releases the GIL too).
+    fn reached(&self, py: Python<'_>, unit: u32) -> PyResult<()> {
+        py.detach(|| self.inner.reached(UnitId(unit))).map_err(session_error)
     }
 
     /// Ends a pass on `stream`.

@@ -406,3 +406,59 @@ def test_unload_and_remove_wait_for_a_forward_in_another_thread(tmp_path, flux):
     loaded.offload.remove()
     worker.join(5)
     assert len(results) == 2 and torch.equal(results[1], reference)
+
+
+class CountingSession:
+    """The native session with its per-block calls counted."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, {"acquire": [], "reached": []}
+
+    def acquire(self, unit, stream):
+        self.calls["acquire"].append(unit)
+        return self.inner.acquire(unit, stream)
+
+    def reached(self, unit):
+        self.calls["reached"].append(unit)
+        return self.inner.reached(unit)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_resident_blocks_take_no_lease_of_their_own_inside_a_pass(tmp_path, sd3):
+    model, inputs = sd3
+    reference = run(copy.deepcopy(model), inputs)
+    path = tmp_path / "sd3"
+    model.save_pretrained(path)
+    # Two slots (prefetch depth 1) and a granule more: one block resident, the others streamed.
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model, 2) + 2 / 1024, prefetch_depth=1
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(
+        path, model_loader=type(model), apply_dynamic=True, component="transformer", dynamic_offload_config=config
+    )
+    runtime = loaded.offload.runtime
+    units = {u: name for u, name, pinned in runtime.session.units() if not pinned}
+    streamed = set(runtime.streamed)
+    resident = set(units) - streamed
+    assert resident and streamed, (resident, streamed)
+    runtime.session = counting = CountingSession(runtime.session)
+    for _ in range(3):
+        assert torch.equal(run(loaded.module, inputs), reference)
+    assert set(counting.calls["acquire"]) == streamed and len(counting.calls["acquire"]) == 3 * len(streamed)
+    assert sorted(counting.calls["reached"]) == sorted(list(resident) * 3)
+    snapshot = metrics(loaded.offload)
+    assert snapshot["runtime"]["prefetch_hits"] > 0 and snapshot["runtime"]["prefetch_cancels"] == 0, snapshot["runtime"]
+    # Outside a pass (a block called on its own) a resident block takes its own lease.
+    counting.calls["acquire"].clear()
+    block = loaded.module.get_submodule(units[min(resident)])
+    assert not runtime.pass_units
+    with torch.no_grad():
+        for hook in block._forward_pre_hooks.values():
+            hook(block, ())
+        for hook in block._forward_hooks.values():
+            hook(block, (), None)
+    assert counting.calls["acquire"] == [min(resident)]
+    assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()

@@ -323,7 +323,8 @@ def test_host_costs_measures_each_part_of_ddos_host_work(tmp_path, capsys):
     rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \|", out, re.M))
     for what in [
         "step, plain", "step, ddo, all resident", "step, ddo, every block streamed",
-        "pre + post hooks of a resident block, in a pass", "of which native acquire + release",
+        "pre + post hooks of a resident block, in a pass", "of which native reached",
+        "pre + post hooks of a block taking its own lease", "of which native acquire + release",
     ]:
         assert float(rows[what]) > 0, (what, out)
     assert re.search(r"per-forward check \((\d+) parameters\)", out), out

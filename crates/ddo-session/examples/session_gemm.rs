@@ -77,13 +77,19 @@ struct Chain {
 }
 
 impl Chain {
-    /// One pass: begin, acquire each streamed unit, a GEMM per weight, release, end; waits until
-    /// its work completed. Returns the index of the buffer holding the output.
+    /// One pass: begin, acquire each streamed unit (the resident ones are leased for the pass),
+    /// a GEMM per weight, release, end; waits until its work completed. Returns the index of the
+    /// buffer holding the output.
     fn pass(&self, session: &ComponentSession, stream: StreamId) -> Result<usize, Box<dyn Error>> {
-        session.begin_pass(stream)?;
+        let resident = session.begin_pass(stream)?;
         let mut current = 0;
         for unit in session.units()?.into_iter().filter(|u| !u.pinned) {
-            let lease = session.acquire(unit.id, stream)?;
+            let lease = if resident.contains(&unit.id) {
+                session.reached(unit.id)?;
+                None
+            } else {
+                Some(session.acquire(unit.id, stream)?)
+            };
             let found =
                 session.assignment().units.iter().find(|u| u.path == unit.name).ok_or("unit")?;
             for &p in &found.parameters {
@@ -91,7 +97,9 @@ impl Chain {
                 self.gemm(weight.address, current)?;
                 current = 1 - current;
             }
-            session.release(lease, stream)?;
+            if let Some(lease) = lease {
+                session.release(lease, stream)?;
+            }
         }
         session.end_pass(stream)?;
         self.stream.synchronize()?;

@@ -26,8 +26,14 @@
 //! let session = ComponentSession::open(SessionSpec { plan, weights, tree: None })?;
 //! let stream = ddo_core::StreamId(0); // the host backend runs every copy synchronously
 //! for pass in 0..2 {
-//!     session.begin_pass(stream)?;
+//!     // The blocks the plan keeps resident are leased for the whole pass on `stream`.
+//!     let resident = session.begin_pass(stream)?;
 //!     for unit in session.units()?.iter().filter(|u| !u.pinned) {
+//!         if resident.contains(&unit.id) {
+//!             session.reached(unit.id)?; // order and prefetch; no lease, no fence
+//!             // ... run the block on `stream` ...
+//!             continue;
+//!         }
 //!         let lease = session.acquire(unit.id, stream)?;
 //!         // ... run the block on `stream`, reading session.tensor(name)?.address ...
 //!         session.release(lease, stream)?;

@@ -305,7 +305,7 @@ struct Attached {
     slices: HashMap<String, usize>,
     leases: HashMap<u64, Lease>,
     next_lease: u64,
-    /// Leases of pinned units held from `begin_pass` to `end_pass`.
+    /// Leases of pinned and plan-resident units held from `begin_pass` to `end_pass`.
     pass: Vec<Lease>,
     host: HostReport,
     setup_seconds: f64,
@@ -1846,8 +1846,10 @@ impl ComponentSession {
 
     /// Starts a forward pass on `stream`: leases left from an interrupted pass are given back
     /// (after the work already enqueued on `stream`), the order of the first pass is learned,
-    /// and the pinned units are acquired for the pass.
-    pub fn begin_pass(&self, stream: StreamId) -> Result<(), SessionError> {
+    /// and the pinned units and the units the plan keeps resident are leased for the pass.
+    /// Returns the latter: the pass calls [`reached`](Session::reached) for them instead of
+    /// acquiring them (work on `stream` only; other streams acquire as usual).
+    pub fn begin_pass(&self, stream: StreamId) -> Result<Vec<UnitId>, SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         Self::release_stale(a, stream)?;
@@ -1859,11 +1861,24 @@ impl ComponentSession {
                 auto.pass_begins(Instant::now(), streamed as f64 / link);
             }
         }
-        a.memory.arena.begin_pass();
+        let arena = &a.memory.arena;
+        arena.begin_pass();
         for u in a.units.iter().filter(|u| u.pinned) {
-            let lease = a.memory.arena.acquire(u.id, stream)?;
+            let lease = arena.acquire(u.id, stream)?;
             a.pass.push(lease);
         }
+        let resident: Vec<UnitId> =
+            a.units.iter().filter(|u| u.resident && !u.pinned).map(|u| u.id).collect();
+        a.pass.extend(arena.lease_for_pass(&resident, stream)?);
+        Ok(resident)
+    }
+
+    /// The pass reached `unit`, which [`begin_pass`](Session::begin_pass) leased for it: the
+    /// order is tracked and what comes next prefetched.
+    pub fn reached(&self, unit: UnitId) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        a.memory.arena.reached(unit)?;
         Ok(())
     }
 
@@ -1878,15 +1893,9 @@ impl ComponentSession {
 
     fn release_stale(a: &mut Attached, stream: StreamId) -> Result<(), SessionError> {
         let stale: Vec<Lease> = a.pass.drain(..).chain(a.leases.drain().map(|(_, l)| l)).collect();
-        // Every lease is given back; a failed release keeps its memory unsafe (the arena's
-        // contract) and the first failure is reported.
-        let mut first = None;
-        for lease in stale {
-            if let Err(e) = a.memory.arena.release(lease, stream) {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), |e| Err(SessionError::Arena(e)))
+        // Every lease is given back after one fence; a failed record keeps their memory unsafe
+        // (the arena's contract).
+        a.memory.arena.release_all(stale, stream).map_err(SessionError::Arena)
     }
 
     /// Ends a forward pass: gives back the pinned units (and any lease still live) after the

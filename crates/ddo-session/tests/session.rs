@@ -1471,3 +1471,64 @@ fn a_peer_store_device_that_is_not_a_gpu_is_refused_by_name() {
     }
     drop(path);
 }
+
+/// Runs `passes` passes: streamed units acquired per block; the units `begin_pass` leased for
+/// the pass only `reached` when `leased` (else acquired too); every block's bytes checked.
+fn run_passes(session: &ComponentSession, passes: usize, leased: bool, blocks: usize) {
+    let expect = checkpoint_bytes(blocks);
+    for _ in 0..passes {
+        let for_pass = session.begin_pass(S).unwrap();
+        for unit in session.units().unwrap().iter().filter(|u| !u.pinned) {
+            let lease = if leased && for_pass.contains(&unit.id) {
+                session.reached(unit.id).unwrap();
+                None
+            } else {
+                Some(session.acquire(unit.id, S).unwrap())
+            };
+            let name = format!("{}.attn.weight", unit.name);
+            assert_eq!(session.read_tensor(&name).unwrap(), expect(&name), "{name}");
+            if let Some(l) = lease {
+                session.release(l, S).unwrap();
+            }
+        }
+        session.end_pass(S).unwrap();
+    }
+}
+
+#[test]
+fn resident_blocks_leased_for_the_pass_prefetch_as_acquired_ones_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 12);
+    // Room for the rest, two slots and some of the 4 MiB blocks: resident and streamed mix.
+    let budget = [("vmm_resident_weight_budget_gb", "0.04"), ("prefetch_depth", "1")];
+    let per_block = native(&path, &budget).unwrap();
+    let for_pass = native(&path, &budget).unwrap();
+    let units = per_block.units().unwrap();
+    let resident: Vec<_> = units.iter().filter(|u| u.resident && !u.pinned).map(|u| u.id).collect();
+    let streamed = units.iter().filter(|u| !u.resident).count();
+    assert!(!resident.is_empty() && streamed >= 3, "want both kinds: {units:?}");
+
+    run_passes(&per_block, 4, false, 12);
+    run_passes(&for_pass, 4, true, 12);
+    let (a, b) = (per_block.metrics(None).runtime, for_pass.metrics(None).runtime);
+    assert_eq!(
+        (a.uploads, a.prefetch_hits, a.prefetch_misses, a.prefetch_cancels, a.evictions),
+        (b.uploads, b.prefetch_hits, b.prefetch_misses, b.prefetch_cancels, b.evictions),
+        "reaching leased units must prefetch as acquiring them does"
+    );
+    assert!(b.prefetch_hits.unwrap() > 0 && b.prefetch_cancels == Some(0), "{b:?}");
+
+    // What begin_pass returns is what the plan keeps resident; nothing else may be reached.
+    let leased = for_pass.begin_pass(S).unwrap();
+    assert_eq!(leased, resident);
+    let streamed_unit = units.iter().find(|u| !u.resident).unwrap().id;
+    let err = for_pass.reached(streamed_unit).unwrap_err().to_string();
+    assert!(err.contains("not held by a pass lease"), "{err}");
+    // The pass's leases are live until it ends: nothing frees the memory under them.
+    let err = for_pass.unload().unwrap_err().to_string();
+    assert!(err.contains("lease"), "{err}");
+    for_pass.end_pass(S).unwrap();
+    let err = for_pass.reached(resident[0]).unwrap_err().to_string();
+    assert!(err.contains("not held by a pass lease"), "{err}");
+    assert!(for_pass.unload().unwrap());
+}

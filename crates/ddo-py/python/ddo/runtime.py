@@ -124,24 +124,25 @@ _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def _refuse_traced(what: str) -> None:
-    """Refuses ``what`` while a tracer records a graph to replay (``torch.export``, a full-graph
-    compile, ``torch.jit.trace``) or a CUDA graph captures: hooks swap each unit's weights in and
-    out around its forward and upload them on demand, which a recorded graph would freeze and a
-    captured one would replay against other weights. (``torch.compile`` by default runs these
-    hooks eagerly between its compiled regions, where this check passes.)"""
+def _refuse_traced(what: Any, capture: bool = True) -> None:
+    """Refuses ``what`` (a name, or a function giving it: built only for the error) while a
+    tracer records a graph to replay (``torch.export``, a full-graph compile,
+    ``torch.jit.trace``) or, with ``capture``, a CUDA graph captures: hooks swap each unit's
+    weights in and out around its forward and upload them on demand, which a recorded graph would
+    freeze and a captured one would replay against other weights. (``torch.compile`` by default
+    runs these hooks eagerly between its compiled regions, where this check passes.)"""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         raise _native.DynamicOffloadLifecycleError(
-            f"{what} runs while a tracer records it (torch.export, torch.compile(fullgraph=True) or torch.jit.trace); "
-            "ddo swaps each unit's weights in and out around its forward, which a recorded graph would freeze: "
-            "trace the module resident, use torch.compile without fullgraph, or call remove_dynamic_offload(module) "
-            "first"
+            f"{what() if callable(what) else what} runs while a tracer records it (torch.export, "
+            "torch.compile(fullgraph=True) or torch.jit.trace); ddo swaps each unit's weights in and out around its "
+            "forward, which a recorded graph would freeze: trace the module resident, use torch.compile without "
+            "fullgraph, or call remove_dynamic_offload(module) first"
         )
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    if capture and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise _native.DynamicOffloadLifecycleError(
-            f"{what} runs during CUDA graph capture; ddo uploads weights and waits on fences between units, which a "
-            "captured graph would replay against other weights: run it outside torch.cuda.graph, or call "
-            "remove_dynamic_offload(module) first"
+            f"{what() if callable(what) else what} runs during CUDA graph capture; ddo uploads weights and waits on "
+            "fences between units, which a captured graph would replay against other weights: run it outside "
+            "torch.cuda.graph, or call remove_dynamic_offload(module) first"
         )
 
 
@@ -635,6 +636,11 @@ class SessionRuntime:
         # Forwards of one module run one at a time: a pass owns the module's leases.
         self.forward_lock = threading.Lock()
         self.in_forward: Dict[int, bool] = {}
+        # The plan's resident units leased for the running pass, its stream and thread: their
+        # blocks on that stream in that thread take no lease of their own.
+        self.pass_units: frozenset = frozenset()
+        self.pass_stream: Optional[int] = None
+        self.pass_thread: Optional[int] = None
         self.route = str(json.loads(plan.json())["route"]["name"]) if plan is not None else ""
         # The automatic GPU budget (auto_budget_policy = balanced), set at attach.
         self.auto_budget: Optional[AutoBudget] = None
@@ -1091,10 +1097,12 @@ class SessionRuntime:
         self._check_module(args, kwargs)
         stream = self.stream()
         self.leases.clear()
-        self.session.begin_pass(stream)
+        self.pass_units = frozenset(self.session.begin_pass(stream))
+        self.pass_stream, self.pass_thread = stream, threading.get_ident()
         try:
             out = original(*move_inputs(args, self.device), **move_inputs(kwargs, self.device))
         except BaseException as error:
+            self.pass_units = frozenset()
             self.leases.clear()
             self._rest_all()
             try:
@@ -1104,6 +1112,7 @@ class SessionRuntime:
                 if hasattr(error, "add_note"):
                     error.add_note(f"ddo could not end the interrupted pass: {cleanup!r}")
             raise
+        self.pass_units = frozenset()
         self.leases.clear()
         self.session.end_pass(stream)
         if self.auto_budget is not None:
@@ -1213,9 +1222,16 @@ class SessionRuntime:
                     f"block {type(m).__name__} of {type(self.module).__name__} is in training mode; ddo offloads "
                     "inference only: call module.eval()"
                 )
-            # A block compiled on its own (regional compilation) traces this hook.
-            _refuse_traced(f"block {type(m).__name__} of {type(self.module).__name__}")
-            self.leases.setdefault(unit, []).append(self.session.acquire(unit, self.stream()))
+            # A block compiled on its own (regional compilation) traces this hook. Inside this
+            # thread's pass the forward's entry already refused a capture.
+            in_pass = self.pass_thread == threading.get_ident() and self.in_forward.get(self.pass_thread)
+            _refuse_traced(lambda: f"block {type(m).__name__} of {type(self.module).__name__}", capture=not in_pass)
+            stream = self.stream()
+            if in_pass and unit in self.pass_units and stream == self.pass_stream:
+                # Leased for the whole pass on this stream: no lease, no fence per block.
+                self.session.reached(unit)
+                return
+            self.leases.setdefault(unit, []).append(self.session.acquire(unit, stream))
             for owner, attr, view, _ in self.swaps.get(unit, ()):
                 owner._parameters[attr] = view
 
