@@ -601,12 +601,19 @@ impl Arena {
 
     /// Gives `leases` back with one fence recorded on `consumer` after the work that used them,
     /// as [`release`](Arena::release) does for one. If recording fails, all their memory is
-    /// retained as unsafe. Leases of another arena are refused (none is given back).
+    /// retained as unsafe. A lease of another arena is refused and handed back inside
+    /// [`ArenaError::ForeignLease`] (this arena's leases are given back first).
     pub fn release_all(&self, leases: Vec<Lease>, consumer: StreamId) -> Result<(), ArenaError> {
-        if let Some(i) = leases.iter().position(|l| l.arena != self.id) {
-            let mut leases = leases;
-            return Err(ArenaError::ForeignLease { lease: leases.swap_remove(i) });
+        let (leases, mut foreign): (Vec<Lease>, Vec<Lease>) =
+            leases.into_iter().partition(|l| l.arena == self.id);
+        self.release_own(leases, consumer)?;
+        match foreign.pop() {
+            Some(lease) => Err(ArenaError::ForeignLease { lease }),
+            None => Ok(()),
         }
+    }
+
+    fn release_own(&self, leases: Vec<Lease>, consumer: StreamId) -> Result<(), ArenaError> {
         if leases.is_empty() {
             return Ok(());
         }

@@ -282,6 +282,80 @@ def test_parameters_requiring_grad_are_refused_where_autograd_records(flux):
     result.remove()
 
 
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_gradients_enabled_inside_the_forward_are_refused_at_the_block(tmp_path, flux, route):
+    """Grad switched on after the entry let the forward in (a hook, a block's own code): the
+    first block autograd records is refused, never a backward through reused block memory."""
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, route)
+
+    def grad_on(_m, args, kwargs):
+        torch.set_grad_enabled(True)
+        return args, dict(kwargs, hidden_states=kwargs["hidden_states"].detach().requires_grad_())
+
+    handle = module.transformer_blocks[0].register_forward_pre_hook(grad_on, with_kwargs=True, prepend=True)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="autograd recorded"):
+        run(module, inputs)
+    handle.remove()
+    assert torch.equal(run(module, inputs), reference)
+    module.x_embedder.requires_grad_(True)
+    handle = module.x_embedder.register_forward_pre_hook(lambda *_: torch._C._set_grad_enabled(True))
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="autograd recorded"):
+        run(module, inputs)
+    handle.remove()
+    module.x_embedder.requires_grad_(False)
+    assert torch.equal(run(module, inputs), reference)
+    result.remove()
+
+
+def test_a_capture_begun_inside_the_forward_is_refused_at_the_next_block(flux, monkeypatch):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    handle = model.transformer_blocks[1].register_forward_pre_hook(lambda *_: capturing.__setitem__(0, True), prepend=True)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="CUDA graph capture"):
+        run(model, inputs)
+    handle.remove()
+    capturing[0] = False
+    assert torch.equal(run(model, inputs), reference)
+    result.remove()
+
+
+def test_placeholders_exchanged_by_swap_tensors_are_refused(flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_offload(model, route="dynamic_offload", prefetch_depth=1, use_environment=False)
+    attn = model.transformer_blocks[0].attn
+    assert isinstance(attn.to_q.weight, ddo.StreamedWeight)
+    torch.utils.swap_tensors(attn.to_q.weight, attn.to_k.weight)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="now holds another of the module's parameters"):
+        run(model, inputs)
+    torch.utils.swap_tensors(attn.to_q.weight, attn.to_k.weight)
+    assert torch.equal(run(model, inputs), reference)
+    result.remove()
+
+
+def test_requires_grad_set_between_passes_is_kept_and_never_blocks_the_lifecycle(tmp_path, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, "native")
+    module.transformer_blocks[1].requires_grad_(True)
+    names = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert names
+    # Called with grad enabled: the flag is not a change a publish would undo.
+    result.unload()
+    result.reload()
+    assert {n for n, p in module.named_parameters() if p.requires_grad} == names
+    assert torch.equal(run(module, inputs), reference)
+    result.reclaim()
+    assert torch.equal(run(module, inputs), reference)
+    result.remove()
+
+
 def test_reload_after_remove_is_refused_and_hooks_never_double(flux):
     model, inputs = flux
     result = ddo.enable_offload(model, route="dynamic_offload", use_environment=False)

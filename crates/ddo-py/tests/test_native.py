@@ -462,3 +462,65 @@ def test_resident_blocks_take_no_lease_of_their_own_inside_a_pass(tmp_path, sd3)
     assert counting.calls["acquire"] == [min(resident)]
     assert torch.equal(run(loaded.module, inputs), reference)
     loaded.offload.remove()
+
+
+def test_a_blocks_post_hook_gives_back_only_its_own_threads_lease(tmp_path, sd3):
+    """A resident block run directly in another thread during a pass takes its own lease, and
+    that thread's post-hook, not the pass's, gives it back."""
+    import threading
+
+    model, inputs = sd3
+    path = tmp_path / "sd3"
+    model.save_pretrained(path)
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model, 2) + 2 / 1024, prefetch_depth=1
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(
+        path, model_loader=type(model), apply_dynamic=True, component="transformer", dynamic_offload_config=config
+    )
+    runtime = loaded.offload.runtime
+    units = {u: name for u, name, pinned in runtime.session.units() if not pinned}
+    unit = min(set(units) - set(runtime.streamed))
+    block = loaded.module.get_submodule(units[unit])
+    pre, post = runtime._pre(unit), runtime._post(unit)
+    inside, other_done, pass_post_done = threading.Event(), threading.Event(), threading.Event()
+    log = []
+
+    class Logged(CountingSession):
+        def release(self, lease, stream):
+            log.append(("release", lease, threading.current_thread().name))
+            return self.inner.release(lease, stream)
+
+        def acquire(self, unit, stream):
+            lease = self.inner.acquire(unit, stream)
+            log.append(("acquire", lease, threading.current_thread().name))
+            return lease
+
+    runtime.session = Logged(runtime.session)
+
+    def other():
+        inside.wait()
+        pre(block, ())
+        other_done.set()
+        pass_post_done.wait()
+        post(block, (), None)
+
+    worker = threading.Thread(target=other, name="other")
+    worker.start()
+
+    def in_the_pass(_m, _args):
+        inside.set()
+        other_done.wait()
+
+    handles = [
+        block.register_forward_pre_hook(in_the_pass, prepend=True),
+        block.register_forward_hook(lambda *_: pass_post_done.set()),  # after ddo's post-hook
+    ]
+    run(loaded.module, inputs)
+    for h in handles:
+        h.remove()
+    worker.join()
+    acquired = [lease for kind, lease, who in log if kind == "acquire" and who == "other"]
+    released = [(lease, who) for kind, lease, who in log if kind == "release" and lease in acquired]
+    assert acquired and released == [(acquired[0], "other")], log
+    loaded.offload.remove()

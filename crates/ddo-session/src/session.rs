@@ -1861,15 +1861,22 @@ impl ComponentSession {
                 auto.pass_begins(Instant::now(), streamed as f64 / link);
             }
         }
-        let arena = &a.memory.arena;
-        arena.begin_pass();
-        for u in a.units.iter().filter(|u| u.pinned) {
-            let lease = arena.acquire(u.id, stream)?;
-            a.pass.push(lease);
-        }
+        a.memory.arena.begin_pass();
         let resident: Vec<UnitId> =
             a.units.iter().filter(|u| u.resident && !u.pinned).map(|u| u.id).collect();
-        a.pass.extend(arena.lease_for_pass(&resident, stream)?);
+        let leased = (|| -> Result<(), SessionError> {
+            for u in a.units.iter().filter(|u| u.pinned) {
+                let lease = a.memory.arena.acquire(u.id, stream)?;
+                a.pass.push(lease);
+            }
+            a.pass.extend(a.memory.arena.lease_for_pass(&resident, stream)?);
+            Ok(())
+        })();
+        if let Err(e) = leased {
+            // Nothing stays leased by a pass that did not begin.
+            a.memory.arena.abandon_pass();
+            return Err(e.with_cleanup(Self::release_stale(a, stream)));
+        }
         Ok(resident)
     }
 
@@ -1898,8 +1905,8 @@ impl ComponentSession {
         a.memory.arena.release_all(stale, stream).map_err(SessionError::Arena)
     }
 
-    /// Ends a forward pass: gives back the pinned units (and any lease still live) after the
-    /// work enqueued on `stream`.
+    /// Ends a forward pass: gives back the pinned and plan-resident units (and any lease still
+    /// live) after the work enqueued on `stream`.
     pub fn end_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;

@@ -120,6 +120,7 @@ def _check_layer_route(module: torch.nn.Module, layers: List[str]) -> None:
 
 
 _VERSION = operator.attrgetter("_version")
+_TENSOR = operator.attrgetter("_cdata")
 _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -251,19 +252,19 @@ def _owner(module: torch.nn.Module, dotted: str) -> Tuple[torch.nn.Module, str]:
     return (module.get_submodule(parent) if parent else module), attr
 
 
-def _parameter_like(old: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+def _parameter_like(old: torch.nn.Parameter, data: torch.Tensor, grad: bool = False) -> torch.nn.Parameter:
     """A parameter over ``data`` in ``old``'s place: ``data`` viewed as ``old``'s dtype and shape
     when the session serves its bytes (fp8, or a quantized framework parameter over a tensor its
     file types otherwise), and of ``old``'s class when that class carries a quantization type
-    (Diffusers' ``GGUFParameter``)."""
+    (Diffusers' ``GGUFParameter``); requiring grad with ``grad``."""
     if data.dtype != old.dtype:
         data = data.view(torch.uint8).view(old.dtype)
     if data.shape != old.shape:
         data = data.reshape(old.shape)
     quant_type = getattr(old, "quant_type", None)
     if quant_type is not None and type(old) is not torch.nn.Parameter:
-        return type(old)(data, requires_grad=False, quant_type=quant_type)
-    return torch.nn.Parameter(data, requires_grad=False)
+        return type(old)(data, requires_grad=grad, quant_type=quant_type)
+    return torch.nn.Parameter(data, requires_grad=grad)
 
 
 # Bumped whenever any module registers a parameter or a submodule (an adapter being added), so
@@ -603,7 +604,8 @@ class SessionRuntime:
         self.device = torch.device("cpu")
         self.stream = _stream_reader(self.device)
         self.handles: List[Any] = []
-        self.leases: Dict[int, List[int]] = {}
+        # Leases the hooks took, by (thread, unit): a block's post-hook gives back its own.
+        self.leases: Dict[Tuple[int, int], List[int]] = {}
         self.originals: Dict[str, Any] = {}
         self.original_buffers: Dict[str, torch.Tensor] = {}
         # Where each managed parameter lives: (owning module, attribute, name at attach). Held by
@@ -612,10 +614,13 @@ class SessionRuntime:
         self.buffer_places: List[Tuple[torch.nn.Module, str, str]] = []
         # Every parameter as published (by identity), with the address it views.
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
+        self.swap_views: Dict[int, torch.Tensor] = {}
         self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int], int]] = []
-        # The same as columns, as each forward compares them: owners' parameter dicts, attributes,
-        # parameters, versions, and the parameters with an address with their addresses.
-        self.checked: Tuple[list, list, list, list, list, list] = ([], [], [], [], [], [])
+        # The same as columns, as each forward compares them: owners' parameter dicts, attributes
+        # and parameters; the parameters with an address, their versions and addresses; those
+        # without one (placeholders).
+        self.checked: Tuple[list, ...] = ([], [], [], [], [], [], [])
+        self.placeholder_tensors: List[int] = []
         self.watched_names: List[str] = []
         # The record above matches the last complete publish (views or placeholders).
         self.watched_whole = False
@@ -738,24 +743,39 @@ class SessionRuntime:
                     raise
                 failed.append(name)
 
+    def _kept_grad(self, p: torch.nn.Parameter) -> bool:
+        """Whether a publish keeps ``p`` requiring grad: a flag set on a parameter ddo published
+        stays (it matters only where autograd records); at attach, parameters start without."""
+        if not p.requires_grad:
+            return False
+        seen = self.published.get(id(p))
+        return (seen is not None and seen[0] is p) or self.swap_views.get(id(p)) is p
+
     def _record_published(self) -> None:
         """What the next check compares with: every place's parameter as published now."""
         current = [(owner, attr, owner._parameters.get(attr), name) for owner, attr, name in self.places]
         current = [c for c in current if c[2] is not None]
         self.published = {id(p): (p, _address(p)) for _, _, p, _ in current}
+        # Streamed units' views, in place only inside their forwards (a publish puts them back).
+        self.swap_views = {id(view): view for places in self.swaps.values() for _, _, view, _ in places}
         self.watched = [(owner, attr, p, _address(p), p._version) for owner, attr, p, _ in current]
         self.watched_names = [name for *_, name in current]
         # The same, as each forward compares it: the owner's parameter dict (each owner's dict is
         # checked to be still its own).
         w = self.watched
-        addressed = [(p, ptr) for _, _, p, ptr, _ in w if ptr is not None]
+        addressed = [(p, ptr, version) for _, _, p, ptr, version in w if ptr is not None]
+        # Placeholders (no address, or address 0) also have their tensor checked: two swapped
+        # with torch.utils.swap_tensors keep their objects, addresses and versions.
+        unaddressed = [p for _, _, p, ptr, _ in w if not ptr]
+        self.placeholder_tensors = [p._cdata for p in unaddressed]
         self.checked = (
             [owner._parameters for owner, *_ in w],
             [attr for _, attr, *_ in w],
             [p for _, _, p, _, _ in w],
-            [version for *_, version in w],
-            [p for p, _ in addressed],
-            [ptr for _, ptr in addressed],
+            [p for p, _, _ in addressed],
+            [version for _, _, version in addressed],
+            [ptr for _, ptr, _ in addressed],
+            unaddressed,
         )
         self.owners = list({id(owner): (owner, owner._parameters) for owner, _, _ in self.places}.values())
 
@@ -764,7 +784,7 @@ class SessionRuntime:
         (unload, reload, reclaim, a re-plan): publishing again would undo the change silently."""
         if self.watched_whole:
             with torch._C.DisableTorchFunctionSubclass():
-                self._check_places()
+                self._check_places(grad=False)
 
     def _publish_views(self) -> None:
         # Views made under inference mode would be inference tensors, which have no version
@@ -778,7 +798,8 @@ class SessionRuntime:
         (an exception or ``KeyboardInterrupt`` half way): the streamed units' views back in their
         places first, so every parameter has its published class again, then fresh views."""
         for places in self.swaps.values():
-            for owner, attr, view, _ in places:
+            for owner, attr, view, placeholder in places:
+                view.requires_grad_(placeholder.requires_grad)
                 owner._parameters[attr] = view
         self._publish_views()
 
@@ -789,7 +810,7 @@ class SessionRuntime:
             view = torch.utils.dlpack.from_dlpack(self.session.dlpack(names[0]))
             for n in names:
                 views[n] = view
-        self._publish(lambda name, p: _parameter_like(p, views[name]))
+        self._publish(lambda name, p: _parameter_like(p, views[name], self._kept_grad(p)))
         for owner, attr, name in self.places:
             view = owner._parameters[attr]
             self.shapes[name] = torch.empty(view.shape, dtype=view.dtype, device="meta")
@@ -807,7 +828,7 @@ class SessionRuntime:
             self.ranges[unit].append((start, start + view.numel() * view.element_size(), name))
             if id(view) not in placeholders:
                 weight = StreamedWeight(self, name, view, self.device)
-                placeholders[id(view)] = torch.nn.Parameter(weight, requires_grad=False)
+                placeholders[id(view)] = torch.nn.Parameter(weight, requires_grad=view.requires_grad)
             self.swaps[unit].append((owner, attr, view, placeholders[id(view)]))
             owner._parameters[attr] = placeholders[id(view)]
         self._record_published()
@@ -818,14 +839,18 @@ class SessionRuntime:
         # the placeholders take their class (a quantized parameter's).
         self.views_whole = False
         for places in self.swaps.values():
-            for owner, attr, view, _ in places:
+            for owner, attr, view, placeholder in places:
                 if failed is None or attr in owner._parameters:
+                    view.requires_grad_(placeholder.requires_grad)
                     owner._parameters[attr] = view
         self.swaps = {}
         self.ranges = {}
         # Ordinary tensors (with version counters) also under inference mode, as for the views.
         with torch.inference_mode(False):
-            self._publish(lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta")), failed)
+            self._publish(
+                lambda _n, p: _parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device="meta"), self._kept_grad(p)),
+                failed,
+            )
             # Recorded last: a publish interrupted before here is checked for writes at the next
             # pass; a reload checks the placeholders against this record.
             self.watched_whole = False
@@ -949,58 +974,62 @@ class SessionRuntime:
                 )
         self._check_added_parameters()
 
-    def _check_places(self) -> None:
+    def _check_places(self, grad: Optional[bool] = None) -> None:
         """Each managed place still holds the parameter published there, at its address, not
-        written in place, without grad."""
+        written in place, and (where autograd records: ``grad``, by default the grad mode) without
+        grad."""
+        grad = torch.is_grad_enabled() if grad is None else grad
         if len(self.watched) != len(self.places):
-            self._refuse_changed_parameter()
+            self._refuse_changed_parameter(grad)
         changed = next((o for o, params in self.owners if o.__dict__.get("_parameters") is not params), None)
         if changed is not None:
             raise _native.DynamicOffloadLifecycleError(
                 f"the parameters of {type(changed).__name__} were replaced as a whole since ddo attached: call "
                 "remove_dynamic_offload(module) first, change the module, then offload it again"
             )
-        dicts, attrs, params, versions, addressed, addresses = self.checked
+        dicts, attrs, params, addressed, versions, addresses, unaddressed = self.checked
         try:
             # Column by column (C-level loops: about a tenth of a microsecond per parameter).
             # A parameter requiring grad matters only where autograd records.
             unchanged = (
                 all(map(operator.is_, map(dict.get, dicts, attrs), params))
-                and list(map(_VERSION, params)) == versions
+                and list(map(_VERSION, addressed)) == versions
                 and list(map(_DATA_PTR, addressed)) == addresses
-                and not (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, params)))
+                and list(map(_TENSOR, unaddressed)) == self.placeholder_tensors
+                and not (grad and any(map(_REQUIRES_GRAD, params)))
             )
         except RuntimeError:  # data_ptr() of data given no storage
             unchanged = False
         if unchanged:
             return
-        at = self._first_changed_place()
+        at = self._first_changed_place(grad)
         if at is not None:
-            self._refuse_changed_parameter()
+            self._refuse_changed_parameter(grad)
             # Each parameter in place is one ddo published, at its own address: two traded places.
             raise _native.DynamicOffloadLifecycleError(
                 f"parameter {self.watched_names[at]} now holds another of the module's parameters (exchanged or tied "
                 "since ddo attached): call remove_dynamic_offload(module) first, change the module, then offload it again"
             )
 
-    def _first_changed_place(self) -> Optional[int]:
+    def _first_changed_place(self, grad: bool) -> Optional[int]:
         """The index of the first place whose parameter changed, or ``None``."""
-        grad = torch.is_grad_enabled()
+        tensors = iter(self.placeholder_tensors)
         for i, (owner, attr, p, ptr, version) in enumerate(self.watched):
             try:
                 if (
                     owner._parameters.get(attr) is not p
-                    or p._version != version
                     or (grad and p.requires_grad)
-                    or (ptr is not None and p.data_ptr() != ptr)
+                    or (ptr is not None and (p._version != version or p.data_ptr() != ptr))
+                    or (not ptr and p._cdata != next(tensors))
                 ):
                     return i
             except RuntimeError:  # data_ptr() of data given no storage
                 return i
         return None
 
-    def _refuse_changed_parameter(self) -> None:
-        """Raises for the first managed parameter changed since it was published."""
+    def _refuse_changed_parameter(self, grad: bool = True) -> None:
+        """Raises for the first managed parameter changed since it was published (requiring grad
+        counts with ``grad``)."""
         published = self.published
         for (owner, attr, p, _ptr, version), name in zip(self.watched, self.watched_names):
             if owner._parameters.get(attr) is p and p._version != version:
@@ -1018,9 +1047,10 @@ class SessionRuntime:
                     f"parameter {name} was changed after ddo attached (a dtype or device move, or an assignment): "
                     "call remove_dynamic_offload(module) first, change the module, then offload it again"
                 )
-            if p.requires_grad:
+            if grad and p.requires_grad:
                 raise _native.DynamicOffloadLifecycleError(
-                    f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks)"
+                    f"parameter {name} requires grad; ddo offloads inference only (its memory is reused between blocks): "
+                    "run the forward under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
                 )
 
     def _check_added_parameters(self) -> None:
@@ -1106,7 +1136,8 @@ class SessionRuntime:
             self.leases.clear()
             self._rest_all()
             try:
-                self.session.abort_pass(_stream(self.device))
+                # On the pass's stream: its leases (the resident units' among them) were used there.
+                self.session.abort_pass(stream)
             except BaseException as cleanup:  # noqa: BLE001 - attached to the original error
                 error.ddo_cleanup_error = cleanup  # type: ignore[attr-defined]
                 if hasattr(error, "add_note"):
@@ -1222,16 +1253,20 @@ class SessionRuntime:
                     f"block {type(m).__name__} of {type(self.module).__name__} is in training mode; ddo offloads "
                     "inference only: call module.eval()"
                 )
-            # A block compiled on its own (regional compilation) traces this hook. Inside this
-            # thread's pass the forward's entry already refused a capture.
-            in_pass = self.pass_thread == threading.get_ident() and self.in_forward.get(self.pass_thread)
-            _refuse_traced(lambda: f"block {type(m).__name__} of {type(self.module).__name__}", capture=not in_pass)
+            # A block compiled on its own (regional compilation) traces this hook; a capture may
+            # also begin inside the forward.
+            _refuse_traced(lambda: f"block {type(m).__name__} of {type(self.module).__name__}")
             stream = self.stream()
-            if in_pass and unit in self.pass_units and stream == self.pass_stream:
+            if (
+                unit in self.pass_units
+                and stream == self.pass_stream
+                and self.pass_thread == threading.get_ident()
+                and self.in_forward.get(self.pass_thread)
+            ):
                 # Leased for the whole pass on this stream: no lease, no fence per block.
                 self.session.reached(unit)
                 return
-            self.leases.setdefault(unit, []).append(self.session.acquire(unit, stream))
+            self.leases.setdefault((threading.get_ident(), unit), []).append(self.session.acquire(unit, stream))
             for owner, attr, view, _ in self.swaps.get(unit, ()):
                 owner._parameters[attr] = view
 
@@ -1239,12 +1274,20 @@ class SessionRuntime:
 
     def _post(self, unit: int):
         def hook(m: torch.nn.Module, _args: tuple, out: Any) -> None:
-            held = self.leases.get(unit)
+            held = self.leases.get((threading.get_ident(), unit))
             if held:
                 self.session.release(held.pop(), self.stream())
             if not held:
                 self._rest(unit)
             self._refuse_streamed_output(unit, m, out)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(out)):
+                # Grad enabled inside the forward (a hook, a block's own code) after the entry
+                # let it in: backward would read memory that later blocks reuse.
+                raise _native.DynamicOffloadLifecycleError(
+                    f"autograd recorded {type(m).__name__} ({self._unit_path(unit)}) of {type(self.module).__name__}: "
+                    "ddo offloads inference only (backward would read block memory that later blocks reuse); keep "
+                    "gradients off inside the forward (torch.no_grad() or torch.inference_mode())"
+                )
 
         return hook
 
@@ -1373,7 +1416,9 @@ class SessionRuntime:
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
         self.published, self.watched, self.watched_names, self.owners = {}, [], [], []
-        self.checked = ([], [], [], [], [], [])
+        self.swap_views = {}
+        self.checked = ([], [], [], [], [], [], [])
+        self.placeholder_tensors = []
         self.watched_whole = False
         if self.session is None:
             return
