@@ -124,6 +124,17 @@ def main(argv=None) -> int:
             native = per_call(lambda: run.session.release(run.session.acquire(unit, stream), stream), 1000, a.rounds)
         finally:
             run.session.end_pass(stream)
+        # A streamed block: its own lease, its views swapped in and out, its output checked.
+        srun = streamed.offload.runtime
+        sunit = sorted(srun.streamed)[len(srun.streamed) // 2]
+        sblk = streamed.module.get_submodule(next(n for u, n, _ in srun.session.units() if u == sunit))
+        spre, spost = srun._pre(sunit), srun._post(sunit)
+        outputs = (torch.zeros(1, 16, 32, device=dev), torch.zeros(1, 6, 32, device=dev))
+        srun.session.begin_pass(stream)
+        try:
+            streamed_hooks = per_call(lambda: (spre(sblk, ()), spost(sblk, (), outputs)), 1000, a.rounds)
+        finally:
+            srun.session.end_pass(stream)
         traced = per_call(lambda: rt._refuse_traced("a block"), 1000, a.rounds)
         event = per_call(lambda: torch.cuda.Event().record(), 1000, a.rounds) if dev.type == "cuda" else None
     base = statistics.median(times["plain"])
@@ -140,6 +151,7 @@ def main(argv=None) -> int:
     print(f"| of which native reached | {reached:.2f} | {reached:.2f} |")
     print(f"| pre + post hooks of a block taking its own lease | {own:.2f} | {own:.2f} |")
     print(f"| of which native acquire + release | {native:.2f} | {native:.2f} |")
+    print(f"| pre + post hooks of a streamed block, in a pass | {streamed_hooks:.2f} | {streamed_hooks:.2f} |")
     print(f"| of which tracer check | {traced:.2f} | {traced:.2f} |")
     if event is not None:
         print(f"| torch.cuda.Event().record() (for scale) | {event:.2f} | |")

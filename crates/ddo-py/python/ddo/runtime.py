@@ -119,6 +119,7 @@ def _check_layer_route(module: torch.nn.Module, layers: List[str]) -> None:
             )
 
 
+_NO_SWAPS: Tuple[list, list] = ([], [])
 _VERSION = operator.attrgetter("_version")
 _TENSOR = operator.attrgetter("_cdata")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -653,6 +654,11 @@ class SessionRuntime:
         self.entries: List[str] = []
         # Per streamed unit: the address ranges its views cover, ``(start, end, name)``.
         self.ranges: Dict[int, List[Tuple[int, int, str]]] = {}
+        # The same grouped for the hooks: per unit, owners' parameter dicts with their views
+        # and with their placeholders, and the span of the unit's views.
+        self.swap_in: Dict[int, Tuple[list, list]] = {}
+        self.swap_out: Dict[int, Tuple[list, list]] = {}
+        self.bounds: Dict[int, Tuple[int, int]] = {}
         # Whether every parameter views the session's arena (a publish ran to its end); a pass
         # publishes again first when an interrupt left it half done.
         self.views_whole = False
@@ -831,8 +837,26 @@ class SessionRuntime:
                 placeholders[id(view)] = torch.nn.Parameter(weight, requires_grad=view.requires_grad)
             self.swaps[unit].append((owner, attr, view, placeholders[id(view)]))
             owner._parameters[attr] = placeholders[id(view)]
+        self._group_swaps()
         self._record_published()
         self.views_whole = self.watched_whole = True
+
+    def _group_swaps(self) -> None:
+        """Per streamed unit, its swaps as one update per owner's parameter dict (views in,
+        placeholders out), and the span of addresses its views cover."""
+        self.swap_in, self.swap_out, self.bounds = {}, {}, {}
+        for unit, places in self.swaps.items():
+            ins: Dict[int, Tuple[dict, dict, dict]] = {}
+            for owner, attr, view, placeholder in places:
+                params = owner._parameters
+                entry = ins.setdefault(id(params), (params, {}, {}))
+                entry[1][attr], entry[2][attr] = view, placeholder
+            groups = list(ins.values())
+            self.swap_in[unit] = ([g[0] for g in groups], [g[1] for g in groups])
+            self.swap_out[unit] = ([g[0] for g in groups], [g[2] for g in groups])
+            ranges = self.ranges[unit]
+            if ranges:
+                self.bounds[unit] = (min(r[0] for r in ranges), max(r[1] for r in ranges))
 
     def _publish_meta(self, failed: Optional[List[str]] = None) -> None:
         # Holding the views would keep the arena's memory alive. The views go back first, so
@@ -845,6 +869,7 @@ class SessionRuntime:
                     owner._parameters[attr] = view
         self.swaps = {}
         self.ranges = {}
+        self._group_swaps()
         # Ordinary tensors (with version counters) also under inference mode, as for the views.
         with torch.inference_mode(False):
             self._publish(
@@ -1267,8 +1292,8 @@ class SessionRuntime:
                 self.session.reached(unit)
                 return
             self.leases.setdefault((threading.get_ident(), unit), []).append(self.session.acquire(unit, stream))
-            for owner, attr, view, _ in self.swaps.get(unit, ()):
-                owner._parameters[attr] = view
+            dicts, views = self.swap_in.get(unit, _NO_SWAPS)
+            any(map(dict.update, dicts, views))  # each owner's views in place (C-level loop)
 
         return hook
 
@@ -1294,16 +1319,22 @@ class SessionRuntime:
     def _refuse_streamed_output(self, unit: int, m: torch.nn.Module, out: Any) -> None:
         """A block's output may not view its streamed weights: their memory holds other blocks'
         weights once the block ends."""
-        ranges = self.ranges.get(unit)
-        if not ranges:
+        bounds = self.bounds.get(unit)
+        if bounds is None:
             return
+        low_unit, high_unit = bounds
         for t in _tensors(out):
-            if not torch._C._has_storage(t):
+            # A view of a weight starts inside that weight's memory, so inside the unit's span.
+            try:
+                at = t.data_ptr()
+            except RuntimeError:  # no storage
+                continue
+            if not low_unit <= at <= high_unit:
                 continue
             storage = t.untyped_storage()
             low = storage.data_ptr()
             high = low + storage.nbytes()
-            for start, end, name in ranges:
+            for start, end, name in self.ranges[unit]:
                 if low < end and start < high:
                     raise _native.DynamicOffloadLifecycleError(
                         f"the output of {type(m).__name__} ({self._unit_path(unit)}) views its streamed weight "
@@ -1316,8 +1347,8 @@ class SessionRuntime:
         return next((name for u, name, _ in self.session.units() if u == unit), str(unit))
 
     def _rest(self, unit: int) -> None:
-        for owner, attr, _, placeholder in self.swaps.get(unit, ()):
-            owner._parameters[attr] = placeholder
+        dicts, placeholders = self.swap_out.get(unit, _NO_SWAPS)
+        any(map(dict.update, dicts, placeholders))
 
     def _rest_all(self) -> None:
         """Every streamed unit back on its placeholders (a pass ended, however it ended)."""
