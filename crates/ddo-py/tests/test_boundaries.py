@@ -655,3 +655,33 @@ def test_remove_closes_the_session_whatever_became_of_the_parameters(tmp_path, f
             result.remove()
     assert result.runtime.session.is_unloaded()
     result.remove()  # a second remove changes nothing
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_torch_compile_of_the_module_or_a_block_serves_the_resident_output(tmp_path, flux, route):
+    """Dynamo runs ddo's entry and hooks eagerly between its compiled regions; a block compiled
+    with fullgraph=True would freeze the weight swaps into its graph and is refused with ddo's
+    reason, after which the module serves again."""
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, route)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(module, backend="eager")
+        for _ in range(2):
+            with torch.no_grad():
+                assert torch.equal(compiled(**inputs)[0], reference)
+        block = module.transformer_blocks[0]
+        torch._dynamo.reset()
+        module.transformer_blocks[0] = torch.compile(block, backend="eager", fullgraph=True)
+        with pytest.raises(RuntimeError, match="runs while a tracer records it"):
+            run(module, inputs)
+        module.transformer_blocks[0] = block
+        assert torch.equal(run(module, inputs), reference)
+        torch._dynamo.reset()
+        module.transformer_blocks[0] = torch.compile(block, backend="eager")
+        assert torch.equal(run(module, inputs), reference)
+        module.transformer_blocks[0] = block
+    finally:
+        torch._dynamo.reset()
+    result.remove()
