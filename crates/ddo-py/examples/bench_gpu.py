@@ -427,7 +427,7 @@ class _TimedSession:
 
     def __getattr__(self, name):
         f = getattr(self._session, name)
-        if name not in ("acquire", "release", "begin_pass", "end_pass"):
+        if name not in ("acquire", "release", "reached", "begin_pass", "end_pass"):
             return f
 
         def timed_call(*args):
@@ -448,7 +448,7 @@ class _TimedSession:
 
 
 def host_ms_per_step(runtime, step, steps: int) -> dict:
-    """Host milliseconds per step in ddo's calls (acquire/release/pass marks) and in its checks at
+    """Host milliseconds per step in ddo's calls (acquire/release/reached/pass marks) and in its checks at
     the start of a forward, measured in extra steps after the timed ones."""
     spent, checks = [0.0], [0.0]
     check = runtime._check_module
