@@ -129,6 +129,7 @@ def main(argv=None) -> int:
         sunit = sorted(srun.streamed)[len(srun.streamed) // 2]
         sblk = streamed.module.get_submodule(next(n for u, n, _ in srun.session.units() if u == sunit))
         spre, spost = srun._pre(sunit), srun._post(sunit)
+        streamed_check = per_call(lambda: srun._check_module((), x), 100, a.rounds)
         outputs = (torch.zeros(1, 16, 32, device=dev), torch.zeros(1, 6, 32, device=dev))
         srun.session.begin_pass(stream)
         try:
@@ -147,6 +148,7 @@ def main(argv=None) -> int:
         extra = "" if n == "plain" else f"{(s - base) / a.blocks * 1e6:.2f} (over plain)"
         print(f"| step, {n} | {s * 1e6:.1f} | {extra} |")
     print(f"| per-forward check ({params} parameters) | {check:.1f} | {check / a.blocks:.2f} |")
+    print(f"| per-forward check, every block streamed | {streamed_check:.1f} | {streamed_check / a.blocks:.2f} |")
     print(f"| pre + post hooks of a resident block, in a pass | {hooks:.2f} | {hooks:.2f} |")
     print(f"| of which native reached | {reached:.2f} | {reached:.2f} |")
     print(f"| pre + post hooks of a block taking its own lease | {own:.2f} | {own:.2f} |")

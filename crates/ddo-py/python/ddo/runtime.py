@@ -769,7 +769,11 @@ class SessionRuntime:
         # The same, as each forward compares it: the owner's parameter dict (each owner's dict is
         # checked to be still its own).
         w = self.watched
-        addressed = [(p, ptr, version) for _, _, p, ptr, version in w if ptr is not None]
+        # A streamed unit's placeholder refuses every write itself (its dispatch, its `.data`), so
+        # only its identity and tensor are compared; other parameters by version and address.
+        addressed = [
+            (p, ptr, version) for _, _, p, ptr, version in w if ptr is not None and not isinstance(p, StreamedWeight)
+        ]
         # Placeholders (no address, or address 0) also have their tensor checked: two swapped
         # with torch.utils.swap_tensors keep their objects, addresses and versions.
         unaddressed = [p for _, _, p, ptr, _ in w if not ptr]
@@ -1044,7 +1048,11 @@ class SessionRuntime:
                 if (
                     owner._parameters.get(attr) is not p
                     or (grad and p.requires_grad)
-                    or (ptr is not None and (p._version != version or p.data_ptr() != ptr))
+                    or (
+                        ptr is not None
+                        and not isinstance(p, StreamedWeight)
+                        and (p._version != version or p.data_ptr() != ptr)
+                    )
                     or (not ptr and p._cdata != next(tensors))
                 ):
                     return i
