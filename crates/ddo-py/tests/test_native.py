@@ -408,6 +408,22 @@ def test_unload_and_remove_wait_for_a_forward_in_another_thread(tmp_path, flux):
     assert len(results) == 2 and torch.equal(results[1], reference)
 
 
+def load_mixed(tmp_path, model):
+    """``model`` on the native route with two slots (prefetch depth 1) and a granule more: one
+    block resident, the others streamed. Returns the loaded result, its runtime and its blocks'
+    units by id."""
+    path = tmp_path / type(model).__name__
+    model.save_pretrained(path)
+    config = ddo.DynamicOffloadConfig(
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model, 2) + 2 / 1024, prefetch_depth=1
+    )
+    loaded = ddo.from_pretrained_with_dynamic_offload(
+        path, model_loader=type(model), apply_dynamic=True, component="transformer", dynamic_offload_config=config
+    )
+    runtime = loaded.offload.runtime
+    return loaded, runtime, {u: name for u, name, pinned in runtime.session.units() if not pinned}
+
+
 class CountingSession:
     """The native session with its per-block calls counted."""
 
@@ -429,17 +445,7 @@ class CountingSession:
 def test_resident_blocks_take_no_lease_of_their_own_inside_a_pass(tmp_path, sd3):
     model, inputs = sd3
     reference = run(copy.deepcopy(model), inputs)
-    path = tmp_path / "sd3"
-    model.save_pretrained(path)
-    # Two slots (prefetch depth 1) and a granule more: one block resident, the others streamed.
-    config = ddo.DynamicOffloadConfig(
-        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model, 2) + 2 / 1024, prefetch_depth=1
-    )
-    loaded = ddo.from_pretrained_with_dynamic_offload(
-        path, model_loader=type(model), apply_dynamic=True, component="transformer", dynamic_offload_config=config
-    )
-    runtime = loaded.offload.runtime
-    units = {u: name for u, name, pinned in runtime.session.units() if not pinned}
+    loaded, runtime, units = load_mixed(tmp_path, model)
     streamed = set(runtime.streamed)
     resident = set(units) - streamed
     assert resident and streamed, (resident, streamed)
@@ -470,16 +476,7 @@ def test_a_blocks_post_hook_gives_back_only_its_own_threads_lease(tmp_path, sd3)
     import threading
 
     model, inputs = sd3
-    path = tmp_path / "sd3"
-    model.save_pretrained(path)
-    config = ddo.DynamicOffloadConfig(
-        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model, 2) + 2 / 1024, prefetch_depth=1
-    )
-    loaded = ddo.from_pretrained_with_dynamic_offload(
-        path, model_loader=type(model), apply_dynamic=True, component="transformer", dynamic_offload_config=config
-    )
-    runtime = loaded.offload.runtime
-    units = {u: name for u, name, pinned in runtime.session.units() if not pinned}
+    loaded, runtime, units = load_mixed(tmp_path, model)
     unit = min(set(units) - set(runtime.streamed))
     block = loaded.module.get_submodule(units[unit])
     pre, post = runtime._pre(unit), runtime._post(unit)
