@@ -601,16 +601,13 @@ impl Arena {
 
     /// Gives `leases` back with one fence recorded on `consumer` after the work that used them,
     /// as [`release`](Arena::release) does for one. If recording fails, all their memory is
-    /// retained as unsafe. A lease of another arena is refused and handed back inside
-    /// [`ArenaError::ForeignLease`] (this arena's leases are given back first).
+    /// retained as unsafe. Leases of other arenas are refused and handed back, every one, inside
+    /// [`ArenaError::ForeignLeases`] (this arena's leases are given back first).
     pub fn release_all(&self, leases: Vec<Lease>, consumer: StreamId) -> Result<(), ArenaError> {
-        let (leases, mut foreign): (Vec<Lease>, Vec<Lease>) =
+        let (leases, foreign): (Vec<Lease>, Vec<Lease>) =
             leases.into_iter().partition(|l| l.arena == self.id);
         self.release_own(leases, consumer)?;
-        match foreign.pop() {
-            Some(lease) => Err(ArenaError::ForeignLease { lease }),
-            None => Ok(()),
-        }
+        if foreign.is_empty() { Ok(()) } else { Err(ArenaError::ForeignLeases { leases: foreign }) }
     }
 
     fn release_own(&self, leases: Vec<Lease>, consumer: StreamId) -> Result<(), ArenaError> {
@@ -825,14 +822,16 @@ impl Arena {
                 {
                     return Err(device("make the copy stream wait for the slot's last upload")(e));
                 }
-                for (s, f) in std::mem::take(&mut st.holder.releases) {
+                // Every fence stays recorded until the copy stream waits on all of them: a
+                // failed wait leaves the slot guarded by each consumer's fence, never by fewer.
+                for &(_, f) in &st.holder.releases {
                     if let Err(e) = self.platform.fences.stream_wait(self.copy_stream, f) {
-                        st.holder.releases.push((s, f));
                         return Err(device("make the copy stream wait for the slot's consumers")(
                             e,
                         ));
                     }
                 }
+                st.holder.releases.clear();
                 st.occupant = None;
                 st.holder.upload = None;
                 st.prefetched = false;

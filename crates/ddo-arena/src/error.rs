@@ -82,6 +82,17 @@ pub enum ArenaError {
         /// The lease, still live in the arena that granted it.
         lease: Lease,
     },
+    /// Leases of other arenas given back together ([`Arena::release_all`](crate::Arena::release_all));
+    /// every one is returned unchanged ([`ArenaError::into_foreign_leases`]).
+    #[error(
+        "{} lease(s) from another arena were given back here (the first of unit {}); release them to the arena that granted them",
+        .leases.len(),
+        .leases.first().map_or(0, |l| l.unit().0)
+    )]
+    ForeignLeases {
+        /// The leases, still live in the arena that granted them.
+        leases: Vec<Lease>,
+    },
     /// The arena is closed.
     #[error("the arena is closed")]
     Closed,
@@ -123,6 +134,16 @@ impl ArenaError {
         match self {
             ArenaError::ForeignLease { lease } => Some(lease),
             _ => None,
+        }
+    }
+
+    /// Every lease a refused [`ArenaError::ForeignLease`] or [`ArenaError::ForeignLeases`]
+    /// hands back; empty for every other error.
+    pub fn into_foreign_leases(self) -> Vec<Lease> {
+        match self {
+            ArenaError::ForeignLease { lease } => vec![lease],
+            ArenaError::ForeignLeases { leases } => leases,
+            _ => Vec::new(),
         }
     }
 }

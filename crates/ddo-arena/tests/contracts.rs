@@ -444,3 +444,63 @@ fn a_lease_from_another_arena_is_refused_and_returned() {
     first.close().unwrap();
     second.close().unwrap();
 }
+
+/// Contract 1 under a failing port: a wait that fails while a slot is being reused leaves every
+/// consumer's fence recorded, so the retried upload still waits for each stream that read it.
+#[test]
+fn a_failed_wait_during_reuse_keeps_every_consumer_fence() {
+    let (_d, spy, arena, a) = spy_arena(4, 2);
+    let b = ddo_core::Residency::create_stream(&*spy).unwrap();
+    let copy = arena.copy_stream();
+    let last_record = |s: StreamId| {
+        spy.calls()
+            .iter()
+            .rev()
+            .find_map(|c| match c {
+                Call::Record(r, f) if *r == s => Some(*f),
+                _ => None,
+            })
+            .unwrap()
+    };
+    // Unit 1 (slot 0) read on two streams.
+    let la = arena.acquire(UnitId(1), a).unwrap();
+    let lb = arena.acquire(UnitId(1), b).unwrap();
+    arena.release(la, a).unwrap();
+    let fa = last_record(a);
+    arena.release(lb, b).unwrap();
+    let fb = last_record(b);
+    // Unit 3 takes slot 0: the wait on stream a's fence fails (wait 0 is for the slot's upload).
+    spy.fail(Op::StreamWait, 1);
+    assert!(arena.acquire(UnitId(3), a).is_err());
+    let mark = spy.calls().len();
+    let l3 = arena.acquire(UnitId(3), a).unwrap();
+    let after = &spy.calls()[mark..];
+    for f in [fa, fb] {
+        assert!(
+            after.contains(&Call::StreamWait(copy, f)),
+            "the retried upload did not wait for {f:?}: {after:?}"
+        );
+    }
+    arena.release(l3, a).unwrap();
+    arena.close().unwrap();
+}
+
+/// `release_all` gives this arena's leases back and hands back every lease of another arena,
+/// so both arenas reach zero live leases and close.
+#[test]
+fn release_all_hands_back_every_foreign_lease() {
+    let (_d1, _spy1, first, stream) = spy_arena(4, 2);
+    let (_d2, _spy2, second, _) = spy_arena(4, 2);
+    let leases = vec![
+        second.acquire(UnitId(0), stream).unwrap(),
+        first.acquire(UnitId(0), stream).unwrap(),
+        first.acquire(UnitId(1), stream).unwrap(),
+    ];
+    let err = second.release_all(leases, stream).unwrap_err();
+    assert!(err.to_string().contains("2 lease(s) from another arena"), "{err}");
+    let back = err.into_foreign_leases();
+    assert_eq!(back.iter().map(|l| l.unit()).collect::<Vec<_>>(), [UnitId(0), UnitId(1)]);
+    first.release_all(back, stream).unwrap();
+    first.close().unwrap();
+    second.close().unwrap();
+}
