@@ -262,10 +262,18 @@ impl Session {
         py.detach(|| self.inner.end_pass(stream)).map_err(session_error)
     }
 
-    /// Ends an interrupted pass on `stream` (its order is not learned).
+    /// Ends an interrupted pass on `stream` (its order is not learned). Leases taken with
+    /// `acquire` stay live: their holders release them.
     fn abort_pass(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         let stream = self.stream(stream);
         py.detach(|| self.inner.abort_pass(stream)).map_err(session_error)
+    }
+
+    /// Gives back every live lease after one fence on `stream`: a teardown, once the device's
+    /// work is complete (before `unload`, which refuses live leases).
+    fn release_leases(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let stream = self.stream(stream);
+        py.detach(|| self.inner.release_leases(stream)).map_err(session_error)
     }
 
     /// Acquires unit `unit` for work on `stream`; returns the lease id.

@@ -521,3 +521,98 @@ def test_a_blocks_post_hook_gives_back_only_its_own_threads_lease(tmp_path, sd3)
     released = [(lease, who) for kind, lease, who in log if kind == "release" and lease in acquired]
     assert acquired and released == [(acquired[0], "other")], log
     loaded.offload.remove()
+
+
+def test_a_pass_that_ends_leaves_another_threads_lease_to_that_thread(tmp_path, sd3):
+    """A block run in another thread takes its lease during a pass and ends after the pass: the
+    pass's end gives back only its own leases, and that thread's post-hook gives back its own."""
+    import threading
+
+    model, inputs = sd3
+    reference = run(copy.deepcopy(model), inputs)
+    loaded, runtime, units = load_mixed(tmp_path, model)
+    unit = min(set(units) - set(runtime.streamed))
+    block = loaded.module.get_submodule(units[unit])
+    pre, post = runtime._pre(unit), runtime._post(unit)
+    log = []
+
+    class Logged(CountingSession):
+        def release(self, lease, stream):
+            log.append(("release", lease, threading.current_thread().name))
+            return self.inner.release(lease, stream)
+
+        def acquire(self, unit, stream):
+            lease = self.inner.acquire(unit, stream)
+            log.append(("acquire", lease, threading.current_thread().name))
+            return lease
+
+    runtime.session = Logged(runtime.session)
+    acquired = threading.Event()
+    worker = threading.Thread(target=lambda: (pre(block, ()), acquired.set()), name="other")
+
+    def in_the_pass(_m, _args):
+        worker.start()
+        acquired.wait()
+
+    h = block.register_forward_pre_hook(in_the_pass, prepend=True)
+    assert torch.equal(run(loaded.module, inputs), reference)  # the pass ends; "other" still holds
+    h.remove()
+    worker.join()
+    ends = threading.Thread(target=lambda: post(block, (), None), name="other")
+    ends.start()
+    ends.join()
+    mine = [lease for kind, lease, who in log if kind == "acquire" and who == "other"]
+    assert [(lease, who) for kind, lease, who in log if kind == "release" and lease in mine] == [(mine[0], "other")], log
+    assert runtime.leases == {}
+    assert torch.equal(run(loaded.module, inputs), reference)
+
+
+def test_a_pass_never_uploads_over_a_block_another_stream_holds(tmp_path, sd3):
+    """Another stream's lease on a streamed unit survives a pass's begin and end: a unit that
+    shares its slot is refused until that lease is given back, and the held unit's bytes stay."""
+    model, inputs = sd3
+    loaded, runtime, units = load_mixed(tmp_path, model)
+    s = runtime.session
+    streamed = sorted(runtime.streamed)
+    held = s.acquire(streamed[0], 7)
+    views = [w for _, _, w, _ in runtime.swaps[streamed[0]]]
+    before = [w.clone() for w in views]
+    sharing = []
+    for unit in streamed[1:]:
+        try:
+            s.release(s.acquire(unit, 1), 1)
+        except ddo._native.DynamicOffloadError as e:
+            assert "leased by" in str(e), e
+            sharing.append(unit)
+    assert sharing, "no unit shares the held unit's slot"
+    s.begin_pass(1)
+    with pytest.raises(ddo._native.DynamicOffloadError, match="leased by"):
+        s.acquire(sharing[0], 1)
+    s.end_pass(1)
+    assert all(torch.equal(a, b) for a, b in zip(views, before))
+    s.release(held, 7)
+    s.release(s.acquire(sharing[0], 1), 1)
+
+
+def test_a_block_called_directly_that_raises_leaves_the_module_usable(tmp_path, sd3):
+    model, inputs = sd3
+    reference = run(copy.deepcopy(model), inputs)
+    loaded, runtime, units = load_mixed(tmp_path, model)
+    block = loaded.module.get_submodule(units[sorted(runtime.streamed)[0]])
+
+    def boom(*_args):
+        raise RuntimeError("inside the block")
+
+    h = block.register_forward_pre_hook(boom)  # after ddo's pre-hook: its lease is taken
+    with pytest.raises(RuntimeError, match="inside the block"), torch.no_grad():
+        block(torch.zeros(1))
+    h.remove()
+    # ddo's post-hook runs however the block ends: its lease is back.
+    assert runtime.leases == {}
+    assert torch.equal(run(loaded.module, inputs), reference)
+    # A lease the block's thread never gave back (its post-hook never ran) is given back
+    # before that thread's next forward begins.
+    runtime._pre(sorted(runtime.streamed)[0])(block, ())
+    assert runtime.leases
+    assert torch.equal(run(loaded.module, inputs), reference)
+    assert runtime.leases == {}

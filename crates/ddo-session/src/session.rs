@@ -1844,15 +1844,18 @@ impl ComponentSession {
         Ok(out)
     }
 
-    /// Starts a forward pass on `stream`: leases left from an interrupted pass are given back
-    /// (after the work already enqueued on `stream`), the order of the first pass is learned,
-    /// and the pinned units and the units the plan keeps resident are leased for the pass.
-    /// Returns the latter: the pass calls [`reached`](Session::reached) for them instead of
-    /// acquiring them (work on `stream` only; other streams acquire as usual).
+    /// Starts a forward pass on `stream`: the pass leases of a pass that never ended are given
+    /// back (after the work already enqueued on `stream`), the order of the first pass is
+    /// learned, and the pinned units and the units the plan keeps resident are leased for the
+    /// pass. Returns the latter: the pass calls [`reached`](Session::reached) for them instead of
+    /// acquiring them (work on `stream` only; other streams acquire as usual). Leases taken with
+    /// [`acquire`](Session::acquire) belong to whoever took them, on whatever stream or thread:
+    /// no pass gives them back, so another stream's work never loses its memory at a pass
+    /// boundary.
     pub fn begin_pass(&self, stream: StreamId) -> Result<Vec<UnitId>, SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        Self::release_stale(a, stream)?;
+        Self::release_pass(a, stream)?;
         if let Some(link) = self.link_bytes_per_second {
             let streamed = a.memory.arena.plan().streamed_bytes;
             if let Some(auto) =
@@ -1875,7 +1878,7 @@ impl ComponentSession {
         if let Err(e) = leased {
             // Nothing stays leased by a pass that did not begin.
             a.memory.arena.abandon_pass();
-            return Err(e.with_cleanup(Self::release_stale(a, stream)));
+            return Err(e.with_cleanup(Self::release_pass(a, stream)));
         }
         Ok(resident)
     }
@@ -1898,23 +1901,35 @@ impl ComponentSession {
         Err(SessionError::Lifecycle(format!("{what} ({live} lease(s) live): end the pass first")))
     }
 
-    fn release_stale(a: &mut Attached, stream: StreamId) -> Result<(), SessionError> {
-        let stale: Vec<Lease> = a.pass.drain(..).chain(a.leases.drain().map(|(_, l)| l)).collect();
-        // Every lease is given back after one fence; a failed record keeps their memory unsafe
-        // (the arena's contract).
-        a.memory.arena.release_all(stale, stream).map_err(SessionError::Arena)
+    /// Gives the pass leases back after one fence on `stream`; a failed record keeps their
+    /// memory unsafe (the arena's contract).
+    fn release_pass(a: &mut Attached, stream: StreamId) -> Result<(), SessionError> {
+        let pass: Vec<Lease> = a.pass.drain(..).collect();
+        a.memory.arena.release_all(pass, stream).map_err(SessionError::Arena)
     }
 
-    /// Ends a forward pass: gives back the pinned and plan-resident units (and any lease still
-    /// live) after the work enqueued on `stream`.
+    /// Ends a forward pass: gives back the pinned and plan-resident units after the work
+    /// enqueued on `stream`. Leases taken with [`acquire`](Session::acquire) stay live until
+    /// released.
     pub fn end_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        Self::release_stale(a, stream)
+        Self::release_pass(a, stream)
     }
 
-    /// Ends a pass that was interrupted (an exception inside the forward): gives back every live
-    /// lease after the work enqueued on `stream`, and the order seen is not learned.
+    /// Gives back every live lease, the pass's and every [`acquire`](Session::acquire)'s, after
+    /// one fence on `stream`: for a teardown once the device's work is complete and nothing
+    /// enqueues more with them (before [`unload`](Session::unload), which refuses live leases).
+    pub fn release_leases(&self, stream: StreamId) -> Result<(), SessionError> {
+        let mut g = self.lock();
+        let a = Self::attached(&mut g)?;
+        let all: Vec<Lease> = a.pass.drain(..).chain(a.leases.drain().map(|(_, l)| l)).collect();
+        a.memory.arena.release_all(all, stream).map_err(SessionError::Arena)
+    }
+
+    /// Ends a pass that was interrupted (an exception inside the forward): gives back the pass
+    /// leases after the work enqueued on `stream`, and the order seen is not learned. The caller
+    /// releases the leases its own blocks acquired, on their streams.
     pub fn abort_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         if let Some(auto) = self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
             auto.interrupted();
@@ -1922,7 +1937,7 @@ impl ComponentSession {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         a.memory.arena.abandon_pass();
-        Self::release_stale(a, stream)
+        Self::release_pass(a, stream)
     }
 
     /// Ensures `unit` is on the device for work enqueued on `stream` after this call.

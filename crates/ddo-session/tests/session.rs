@@ -265,12 +265,20 @@ fn an_interrupted_pass_leaves_the_session_usable() {
     let session = native(&path, &[]).unwrap();
     session.begin_pass(S).unwrap();
     let units = session.units().unwrap();
-    // A block raised between acquire and release: its lease is never given back.
-    let _lost = session.acquire(units[1].id, S).unwrap();
+    // A block raised between acquire and release: the pass is aborted, and the block's lease
+    // stays its holder's (another stream's work may still read the unit).
+    let lost = session.acquire(units[1].id, S).unwrap();
     let err = session.unload().unwrap_err();
     assert!(err.to_string().contains("during a forward pass"), "{err}");
-    // The next pass gives the lost leases back and runs correctly.
+    session.abort_pass(S).unwrap();
+    let err = session.unload().unwrap_err();
+    assert!(err.to_string().contains("1 lease(s) live"), "{err}");
+    // Given back by its holder, the next passes run correctly.
+    session.release(lost, S).unwrap();
     run_and_check(&session, 2, &checkpoint_bytes(6));
+    // A teardown gives back what a holder never did.
+    let _lost = session.acquire(units[1].id, S).unwrap();
+    session.release_leases(S).unwrap();
     session.unload().unwrap();
     assert!(session.is_unloaded());
     let err = session.begin_pass(S).unwrap_err();
@@ -1531,4 +1539,52 @@ fn resident_blocks_leased_for_the_pass_prefetch_as_acquired_ones_do() {
     let err = for_pass.reached(resident[0]).unwrap_err().to_string();
     assert!(err.contains("not held by a pass lease"), "{err}");
     assert!(for_pass.unload().unwrap());
+}
+
+/// A lease taken with `acquire` on another stream belongs to its holder: beginning, ending or
+/// aborting a pass gives back only the pass's own leases, so the pass never uploads over the
+/// unit the other stream is reading, and the holder releases it itself.
+#[test]
+fn a_pass_boundary_leaves_another_streams_lease_live() {
+    const OTHER: StreamId = StreamId(7);
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 12);
+    let budget = [("vmm_resident_weight_budget_gb", "0.04"), ("prefetch_depth", "1")];
+    let session = native(&path, &budget).unwrap();
+    let expect = checkpoint_bytes(12);
+    let units = session.units().unwrap();
+    let streamed: Vec<_> = units.iter().filter(|u| !u.resident).collect();
+    assert!(streamed.len() >= 3, "want streamed units: {units:?}");
+    let held = streamed[0];
+    let name = format!("{}.attn.weight", held.name);
+    let lease = session.acquire(held.id, OTHER).unwrap();
+    for end in ["end", "abort"] {
+        session.begin_pass(S).unwrap();
+        // The pass runs every other streamed unit; one sharing the held unit's slot is refused.
+        let mut busy = 0;
+        for u in &streamed[1..] {
+            match session.acquire(u.id, S) {
+                Ok(l) => session.release(l, S).unwrap(),
+                Err(e) => {
+                    assert!(e.to_string().contains("leased by"), "{e}");
+                    busy += 1;
+                }
+            }
+        }
+        assert!(busy > 0, "no streamed unit shares a slot with {}", held.name);
+        if end == "end" {
+            session.end_pass(S).unwrap()
+        } else {
+            session.abort_pass(S).unwrap()
+        }
+        assert_eq!(session.read_tensor(&name).unwrap(), expect(&name), "after the pass's {end}");
+        let err = session.unload().unwrap_err().to_string();
+        assert!(err.contains("1 lease(s) live"), "{err}");
+    }
+    session.release(lease, OTHER).unwrap();
+    // A teardown gives back whatever is still live, the pass's and every holder's.
+    session.begin_pass(S).unwrap();
+    let _kept = session.acquire(held.id, OTHER).unwrap();
+    session.release_leases(S).unwrap();
+    assert!(session.unload().unwrap());
 }

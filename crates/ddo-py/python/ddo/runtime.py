@@ -605,8 +605,9 @@ class SessionRuntime:
         self.device = torch.device("cpu")
         self.stream = _stream_reader(self.device)
         self.handles: List[Any] = []
-        # Leases the hooks took, by (thread, unit): a block's post-hook gives back its own.
-        self.leases: Dict[Tuple[int, int], List[int]] = {}
+        # Leases the hooks took, by (thread, unit), each with the stream it was taken on: a
+        # block's post-hook gives back its own thread's; a pass ends only its own thread's.
+        self.leases: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
         self.originals: Dict[str, Any] = {}
         self.original_buffers: Dict[str, torch.Tensor] = {}
         # Where each managed parameter lives: (owning module, attribute, name at attach). Held by
@@ -1157,27 +1158,31 @@ class SessionRuntime:
                         "then offload it again"
                     )
             self._republish()
+        # Blocks this thread entered directly and never left (their post-hooks never ran): their
+        # leases back, their weights on placeholders again.
+        self._release_thread_leases()
         self._check_module(args, kwargs)
         stream = self.stream()
-        self.leases.clear()
         self.pass_units = frozenset(self.session.begin_pass(stream))
         self.pass_stream, self.pass_thread = stream, threading.get_ident()
         try:
             out = original(*move_inputs(args, self.device), **move_inputs(kwargs, self.device))
         except BaseException as error:
             self.pass_units = frozenset()
-            self.leases.clear()
-            self._rest_all()
             try:
-                # On the pass's stream: its leases (the resident units' among them) were used there.
+                # The blocks this thread entered and never left, each on the stream it took its
+                # lease on; then the pass's own leases, on the pass's stream.
+                self._release_thread_leases()
                 self.session.abort_pass(stream)
             except BaseException as cleanup:  # noqa: BLE001 - attached to the original error
                 error.ddo_cleanup_error = cleanup  # type: ignore[attr-defined]
                 if hasattr(error, "add_note"):
                     error.add_note(f"ddo could not end the interrupted pass: {cleanup!r}")
+            finally:
+                self._rest_all()
             raise
         self.pass_units = frozenset()
-        self.leases.clear()
+        self._release_thread_leases()
         self.session.end_pass(stream)
         if self.auto_budget is not None:
             self.auto_budget.after_pass()
@@ -1299,7 +1304,7 @@ class SessionRuntime:
                 # Leased for the whole pass on this stream: no lease, no fence per block.
                 self.session.reached(unit)
                 return
-            self.leases.setdefault((threading.get_ident(), unit), []).append(self.session.acquire(unit, stream))
+            self.leases.setdefault((threading.get_ident(), unit), []).append((self.session.acquire(unit, stream), stream))
             dicts, views = self.swap_in.get(unit, _NO_SWAPS)
             any(map(dict.update, dicts, views))  # each owner's views in place (C-level loop)
 
@@ -1307,11 +1312,15 @@ class SessionRuntime:
 
     def _post(self, unit: int):
         def hook(m: torch.nn.Module, _args: tuple, out: Any) -> None:
-            held = self.leases.get((threading.get_ident(), unit))
+            key = (threading.get_ident(), unit)
+            held = self.leases.get(key)
             if held:
-                self.session.release(held.pop(), self.stream())
+                self.session.release(held.pop()[0], self.stream())
             if not held:
-                self._rest(unit)
+                self.leases.pop(key, None)
+                # Placeholders back once no thread runs the block (another may still read its views).
+                if not any(u == unit for _, u in self.leases):
+                    self._rest(unit)
             self._refuse_streamed_output(unit, m, out)
             if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(out)):
                 # Grad enabled inside the forward (a hook, a block's own code) after the entry
@@ -1354,14 +1363,28 @@ class SessionRuntime:
         """The module path of a streamed unit."""
         return next((name for u, name, _ in self.session.units() if u == unit), str(unit))
 
+    def _release_thread_leases(self) -> None:
+        """Gives back the leases this thread's blocks took and did not give back (a block
+        interrupted, or an exception a forward caught), each on the stream it was taken on;
+        other threads' leases stay with them."""
+        me = threading.get_ident()
+        mine = [key for key in self.leases if key[0] == me]
+        for key in mine:
+            for lease, stream in self.leases.pop(key):
+                self.session.release(lease, stream)
+            self._rest(key[1])
+
     def _rest(self, unit: int) -> None:
         dicts, placeholders = self.swap_out.get(unit, _NO_SWAPS)
         any(map(dict.update, dicts, placeholders))
 
     def _rest_all(self) -> None:
-        """Every streamed unit back on its placeholders (a pass ended, however it ended)."""
+        """Every streamed unit no thread runs back on its placeholders (a pass ended, however
+        it ended)."""
+        held = {u for _, u in self.leases}
         for unit in self.swaps:
-            self._rest(unit)
+            if unit not in held:
+                self._rest(unit)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -1402,7 +1425,8 @@ class SessionRuntime:
         self._refuse_changes()
         self.synchronize()
         self._publish_meta()
-        self.session.end_pass(_stream(self.device))
+        self.leases.clear()
+        self.session.release_leases(_stream(self.device))
         if not self.session.unload():
             warnings.warn(
                 f"ddo: tensors kept from {type(self.module).__name__} still view its device memory; it is freed "
@@ -1478,7 +1502,8 @@ class SessionRuntime:
                 self._publish_meta(failed)
         finally:
             if not self.session.is_unloaded():
-                self.session.end_pass(_stream(self.device))
+                self.leases.clear()
+                self.session.release_leases(_stream(self.device))
                 self.session.unload()
             report_drop_failures()
         if failed:
