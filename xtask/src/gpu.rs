@@ -232,6 +232,8 @@ const BENCH_USAGE: &str =
                                    memory held under GIB (default 8), against a resident run
   bash DIR/run.sh shared          one host copy of a Flux 5 B checkpoint feeding two sessions (one
                                    per GPU where there are two), then two processes
+  bash DIR/run.sh arena-memory [ARGS]  an SD3-shaped step on arena memory against the same
+                                   weights in PyTorch's allocations, by alignment
   (the log is appended to $OUT/bench.log when OUT is set, else DIR/bench.log)";
 
 /// `cargo xtask bench-gpu --bundle DIR`: the side-by-side benchmark as a bundle.
@@ -302,6 +304,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_shared.py",
         "gpu_contention.py",
         "gpu_interleaved.py",
+        "gpu_arena_memory.py",
         "host_costs.py",
         "host.py",
         "tiny_pipelines.py",
@@ -344,6 +347,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh contention [ARGS] what host-to-device copies cost kernel launches, by host memory kind
 #   bash run.sh interleaved [ARGS] resident and ddo budgets stepped in turn in one process (--model sd3|flux12|q8)
 #   bash run.sh host-costs [ARGS] ddo's host work per step and per block on a tiny host-bound model
+#   bash run.sh arena-memory [ARGS] the kernels on arena memory against PyTorch's, by weight alignment
 case "${1:-bench}" in
   native) cmd=(python3 "$bundle/gpu_native.py" --resolutions 512,1024,2048 --dir "$work") ;;
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
@@ -360,7 +364,8 @@ case "${1:-bench}" in
   contention) mkdir -p "$work"; cmd=(python3 "$bundle/gpu_contention.py" --dir "$work" "${@:2}") ;;
   interleaved) cmd=(python3 "$bundle/gpu_interleaved.py" --dir "$work" "${@:2}") ;;
   host-costs) mkdir -p "$work"; cmd=(python3 "$bundle/host_costs.py" --dir "$work" "${@:2}") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | interleaved [ARGS] | host-costs [ARGS]" >&2; exit 2 ;;
+  arena-memory) cmd=(python3 "$bundle/gpu_arena_memory.py" --dir "$work" "${@:2}") ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | interleaved [ARGS] | host-costs [ARGS] | arena-memory [ARGS]" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

@@ -30,8 +30,9 @@ mod tree;
 pub use arena::{Arena, Lease, PeerStoreReport, ReclaimReport, drop_failure};
 pub use error::ArenaError;
 pub use layout::{
-    DeviceConversion, DeviceWork, EXTENT_ALIGN, Extent, Layout, MAX_BRIDGED_GAP, MAX_LAYOUT,
-    MIN_TENSOR_ALIGN, STAGING_ROUND, TensorPlacement, UnitLayout, UnitSpec,
+    ALIGNED_TENSOR_BYTES, DeviceConversion, DeviceWork, EXTENT_ALIGN, Extent, Layout,
+    MAX_BRIDGED_GAP, MAX_LAYOUT, MIN_TENSOR_ALIGN, STAGING_ROUND, TensorPlacement, UnitLayout,
+    UnitSpec,
 };
 pub use plan::{Budget, ResidencyPlan};
 pub use stats::ArenaStats;
