@@ -38,6 +38,18 @@ fn spy_arena(blocks: usize, slots: u64) -> (tempfile::TempDir, Arc<Spy>, Arena, 
     (dir, spy, arena, stream)
 }
 
+/// The fence the spy last recorded on `stream`.
+fn last_record(spy: &Spy, stream: StreamId) -> ddo_core::FenceValue {
+    spy.calls()
+        .iter()
+        .rev()
+        .find_map(|c| match c {
+            Call::Record(r, f) if *r == stream => Some(*f),
+            _ => None,
+        })
+        .expect("a fence recorded on the stream")
+}
+
 /// Contract 1: a slot is reused only after the copy stream waits for every consumer fence
 /// recorded since its last upload.
 #[test]
@@ -47,15 +59,7 @@ fn slot_reuse_waits_for_every_consumer_fence() {
     // Unit 1 -> slot 0; unit 3 -> slot 0 again.
     let a = arena.acquire(UnitId(1), stream).unwrap();
     arena.release(a, stream).unwrap();
-    let release_fence = spy
-        .calls()
-        .iter()
-        .rev()
-        .find_map(|c| match c {
-            Call::Record(s, f) if *s == stream => Some(*f),
-            _ => None,
-        })
-        .unwrap();
+    let release_fence = last_record(&spy, stream);
     let unit3 = arena.unit_range(UnitId(3)).unwrap();
     let mark = spy.calls().len();
     let c = arena.acquire(UnitId(3), stream).unwrap();
@@ -79,16 +83,7 @@ fn release_fences_are_kept_per_consumer_stream() {
     let (_d, spy, arena, stream) = spy_arena(4, 2);
     let other = ddo_core::Residency::create_stream(&*spy).unwrap();
     let copy = arena.copy_stream();
-    let record = |s: StreamId| {
-        spy.calls()
-            .iter()
-            .rev()
-            .find_map(|c| match c {
-                Call::Record(r, f) if *r == s => Some(*f),
-                _ => None,
-            })
-            .unwrap()
-    };
+    let record = |s: StreamId| last_record(&spy, s);
     for _ in 0..3 {
         let a = arena.acquire(UnitId(1), stream).unwrap();
         arena.release(a, stream).unwrap();
@@ -452,23 +447,13 @@ fn a_failed_wait_during_reuse_keeps_every_consumer_fence() {
     let (_d, spy, arena, a) = spy_arena(4, 2);
     let b = ddo_core::Residency::create_stream(&*spy).unwrap();
     let copy = arena.copy_stream();
-    let last_record = |s: StreamId| {
-        spy.calls()
-            .iter()
-            .rev()
-            .find_map(|c| match c {
-                Call::Record(r, f) if *r == s => Some(*f),
-                _ => None,
-            })
-            .unwrap()
-    };
     // Unit 1 (slot 0) read on two streams.
     let la = arena.acquire(UnitId(1), a).unwrap();
     let lb = arena.acquire(UnitId(1), b).unwrap();
     arena.release(la, a).unwrap();
-    let fa = last_record(a);
+    let fa = last_record(&spy, a);
     arena.release(lb, b).unwrap();
-    let fb = last_record(b);
+    let fb = last_record(&spy, b);
     // Unit 3 takes slot 0: the wait on stream a's fence fails (wait 0 is for the slot's upload).
     spy.fail(Op::StreamWait, 1);
     assert!(arena.acquire(UnitId(3), a).is_err());

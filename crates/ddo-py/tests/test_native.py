@@ -442,6 +442,27 @@ class CountingSession:
         return getattr(self.inner, name)
 
 
+class LoggedSession(CountingSession):
+    """The native session with each acquire and release logged as (call, lease, thread name)."""
+
+    def __init__(self, inner, log):
+        super().__init__(inner)
+        self.log = log
+
+    def release(self, lease, stream):
+        import threading
+
+        self.log.append(("release", lease, threading.current_thread().name))
+        return self.inner.release(lease, stream)
+
+    def acquire(self, unit, stream):
+        import threading
+
+        lease = self.inner.acquire(unit, stream)
+        self.log.append(("acquire", lease, threading.current_thread().name))
+        return lease
+
+
 def test_resident_blocks_take_no_lease_of_their_own_inside_a_pass(tmp_path, sd3):
     model, inputs = sd3
     reference = run(copy.deepcopy(model), inputs)
@@ -483,17 +504,7 @@ def test_a_blocks_post_hook_gives_back_only_its_own_threads_lease(tmp_path, sd3)
     inside, other_done, pass_post_done = threading.Event(), threading.Event(), threading.Event()
     log = []
 
-    class Logged(CountingSession):
-        def release(self, lease, stream):
-            log.append(("release", lease, threading.current_thread().name))
-            return self.inner.release(lease, stream)
-
-        def acquire(self, unit, stream):
-            lease = self.inner.acquire(unit, stream)
-            log.append(("acquire", lease, threading.current_thread().name))
-            return lease
-
-    runtime.session = Logged(runtime.session)
+    runtime.session = LoggedSession(runtime.session, log)
 
     def other():
         inside.wait()
@@ -536,17 +547,7 @@ def test_a_pass_that_ends_leaves_another_threads_lease_to_that_thread(tmp_path, 
     pre, post = runtime._pre(unit), runtime._post(unit)
     log = []
 
-    class Logged(CountingSession):
-        def release(self, lease, stream):
-            log.append(("release", lease, threading.current_thread().name))
-            return self.inner.release(lease, stream)
-
-        def acquire(self, unit, stream):
-            lease = self.inner.acquire(unit, stream)
-            log.append(("acquire", lease, threading.current_thread().name))
-            return lease
-
-    runtime.session = Logged(runtime.session)
+    runtime.session = LoggedSession(runtime.session, log)
     acquired = threading.Event()
     worker = threading.Thread(target=lambda: (pre(block, ()), acquired.set()), name="other")
 
