@@ -1172,8 +1172,10 @@ class SessionRuntime:
             try:
                 # The blocks this thread entered and never left, each on the stream it took its
                 # lease on; then the pass's own leases, on the pass's stream.
-                self._release_thread_leases()
-                self.session.abort_pass(stream)
+                try:
+                    self._release_thread_leases()
+                finally:
+                    self.session.abort_pass(stream)
             except BaseException as cleanup:  # noqa: BLE001 - attached to the original error
                 error.ddo_cleanup_error = cleanup  # type: ignore[attr-defined]
                 if hasattr(error, "add_note"):
