@@ -229,3 +229,5 @@ def test_a_write_after_an_interrupted_unload_is_still_refused(tmp_path, flux, mo
         weight.fill_(1)
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match="written in place"):
         run(loaded.module, inputs)
+
+

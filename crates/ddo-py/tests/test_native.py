@@ -408,14 +408,15 @@ def test_unload_and_remove_wait_for_a_forward_in_another_thread(tmp_path, flux):
     assert len(results) == 2 and torch.equal(results[1], reference)
 
 
-def load_mixed(tmp_path, model):
+def load_mixed(tmp_path, model, **extra):
     """``model`` on the native route with two slots (prefetch depth 1) and a granule more: one
     block resident, the others streamed. Returns the loaded result, its runtime and its blocks'
     units by id."""
     path = tmp_path / type(model).__name__
     model.save_pretrained(path)
     config = ddo.DynamicOffloadConfig(
-        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model, 2) + 2 / 1024, prefetch_depth=1
+        backend="vmm", execution_device="cpu", vmm_resident_weight_budget_gb=budget_for(model, 2) + 2 / 1024, prefetch_depth=1,
+        **extra,
     )
     loaded = ddo.from_pretrained_with_dynamic_offload(
         path, model_loader=type(model), apply_dynamic=True, component="transformer", dynamic_offload_config=config
@@ -566,6 +567,7 @@ def test_a_pass_that_ends_leaves_another_threads_lease_to_that_thread(tmp_path, 
     assert [(lease, who) for kind, lease, who in log if kind == "release" and lease in mine] == [(mine[0], "other")], log
     assert runtime.leases == {}
     assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()
 
 
 def test_a_pass_never_uploads_over_a_block_another_stream_holds(tmp_path, sd3):
@@ -593,6 +595,7 @@ def test_a_pass_never_uploads_over_a_block_another_stream_holds(tmp_path, sd3):
     assert all(torch.equal(a, b) for a, b in zip(views, before))
     s.release(held, 7)
     s.release(s.acquire(sharing[0], 1), 1)
+    loaded.offload.remove()
 
 
 def test_a_block_called_directly_that_raises_leaves_the_module_usable(tmp_path, sd3):
@@ -617,3 +620,97 @@ def test_a_block_called_directly_that_raises_leaves_the_module_usable(tmp_path, 
     assert runtime.leases
     assert torch.equal(run(loaded.module, inputs), reference)
     assert runtime.leases == {}
+    loaded.offload.remove()
+
+
+def test_a_streamed_block_another_thread_runs_or_left_is_named_and_a_dead_threads_is_given_back(tmp_path, sd3):
+    """A streamed block another thread runs now: a forward and the changes between passes are
+    refused naming it, and served once it returns. A block a thread left by a KeyboardInterrupt
+    (its post-hook never runs) is given back once that thread has ended."""
+    import threading
+
+    model, inputs = sd3
+    reference = run(copy.deepcopy(model), inputs)
+    loaded, runtime, units = load_mixed(tmp_path, model)
+    unit = sorted(runtime.streamed)[0]
+    block = loaded.module.get_submodule(units[unit])
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        runtime._pre(unit)(block, ())
+        inside.set()
+        leave.wait()
+        runtime._post(unit)(block, (), None)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    inside.wait()
+    for call in (lambda: run(loaded.module, inputs), loaded.offload.reclaim, loaded.offload.unload):
+        with pytest.raises(ddo.DynamicOffloadLifecycleError, match=f"{units[unit]} runs in another thread"):
+            call()
+    leave.set()
+    worker.join()
+    assert torch.equal(run(loaded.module, inputs), reference)
+
+    def interrupted():
+        def stop(*_args):
+            raise KeyboardInterrupt
+
+        h = block.register_forward_pre_hook(stop)
+        try:
+            with torch.no_grad():
+                block(torch.zeros(1))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            h.remove()
+
+    ended = threading.Thread(target=interrupted)
+    ended.start()
+    ended.join()
+    assert runtime.leases, "a KeyboardInterrupt skips the post-hook"
+    assert torch.equal(run(loaded.module, inputs), reference)
+    assert runtime.leases == {}
+    loaded.offload.unload()
+    loaded.offload.reload()
+    assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()
+
+
+def test_a_block_running_in_another_thread_defers_the_automatic_budget(tmp_path, sd3):
+    """A resident block another thread runs when a pass ends holds its lease: the automatic
+    budget plans after a later pass instead of taking the refusal for a budget too small."""
+    import threading
+
+    model, inputs = sd3
+    reference = run(copy.deepcopy(model), inputs)
+    loaded, runtime, units = load_mixed(tmp_path, model, auto_budget_policy="balanced")
+    assert runtime.streamed
+    unit = min(set(units) - set(runtime.streamed))
+    block = loaded.module.get_submodule(units[unit])
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        runtime._pre(unit)(block, ())
+        inside.set()
+        leave.wait()
+        runtime._post(unit)(block, (), None)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    inside.wait()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "budget too small" warning
+        assert torch.equal(run(loaded.module, inputs), reference)
+    setup = metrics(loaded.offload)["setup"]
+    assert setup["auto_budget"]["decision"] == "kept_blocks_running" and setup["streamed_units"] > 0, setup
+    leave.set()
+    worker.join()
+    assert torch.equal(run(loaded.module, inputs), reference)
+    setup = metrics(loaded.offload)["setup"]
+    assert setup["auto_budget"]["replans"] == 1 and setup["auto_budget"]["decision"] == "first_pass", setup
+    assert setup["streamed_units"] == 0
+    assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()

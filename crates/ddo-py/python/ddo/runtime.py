@@ -550,6 +550,11 @@ class AutoBudget:
         if self.refused is not None and target <= self.refused:
             self.decision = "kept_too_small"
             return
+        if self.runtime.leases:
+            # A block runs in another thread: planned again after a later pass.
+            self.passes -= 1
+            self.decision = "kept_blocks_running"
+            return
         try:
             changed = self.runtime.set_budget(target)
         except BaseException as e:
@@ -792,7 +797,10 @@ class SessionRuntime:
 
     def _refuse_changes(self) -> None:
         """Refuses a parameter changed since the last publish before anything publishes again
-        (unload, reload, reclaim, a re-plan): publishing again would undo the change silently."""
+        (unload, reload, reclaim, a re-plan): publishing again would undo the change silently.
+        Refused too while a block runs in another thread: its weights must stay where it reads
+        them."""
+        self._settle_leases("this change between passes", streamed_only=False)
         if self.watched_whole:
             with torch._C.DisableTorchFunctionSubclass():
                 self._check_places(grad=False)
@@ -1158,9 +1166,10 @@ class SessionRuntime:
                         "then offload it again"
                     )
             self._republish()
-        # Blocks this thread entered directly and never left (their post-hooks never ran): their
-        # leases back, their weights on placeholders again.
-        self._release_thread_leases()
+        # Blocks this thread (or a thread that ended) entered directly and never left: their
+        # leases back, their weights on placeholders again; a streamed block another thread
+        # runs now is waited for by no one, so the forward says so.
+        self._settle_leases(f"{type(self.module).__name__}.forward", streamed_only=True)
         self._check_module(args, kwargs)
         stream = self.stream()
         self.pass_units = frozenset(self.session.begin_pass(stream))
@@ -1188,7 +1197,7 @@ class SessionRuntime:
         self.session.end_pass(stream)
         if self.auto_budget is not None:
             self.auto_budget.after_pass()
-        if self.session.encoding_switch_due():
+        if self.session.encoding_switch_due() and not self.leases:
             try:
                 self.switch_encoding()
             except _native.DynamicOffloadError as e:
@@ -1321,7 +1330,7 @@ class SessionRuntime:
             if not held:
                 self.leases.pop(key, None)
                 # Placeholders back once no thread runs the block (another may still read its views).
-                if not any(u == unit for _, u in self.leases):
+                if not any(u == unit for _, u in tuple(self.leases)):
                     self._rest(unit)
             self._refuse_streamed_output(unit, m, out)
             if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(out)):
@@ -1365,16 +1374,41 @@ class SessionRuntime:
         """The module path of a streamed unit."""
         return next((name for u, name, _ in self.session.units() if u == unit), str(unit))
 
+    def _settle_leases(self, what: str, streamed_only: bool) -> None:
+        """Gives back the leases of this thread's blocks and of threads that ended (a block
+        interrupted by a ``BaseException`` skips its post-hook), then refuses ``what`` while
+        another thread runs a block (a streamed one only, with ``streamed_only``)."""
+        if not self.leases:
+            return
+        alive = {t.ident for t in threading.enumerate()}
+        me = threading.get_ident()
+        self._release_leases_of(lambda thread: thread == me or thread not in alive)
+        running = sorted({u for _, u in tuple(self.leases) if not streamed_only or u in self.swaps})
+        if running:
+            raise _native.DynamicOffloadLifecycleError(
+                f"{what} needs every block of {type(self.module).__name__} at rest, but "
+                f"{', '.join(self._unit_path(u) for u in running[:3])} runs in another thread now; call it again "
+                "once that block returns"
+            )
+
     def _release_thread_leases(self) -> None:
         """Gives back the leases this thread's blocks took and did not give back (a block
         interrupted, or an exception a forward caught), each on the stream it was taken on;
         other threads' leases stay with them."""
         me = threading.get_ident()
-        mine = [key for key in self.leases if key[0] == me]
-        for key in mine:
-            for lease, stream in self.leases.pop(key):
+        self._release_leases_of(lambda thread: thread == me)
+
+    def _release_leases_of(self, whose: Callable[[int], bool]) -> None:
+        """Gives back the leases of the threads ``whose`` picks, each on the stream it was taken
+        on; their blocks go back on placeholders unless another thread still runs them."""
+        ended = [key for key in tuple(self.leases) if whose(key[0])]
+        for key in ended:
+            for lease, stream in self.leases.pop(key, ()):
                 self.session.release(lease, stream)
-            self._rest(key[1])
+        held = {u for _, u in tuple(self.leases)}
+        for _, unit in ended:
+            if unit not in held:
+                self._rest(unit)
 
     def _rest(self, unit: int) -> None:
         dicts, placeholders = self.swap_out.get(unit, _NO_SWAPS)
@@ -1383,7 +1417,7 @@ class SessionRuntime:
     def _rest_all(self) -> None:
         """Every streamed unit no thread runs back on its placeholders (a pass ended, however
         it ended)."""
-        held = {u for _, u in self.leases}
+        held = {u for _, u in tuple(self.leases)}
         for unit in self.swaps:
             if unit not in held:
                 self._rest(unit)
