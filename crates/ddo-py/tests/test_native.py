@@ -425,6 +425,25 @@ def load_mixed(tmp_path, model, **extra):
     return loaded, runtime, {u: name for u, name, pinned in runtime.session.units() if not pinned}
 
 
+def run_in_thread(runtime, unit, block):
+    """Another thread enters ``block`` (its ddo pre-hook) and stays inside until the returned
+    event is set, then leaves (its post-hook). Returns the event and the thread."""
+    import threading
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        runtime._pre(unit)(block, ())
+        inside.set()
+        leave.wait()
+        runtime._post(unit)(block, (), None)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    inside.wait()
+    return leave, worker
+
+
 class CountingSession:
     """The native session with its per-block calls counted."""
 
@@ -634,17 +653,7 @@ def test_a_streamed_block_another_thread_runs_or_left_is_named_and_a_dead_thread
     loaded, runtime, units = load_mixed(tmp_path, model)
     unit = sorted(runtime.streamed)[0]
     block = loaded.module.get_submodule(units[unit])
-    inside, leave = threading.Event(), threading.Event()
-
-    def other():
-        runtime._pre(unit)(block, ())
-        inside.set()
-        leave.wait()
-        runtime._post(unit)(block, (), None)
-
-    worker = threading.Thread(target=other)
-    worker.start()
-    inside.wait()
+    leave, worker = run_in_thread(runtime, unit, block)
     for call in (lambda: run(loaded.module, inputs), loaded.offload.reclaim, loaded.offload.unload):
         with pytest.raises(ddo.DynamicOffloadLifecycleError, match=f"{units[unit]} runs in another thread"):
             call()
@@ -688,17 +697,7 @@ def test_a_block_running_in_another_thread_defers_the_automatic_budget(tmp_path,
     assert runtime.streamed
     unit = min(set(units) - set(runtime.streamed))
     block = loaded.module.get_submodule(units[unit])
-    inside, leave = threading.Event(), threading.Event()
-
-    def other():
-        runtime._pre(unit)(block, ())
-        inside.set()
-        leave.wait()
-        runtime._post(unit)(block, (), None)
-
-    worker = threading.Thread(target=other)
-    worker.start()
-    inside.wait()
+    leave, worker = run_in_thread(runtime, unit, block)
     import warnings
 
     with warnings.catch_warnings():
