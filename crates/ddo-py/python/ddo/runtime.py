@@ -1330,7 +1330,7 @@ class SessionRuntime:
             if not held:
                 self.leases.pop(key, None)
                 # Placeholders back once no thread runs the block (another may still read its views).
-                if not any(u == unit for _, u in tuple(self.leases)):
+                if not self.leases or not any(u == unit for _, u in tuple(self.leases)):
                     self._rest(unit)
             self._refuse_streamed_output(unit, m, out)
             if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(out)):
@@ -1401,6 +1401,8 @@ class SessionRuntime:
     def _release_leases_of(self, whose: Callable[[int], bool]) -> None:
         """Gives back the leases of the threads ``whose`` picks, each on the stream it was taken
         on; their blocks go back on placeholders unless another thread still runs them."""
+        if not self.leases:
+            return
         ended = [key for key in tuple(self.leases) if whose(key[0])]
         for key in ended:
             for lease, stream in self.leases.pop(key, ()):
