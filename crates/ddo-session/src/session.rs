@@ -1898,7 +1898,9 @@ impl ComponentSession {
         if live == 0 {
             return Ok(());
         }
-        Err(SessionError::Lifecycle(format!("{what} ({live} lease(s) live): end the pass first")))
+        Err(SessionError::Lifecycle(format!(
+            "{what} ({live} lease(s) live): end the pass and release every acquired lease first"
+        )))
     }
 
     /// Gives the pass leases back after one fence on `stream`; a failed record keeps their
