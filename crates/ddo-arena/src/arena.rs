@@ -471,6 +471,12 @@ impl Arena {
             .ok_or(ArenaError::NoSuchUnit { unit, count: self.layout.units.len() })
     }
 
+    /// Checks the source's files fully (a path renamed over included): uploads check only
+    /// what is cheap (the open files' status), so whoever runs passes calls this once per pass.
+    pub fn check_source(&self) -> Result<(), ArenaError> {
+        Ok(self.source.check_unchanged()?)
+    }
+
     /// Marks a pass boundary (the component's forward starts): the first pass's order becomes
     /// the learned order, and look-ahead is enabled again.
     pub fn begin_pass(&self) {
@@ -848,7 +854,7 @@ impl Arena {
     /// Enqueues the copies of `unit` on the copy stream and records their fence.
     fn upload(&self, state: &mut State, unit: UnitId) -> Result<FenceValue, ArenaError> {
         let t = Instant::now();
-        self.source.check_unchanged()?;
+        self.source.check_in_use()?;
         let result = self.enqueue_upload(state, unit);
         if result.is_err() {
             // Copies or conversions enqueued before the failure may still write into the slot
@@ -954,7 +960,7 @@ impl Arena {
         }
         // Host-side copies (the host backend, pageable memory) have read the source by now: a
         // file that changed under them is noticed before the unit is used.
-        self.source.check_unchanged()?;
+        self.source.check_in_use()?;
         // The conversion stream waited for every copy before its last round, so its last fence
         // covers the whole unit.
         let f = match last {

@@ -49,6 +49,13 @@ pub trait WeightSource: Send + Sync {
     fn slices(&self) -> &[TensorSlice];
     /// Checks every file's identity against the one recorded at open.
     fn check_unchanged(&self) -> Result<(), SourceError>;
+    /// The check made around every upload: as [`check_unchanged`](WeightSource::check_unchanged)
+    /// by default; cheaper where a source can make it so (the status of descriptors it holds,
+    /// no path lookup), noticing a file written in place but not necessarily a path renamed
+    /// over, which users of the source check with `check_unchanged` once per pass.
+    fn check_in_use(&self) -> Result<(), SourceError> {
+        self.check_unchanged()
+    }
     /// Reads tensor `slice` into `dst`.
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError>;
     /// The tensor's bytes in host memory, when the source holds them there.

@@ -1856,6 +1856,9 @@ impl ComponentSession {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         Self::release_pass(a, stream)?;
+        // Uploads check the files' status on their open descriptors; a path renamed over is
+        // noticed here, once per pass.
+        a.memory.arena.check_source()?;
         if let Some(link) = self.link_bytes_per_second {
             let streamed = a.memory.arena.plan().streamed_bytes;
             if let Some(auto) =

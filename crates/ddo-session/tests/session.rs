@@ -1,5 +1,6 @@
 //! The session on the host backend: both routes, every acting setting, lifecycle and errors.
 
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -286,6 +287,64 @@ fn an_interrupted_pass_leaves_the_session_usable() {
     session.reload().unwrap();
     run_and_check(&session, 1, &checkpoint_bytes(6));
     assert!(session.reload().is_err(), "reload of a loaded component");
+}
+
+/// Acquires `units` in turn (each released before the next): the error of the first refused.
+/// Units still on the device from the last pass need no upload; the first that does refuses.
+fn first_refused_upload(
+    session: &ComponentSession,
+    units: &[ddo_session::UnitInfo],
+) -> SessionError {
+    units
+        .iter()
+        .find_map(|u| match session.acquire(u.id, S) {
+            Ok(lease) => session.release(lease, S).err(),
+            Err(e) => Some(e),
+        })
+        .expect("an upload after the change")
+}
+
+#[test]
+fn uploads_check_the_open_files_and_each_pass_checks_the_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let bytes = std::fs::read(&path).unwrap();
+    let session = native(&path, &[]).unwrap();
+    run_and_check(&session, 1, &checkpoint_bytes(6));
+    let streamed: Vec<_> = session.units().unwrap().into_iter().filter(|u| !u.resident).collect();
+    assert!(streamed.len() >= 3, "{streamed:?}");
+    // Another file renamed over the path during a pass: the next upload refuses (its check
+    // reads the open descriptor, whose file no path names any more), and so does the next
+    // pass's start (which checks the path).
+    session.begin_pass(S).unwrap();
+    let tmp = dir.path().join("new");
+    std::fs::write(&tmp, &bytes).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    let err = first_refused_upload(&session, &streamed);
+    assert!(err.to_string().contains("the file was replaced or deleted"), "{err}");
+    session.abort_pass(S).unwrap();
+    session.release_leases(S).unwrap();
+    let err = session.begin_pass(S).unwrap_err();
+    assert!(err.to_string().contains("(the file was replaced)"), "{err}");
+    session.close().unwrap();
+
+    // The file opened written in place: the next upload refuses, within the pass.
+    let path = checkpoint(dir.path(), 6);
+    let session = native(&path, &[]).unwrap();
+    run_and_check(&session, 1, &checkpoint_bytes(6));
+    let streamed: Vec<_> = session.units().unwrap().into_iter().filter(|u| !u.resident).collect();
+    session.begin_pass(S).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .write_all_at(&bytes[..8], 0)
+        .unwrap();
+    let err = first_refused_upload(&session, &streamed);
+    assert!(err.to_string().contains("changed while in use"), "{err}");
+    session.abort_pass(S).unwrap();
+    session.release_leases(S).unwrap();
 }
 
 #[test]

@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use ddo_core::{CheckpointFileId, FileIdentity, SourceError, TensorSlice};
 
@@ -30,6 +31,9 @@ pub struct CheckpointFile {
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     files: Vec<CheckpointFile>,
+    // The files as opened (the identities were taken from these descriptors): their status is
+    // checked without a path lookup.
+    open: Arc<[File]>,
     slices: Vec<TensorSlice>,
     by_name: HashMap<String, usize>,
 }
@@ -185,6 +189,7 @@ impl Checkpoint {
     /// Opens the given safetensors files as one checkpoint.
     pub fn open_files<P: AsRef<Path>>(paths: &[P]) -> Result<Checkpoint, SourceError> {
         let mut files = Vec::with_capacity(paths.len());
+        let mut open = Vec::with_capacity(paths.len());
         let mut slices = Vec::new();
         let mut by_name: HashMap<String, usize> = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
@@ -243,8 +248,9 @@ impl Checkpoint {
                 identity,
                 data_start: header.data_start,
             });
+            open.push(file);
         }
-        Ok(Checkpoint { files, slices, by_name })
+        Ok(Checkpoint { files, open: open.into(), slices, by_name })
     }
 
     /// The files.
@@ -270,26 +276,52 @@ impl Checkpoint {
     /// Checks every file's identity against the one recorded at open.
     pub fn check_unchanged(&self) -> Result<(), SourceError> {
         for f in &self.files {
-            let changed =
-                |what: String| SourceError::CheckpointChanged { file: f.path.clone(), what };
+            let now = file_identity(&f.path)
+                .map_err(|e| Self::changed(f, format!("it cannot be read: {e}")))?;
+            Self::compare(f, now)?;
+        }
+        Ok(())
+    }
+
+    /// Checks every file's status on the descriptors held since it was opened, without a path
+    /// lookup: a file written, truncated or extended in place is noticed, and so is one no path
+    /// names any more (another file renamed over it, or deleted). Whether the path still names
+    /// this file is [`check_unchanged`](Self::check_unchanged)'s to say.
+    pub fn check_open(&self) -> Result<(), SourceError> {
+        for (f, file) in self.files.iter().zip(self.open.iter()) {
+            let m =
+                file.metadata().map_err(|e| Self::changed(f, format!("it cannot be read: {e}")))?;
+            if m.nlink() == 0 {
+                return Err(Self::changed(f, "the file was replaced or deleted".into()));
+            }
             let now =
-                file_identity(&f.path).map_err(|e| changed(format!("it cannot be read: {e}")))?;
-            let was = f.identity;
-            if now.device != was.device || now.inode != was.inode {
-                return Err(changed("the file was replaced".into()));
-            }
-            if now.size != was.size {
-                return Err(changed(format!("size {} -> {}", was.size, now.size)));
-            }
-            if now.mtime_ns != was.mtime_ns {
-                return Err(changed("modification time changed".into()));
-            }
-            if now.ctime_ns != was.ctime_ns {
-                return Err(changed(
-                    "status-change time changed (rewritten in place, or its links or permissions changed)"
-                        .into(),
-                ));
-            }
+                identity_of(&m).map_err(|e| Self::changed(f, format!("it cannot be read: {e}")))?;
+            Self::compare(f, now)?;
+        }
+        Ok(())
+    }
+
+    fn changed(f: &CheckpointFile, what: String) -> SourceError {
+        SourceError::CheckpointChanged { file: f.path.clone(), what }
+    }
+
+    fn compare(f: &CheckpointFile, now: FileIdentity) -> Result<(), SourceError> {
+        let was = f.identity;
+        if now.device != was.device || now.inode != was.inode {
+            return Err(Self::changed(f, "the file was replaced".into()));
+        }
+        if now.size != was.size {
+            return Err(Self::changed(f, format!("size {} -> {}", was.size, now.size)));
+        }
+        if now.mtime_ns != was.mtime_ns {
+            return Err(Self::changed(f, "modification time changed".into()));
+        }
+        if now.ctime_ns != was.ctime_ns {
+            return Err(Self::changed(
+                f,
+                "status-change time changed (rewritten in place, or its links or permissions changed)"
+                    .into(),
+            ));
         }
         Ok(())
     }

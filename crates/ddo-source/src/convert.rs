@@ -231,6 +231,10 @@ impl WeightSource for ConvertedSource {
         self.inner.check_unchanged()
     }
 
+    fn check_in_use(&self) -> Result<(), SourceError> {
+        self.inner.check_in_use()
+    }
+
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
         if !self.is_converted(slice) {
             return self.inner.read(slice, dst);

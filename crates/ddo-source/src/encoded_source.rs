@@ -243,6 +243,11 @@ impl WeightSource for EncodedSource {
         self.mapped.as_ref().map_or(Ok(()), |m| m.check_unchanged())
     }
 
+    fn check_in_use(&self) -> Result<(), SourceError> {
+        self.inner.check_in_use()?;
+        self.mapped.as_ref().map_or(Ok(()), |m| m.check_unchanged())
+    }
+
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
         self.inner.read(slice, dst)
     }

@@ -140,6 +140,10 @@ impl WeightSource for RetainedSource {
         self.inner.check_unchanged()
     }
 
+    fn check_in_use(&self) -> Result<(), SourceError> {
+        self.inner.check_in_use()
+    }
+
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
         match self.host_bytes(slice) {
             Some(h) if h.len() == dst.len() => {

@@ -130,6 +130,19 @@ impl CheckpointSource {
         self.options
     }
 
+    /// A mapping read past its file's end (the file shrank under it) is an error.
+    fn check_mappings(&self) -> Result<(), SourceError> {
+        for (i, m) in self.maps.iter().flatten().enumerate() {
+            if m.faulted() {
+                return Err(SourceError::CheckpointChanged {
+                    file: self.checkpoint.files()[i].path.clone(),
+                    what: "it shrank while mapped (a read went past its end)".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The mapping of file `index`, for sources built with [`CheckpointSource::with_mmap`].
     pub fn mapping(&self, index: usize) -> Option<&Arc<MappedFile>> {
         self.maps.as_ref()?.get(index)
@@ -143,15 +156,12 @@ impl WeightSource for CheckpointSource {
 
     fn check_unchanged(&self) -> Result<(), SourceError> {
         self.checkpoint.check_unchanged()?;
-        for (i, m) in self.maps.iter().flatten().enumerate() {
-            if m.faulted() {
-                return Err(SourceError::CheckpointChanged {
-                    file: self.checkpoint.files()[i].path.clone(),
-                    what: "it shrank while mapped (a read went past its end)".into(),
-                });
-            }
-        }
-        Ok(())
+        self.check_mappings()
+    }
+
+    fn check_in_use(&self) -> Result<(), SourceError> {
+        self.checkpoint.check_open()?;
+        self.check_mappings()
     }
 
     fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {

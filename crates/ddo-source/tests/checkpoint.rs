@@ -282,6 +282,8 @@ fn a_file_modified_during_use() {
     std::fs::write(&p, &bytes).unwrap();
     let e = c.check_unchanged().unwrap_err();
     assert!(matches!(e, SourceError::CheckpointChanged { .. }));
+    // The open descriptor sees the same write, with no path lookup.
+    assert_eq!(c.check_open().unwrap_err().to_string(), e.to_string());
     assert_eq!(
         e.to_string(),
         format!(
@@ -295,14 +297,13 @@ fn a_file_modified_during_use() {
     std::fs::write(&tmp, &bytes).unwrap();
     std::fs::rename(&tmp, &p).unwrap();
     assert!(c.check_unchanged().unwrap_err().to_string().contains("(the file was replaced)"));
+    // The open descriptor sees that no path names its file any more.
+    assert!(c.check_open().unwrap_err().to_string().contains("(the file was replaced or deleted)"));
     let c = Checkpoint::open(&p).unwrap();
     std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(9).unwrap();
-    assert!(
-        c.check_unchanged()
-            .unwrap_err()
-            .to_string()
-            .contains(&format!("(size {} -> 9)", bytes.len()))
-    );
+    for e in [c.check_unchanged().unwrap_err(), c.check_open().unwrap_err()] {
+        assert!(e.to_string().contains(&format!("(size {} -> 9)", bytes.len())), "{e}");
+    }
 }
 
 #[test]
