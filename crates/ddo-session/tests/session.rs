@@ -334,13 +334,10 @@ fn uploads_check_the_open_files_and_each_pass_checks_the_paths() {
     run_and_check(&session, 1, &checkpoint_bytes(6));
     let streamed: Vec<_> = session.units().unwrap().into_iter().filter(|u| !u.resident).collect();
     session.begin_pass(S).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(20));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .unwrap()
-        .write_all_at(&bytes[..8], 0)
-        .unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.write_all_at(&bytes[..8], 0).unwrap();
+    // The same bytes written: a modification time a filesystem's coarse clock cannot miss.
+    file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5)).unwrap();
     let err = first_refused_upload(&session, &streamed);
     assert!(err.to_string().contains("changed while in use"), "{err}");
     session.abort_pass(S).unwrap();

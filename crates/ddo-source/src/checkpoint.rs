@@ -5,7 +5,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use ddo_core::{CheckpointFileId, FileIdentity, SourceError, TensorSlice};
 
@@ -32,8 +32,9 @@ pub struct CheckpointFile {
 pub struct Checkpoint {
     files: Vec<CheckpointFile>,
     // The files as opened (the identities were taken from these descriptors): their status is
-    // checked without a path lookup.
-    open: Arc<[File]>,
+    // checked without a path lookup, and mappings are made of them. Shared per process with
+    // every checkpoint that opened the same unchanged file.
+    open: Vec<Arc<File>>,
     slices: Vec<TensorSlice>,
     by_name: HashMap<String, usize>,
 }
@@ -63,6 +64,21 @@ fn identity_of(m: &std::fs::Metadata) -> Result<FileIdentity, std::io::Error> {
         mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
         ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
     })
+}
+
+/// The process's descriptor of the file `file` reads: one opened earlier for the same unchanged
+/// file when a checkpoint still holds it (sessions of one checkpoint on several GPUs hold one
+/// descriptor per file between them), else `file`.
+fn shared_descriptor(file: File, identity: FileIdentity) -> Arc<File> {
+    static OPEN: Mutex<Vec<(FileIdentity, Weak<File>)>> = Mutex::new(Vec::new());
+    let mut open = OPEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    open.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(f) = open.iter().find(|(k, _)| *k == identity).and_then(|(_, w)| w.upgrade()) {
+        return f;
+    }
+    let file = Arc::new(file);
+    open.push((identity, Arc::downgrade(&file)));
+    file
 }
 
 /// Refuses anything but a regular file (following links) without opening it.
@@ -248,14 +264,20 @@ impl Checkpoint {
                 identity,
                 data_start: header.data_start,
             });
-            open.push(file);
+            open.push(shared_descriptor(file, identity));
         }
-        Ok(Checkpoint { files, open: open.into(), slices, by_name })
+        Ok(Checkpoint { files, open, slices, by_name })
     }
 
     /// The files.
     pub fn files(&self) -> &[CheckpointFile] {
         &self.files
+    }
+
+    /// File `index` as opened: the file its identity was taken from, whatever its path names
+    /// by now.
+    pub fn opened(&self, index: usize) -> Option<&File> {
+        self.open.get(index).map(|f| &**f)
     }
 
     /// Every tensor, file by file in offset order.

@@ -32,7 +32,7 @@ impl MappedFile {
     /// # Safety
     ///
     /// The file must not be modified while the mapping (or any `Arc` of it) lives: changed bytes
-    /// would be read as they are. ddo checks the file's identity before and after each read
+    /// would be read as they are. ddo checks the file's status before and after each read
     /// batch and upload, which catches a changed file but cannot make concurrent modification
     /// safe. Truncation is survivable: the lost range reads as zeros and is reported as a change.
     pub unsafe fn map(path: &Path) -> Result<MappedFile, SourceError> {
@@ -52,9 +52,21 @@ impl MappedFile {
     ///
     /// As [`map`](Self::map).
     pub unsafe fn shared(path: &Path) -> Result<Arc<MappedFile>, SourceError> {
+        let file =
+            File::open(path).map_err(|source| SourceError::Io { file: path.to_owned(), source })?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { Self::shared_open(&file, path) }
+    }
+
+    /// As [`shared`](Self::shared), for `file`, open at `path`: the mapping is of the file
+    /// this descriptor reads, whatever the path names by now.
+    ///
+    /// # Safety
+    ///
+    /// As [`map`](Self::map).
+    pub unsafe fn shared_open(file: &File, path: &Path) -> Result<Arc<MappedFile>, SourceError> {
         use std::os::unix::fs::MetadataExt;
         let io = |source| SourceError::Io { file: path.to_owned(), source };
-        let file = File::open(path).map_err(io)?;
         let m = file.metadata().map_err(io)?;
         let key = (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec());
         let mut live = SHARED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -65,7 +77,7 @@ impl MappedFile {
             return Ok(map);
         }
         // SAFETY: forwarded from this function's contract.
-        let map = Arc::new(unsafe { Self::map_open(&file, path) }?);
+        let map = Arc::new(unsafe { Self::map_open(file, path) }?);
         live.retain(|(k, _)| *k != key);
         live.push((key, Arc::downgrade(&map)));
         Ok(map)

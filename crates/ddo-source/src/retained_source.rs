@@ -209,7 +209,7 @@ impl WeightSource for RetainedSource {
     }
 
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
-        self.inner.check_unchanged()?;
+        self.inner.check_in_use()?;
         let mut rest = Vec::new();
         for r in requests {
             match self.host_bytes(r.slice) {

@@ -96,11 +96,17 @@ impl CheckpointSource {
         workers: usize,
     ) -> Result<Self, SourceError> {
         checkpoint.check_unchanged()?;
+        // Mapped from the descriptors the checkpoint was read from: the files its identities
+        // describe, whatever the paths name by now (a link repointed since).
         let maps = checkpoint
             .files()
             .iter()
-            // SAFETY: forwarded from this function's contract.
-            .map(|f| unsafe { MappedFile::shared(&f.path) })
+            .enumerate()
+            .map(|(i, f)| {
+                let file = checkpoint.opened(i).expect("one descriptor per file");
+                // SAFETY: forwarded from this function's contract.
+                unsafe { MappedFile::shared_open(file, &f.path) }
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let options = ReadOptions { method: ReadMethod::Mmap, workers, ..ReadOptions::default() };
         Ok(CheckpointSource { checkpoint, maps: Some(maps), files: Arc::from([]), options })
@@ -191,13 +197,13 @@ impl WeightSource for CheckpointSource {
     }
 
     fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
-        self.check_unchanged()?;
+        self.check_in_use()?;
         let runs = plan(self.slices(), requests, dst.len(), self.options.chunk_bytes)?;
         let dsts = carve(&runs, dst);
         let paths: Vec<&Path> = self.checkpoint.files().iter().map(|f| f.path.as_path()).collect();
         execute(&paths, self.maps.as_deref(), &self.files, self.options, runs, dsts)?;
         // A file that changed during the reads (a mapping read past a truncated end) is noticed
         // before the bytes are used.
-        self.check_unchanged()
+        self.check_in_use()
     }
 }

@@ -347,3 +347,19 @@ fn ddo_source_test_file(path: &std::path::Path) {
     bytes.extend_from_slice(&[1; 8]);
     std::fs::write(path, bytes).unwrap();
 }
+
+#[test]
+fn checkpoints_of_one_unchanged_file_hold_one_descriptor_of_it() {
+    let d = scratch();
+    let p = write(&d.path().join("m.safetensors"), &[("a", vec![8])]);
+    let (a, b) = (Checkpoint::open(&p).unwrap(), Checkpoint::open(&p).unwrap());
+    assert!(std::ptr::eq(a.opened(0).unwrap(), b.opened(0).unwrap()));
+    // Another file at the path: a descriptor of its own.
+    let tmp = d.path().join("new");
+    std::fs::copy(&p, &tmp).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
+    let c = Checkpoint::open(&p).unwrap();
+    assert!(!std::ptr::eq(a.opened(0).unwrap(), c.opened(0).unwrap()));
+    c.check_open().unwrap();
+    assert!(a.check_open().is_err());
+}

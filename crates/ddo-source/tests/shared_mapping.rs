@@ -49,3 +49,31 @@ fn a_replaced_file_gets_a_mapping_of_its_own() {
     let again = unsafe { MappedFile::shared(&path) }.unwrap();
     assert!(Arc::ptr_eq(&again, new.mapping(0).unwrap()));
 }
+
+#[test]
+fn a_mapping_made_from_a_descriptor_is_of_the_file_it_reads_whatever_the_path_names_by_now() {
+    let dir = scratch();
+    let a = write_blocks(&dir.path().join("a.safetensors"), 2, 64);
+    let mut other = std::fs::read(&a).unwrap();
+    let n = other.len();
+    other[n - 64..].iter_mut().for_each(|b| *b ^= 0xff);
+    let b = dir.path().join("b.safetensors");
+    std::fs::write(&b, &other).unwrap();
+    let link = dir.path().join("model.safetensors");
+    std::os::unix::fs::symlink(&a, &link).unwrap();
+    let checkpoint = Checkpoint::open(&link).unwrap();
+    // The link repointed after the checkpoint read its header: a mapping made now, from the
+    // descriptor the checkpoint read, holds the file the checkpoint describes.
+    std::fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink(&b, &link).unwrap();
+    // SAFETY: neither file is modified while mapped.
+    let map = unsafe { MappedFile::shared_open(checkpoint.opened(0).unwrap(), &link) }.unwrap();
+    // SAFETY: as above.
+    let by_path = unsafe { MappedFile::shared(&link) }.unwrap();
+    assert_eq!(map.as_bytes(), &std::fs::read(&a).unwrap()[..]);
+    assert_eq!(by_path.as_bytes(), &other[..], "the path names the other file now");
+    checkpoint.check_open().unwrap();
+    assert!(
+        checkpoint.check_unchanged().unwrap_err().to_string().contains("(the file was replaced)")
+    );
+}
