@@ -14,7 +14,8 @@ and of those that did not.
 
 Variants: ``resident``, ``vmm@GIB`` (a weight budget), with ``+dN`` (prefetch depth N) and a
 ``~peer`` suffix (the streamed units held in this GPU's own memory: the same budget, copies from
-device memory instead of over the host link). ``vmm@GIB~bare`` is a diagnostic for budgets that
+device memory instead of over the host link), and a ``/PATTERN`` suffix (only blocks matching
+``PATTERN`` stream: ``vmm_module_pattern``). ``vmm@GIB~bare`` is a diagnostic for budgets that
 stream nothing: after its first pass ddo's hooks and pass entry are taken off, so the module runs
 as plain PyTorch on weights in arena memory. Against ``resident`` it measures what the memory
 costs; against ``vmm@GIB`` what ddo's per-pass and per-block host work costs. The ``host s``
@@ -39,7 +40,7 @@ import torch
 
 from flux_workload import flux_inputs, link_speed, saved_flux, saved_flux_q8, saved_sd3, sd3_inputs
 
-VARIANT = re.compile(r"^vmm@([0-9.]+)(?:\+d([0-9]+))?(~peer|~bare)?$")
+VARIANT = re.compile(r"^vmm@([0-9.]+)(?:\+d([0-9]+))?(~peer|~bare)?(?:/(.+))?$")
 
 
 def load(variant: str, model: str, path: str):
@@ -60,10 +61,14 @@ def load(variant: str, model: str, path: str):
         return cls.from_pretrained(path, torch_dtype=torch.bfloat16).to(dev).eval(), None
     m = VARIANT.match(variant)
     if m is None:
-        raise SystemExit(f"unknown variant {variant!r}: resident, vmm@GIB, vmm@GIB+dN, vmm@GIB~peer, vmm@GIB~bare")
+        raise SystemExit(
+            f"unknown variant {variant!r}: resident, vmm@GIB, vmm@GIB+dN, vmm@GIB~peer, vmm@GIB~bare, vmm@GIB/PATTERN"
+        )
     extra = {"prefetch_depth": int(m.group(2))} if m.group(2) else {}
     if m.group(3) == "~peer":
         extra["vmm_peer_store_device"] = "cuda:0"
+    if m.group(4):
+        extra["vmm_module_pattern"] = m.group(4)
     config = ddo.DynamicOffloadConfig(backend="vmm", vmm_resident_weight_budget_gb=float(m.group(1)), **extra)
     loaded = ddo.from_pretrained_with_dynamic_offload(
         path, torch_dtype=torch.bfloat16, apply_dynamic=True, component="transformer", dynamic_offload_config=config,
