@@ -85,7 +85,7 @@ pub enum SourceError {
     },
     /// A checkpoint file changed (identity differs from the one recorded at open).
     #[error(
-        "checkpoint file {} changed while in use ({what}); checkpoint files must not be modified while ddo reads them: reload the model",
+        "checkpoint file {} changed while in use ({what}); checkpoint files must not be modified while ddo reads them: unload and reload the component (from Python: unload(), then reload(), on its offload result), which takes the file as it is now",
         file.display()
     )]
     CheckpointChanged {

@@ -287,7 +287,7 @@ fn a_file_modified_during_use() {
     assert_eq!(
         e.to_string(),
         format!(
-            "checkpoint file {} changed while in use (modification time changed); checkpoint files must not be modified while ddo reads them: reload the model",
+            "checkpoint file {} changed while in use (modification time changed); checkpoint files must not be modified while ddo reads them: unload and reload the component (from Python: unload(), then reload(), on its offload result), which takes the file as it is now",
             p.display()
         )
     );
