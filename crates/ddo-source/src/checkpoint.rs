@@ -5,11 +5,12 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
 use ddo_core::{CheckpointFileId, FileIdentity, SourceError, TensorSlice};
 
 use crate::header::{MAX_HEADER_LEN, header_len, parse_header};
+use crate::shared::Registry;
 
 /// One file of a checkpoint, with the identity recorded when it was opened.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,15 +71,9 @@ fn identity_of(m: &std::fs::Metadata) -> Result<FileIdentity, std::io::Error> {
 /// file when a checkpoint still holds it (sessions of one checkpoint on several GPUs hold one
 /// descriptor per file between them), else `file`.
 fn shared_descriptor(file: File, identity: FileIdentity) -> Arc<File> {
-    static OPEN: Mutex<Vec<(FileIdentity, Weak<File>)>> = Mutex::new(Vec::new());
-    let mut open = OPEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    open.retain(|(_, w)| w.strong_count() > 0);
-    if let Some(f) = open.iter().find(|(k, _)| *k == identity).and_then(|(_, w)| w.upgrade()) {
-        return f;
-    }
-    let file = Arc::new(file);
-    open.push((identity, Arc::downgrade(&file)));
-    file
+    static OPEN: Registry<FileIdentity, File> = Registry::new();
+    OPEN.get_or_make(identity, |_| true, || Ok::<_, std::convert::Infallible>(file))
+        .unwrap_or_else(|never| match never {})
 }
 
 /// Refuses anything but a regular file (following links) without opening it.

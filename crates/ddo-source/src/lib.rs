@@ -44,6 +44,7 @@ mod read_ahead;
 mod registration;
 mod retained;
 mod retained_source;
+mod shared;
 mod source;
 mod staged_source;
 mod staging;

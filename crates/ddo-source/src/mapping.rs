@@ -2,15 +2,17 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
 
 use ddo_core::{HostRegion, SourceError};
+
+use crate::shared::Registry;
 
 /// File identity (device, inode, length, modification seconds and nanoseconds) -> the live
 /// shared mapping of that file.
 type SharedKey = (u64, u64, u64, i64, i64);
-static SHARED: Mutex<Vec<(SharedKey, Weak<MappedFile>)>> = Mutex::new(Vec::new());
+static SHARED: Registry<SharedKey, MappedFile> = Registry::new();
 
 /// The bytes one worker of [`MappedFile::populate`] brings in at a time.
 pub const POPULATE_CHUNK: usize = 32 << 20;
@@ -69,18 +71,9 @@ impl MappedFile {
         let io = |source| SourceError::Io { file: path.to_owned(), source };
         let m = file.metadata().map_err(io)?;
         let key = (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec());
-        let mut live = SHARED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        live.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(map) = live.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade())
-            && !map.faulted()
-        {
-            return Ok(map);
-        }
+        // A mapping read past a truncated end is not shared again.
         // SAFETY: forwarded from this function's contract.
-        let map = Arc::new(unsafe { Self::map_open(file, path) }?);
-        live.retain(|(k, _)| *k != key);
-        live.push((key, Arc::downgrade(&map)));
-        Ok(map)
+        SHARED.get_or_make(key, |map| !map.faulted(), || unsafe { Self::map_open(file, path) })
     }
 
     /// Maps `file`, open at `path`, as [`map`](Self::map) maps the file at a path.
