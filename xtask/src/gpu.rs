@@ -303,6 +303,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_lowram.py",
         "gpu_shared.py",
         "gpu_contention.py",
+        "gpu_copy_beside.py",
         "gpu_interleaved.py",
         "gpu_arena_memory.py",
         "host_costs.py",
@@ -345,6 +346,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh lowram [GIB]      Wan-14B-shaped bf16 (26.6 GiB) through ddo under GIB of host memory (default 8)
 #   bash run.sh shared            one host copy of Flux 5 B feeding two sessions, then two processes
 #   bash run.sh contention [ARGS] what host-to-device copies cost kernel launches, by host memory kind
+#   bash run.sh copy-beside [ARGS] what copies beside a GPU-bound workload cost its kernels, by kind, size and rate
 #   bash run.sh interleaved [ARGS] resident and ddo budgets stepped in turn in one process (--model sd3|flux12|q8)
 #   bash run.sh host-costs [ARGS] ddo's host work per step and per block on a tiny host-bound model
 #   bash run.sh arena-memory [ARGS] the kernels on arena memory against PyTorch's, by weight alignment
@@ -362,10 +364,11 @@ case "${1:-bench}" in
   lowram) cmd=(python3 "$bundle/gpu_lowram.py" --dir "$work" --ceiling-gb "${2:-8}") ;;
   shared) cmd=(python3 "$bundle/gpu_shared.py" --dir "$work") ;;
   contention) mkdir -p "$work"; cmd=(python3 "$bundle/gpu_contention.py" --dir "$work" "${@:2}") ;;
+  copy-beside) cmd=(python3 "$bundle/gpu_copy_beside.py" "${@:2}") ;;
   interleaved) cmd=(python3 "$bundle/gpu_interleaved.py" --dir "$work" "${@:2}") ;;
   host-costs) mkdir -p "$work"; cmd=(python3 "$bundle/host_costs.py" --dir "$work" "${@:2}") ;;
   arena-memory) cmd=(python3 "$bundle/gpu_arena_memory.py" --dir "$work" "${@:2}") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | interleaved [ARGS] | host-costs [ARGS] | arena-memory [ARGS]" >&2; exit 2 ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | copy-beside [ARGS] | interleaved [ARGS] | host-costs [ARGS] | arena-memory [ARGS]" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

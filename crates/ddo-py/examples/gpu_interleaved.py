@@ -20,7 +20,18 @@ stream nothing: after its first pass ddo's hooks and pass entry are taken off, s
 as plain PyTorch on weights in arena memory. Against ``resident`` it measures what the memory
 costs; against ``vmm@GIB`` what ddo's per-pass and per-block host work costs. The ``host s``
 column is the time until the forward returned (the host's enqueue time): near the step, the host
-sets the pace.
+sets the pace. ``resident+copy@GIB`` is the resident model with GIB of unrelated host-to-device
+copies enqueued beside each step: what streaming that many bytes costs the GPU with no offloader
+in the step.
+
+``--chain K`` (default 4) then times K steps back to back with one synchronize at the end, as a
+pipeline runs them: the host enqueues a step while the GPU ends the last one, and uploads for
+the next pass's first units overlap the last pass's end (each round above synchronizes after
+every step, so they count in it).
+
+``--dump FILE`` writes the traces and a per-block timeline of 4 steps of each variant (taken
+before any profiling, which slows the host afterwards): when the GPU reached each block, got its
+weights and ended it, and how far it ran behind the host.
 
     python gpu_interleaved.py --model sd3|flux12|q8 [--variants resident,vmm@3,vmm@6] [--rounds 8] [--trace N] [--dir DIR]
 """
@@ -41,6 +52,33 @@ import torch
 from flux_workload import flux_inputs, link_speed, saved_flux, saved_flux_q8, saved_sd3, sd3_inputs
 
 VARIANT = re.compile(r"^vmm@([0-9.]+)(?:\+d([0-9]+))?(~peer|~bare)?(?:/(.+))?$")
+BESIDE = re.compile(r"^resident\+copy@([0-9.]+)$")
+
+
+class CopiesBeside:
+    """Diagnostic only: each step of the resident model with GIB of unrelated host-to-device
+    copies (page-locked memory, 256 MiB each) enqueued on another stream as the step begins,
+    what an offloader streaming GIB per step adds to the GPU with no offloader around it."""
+
+    def __init__(self, model, gib: float) -> None:
+        self.model, self.nbytes = model, int(gib * 2**30)
+        self.chunk = 256 << 20
+        self.src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+        self.dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+        self.stream = torch.cuda.Stream("cuda:0")
+
+    def __call__(self, **x):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            done = 0
+            while done < self.nbytes:
+                n = min(self.chunk, self.nbytes - done)
+                at = done % (1 << 30) if done % (1 << 30) + n <= 1 << 30 else 0
+                self.dst[at:at + n].copy_(self.src[at:at + n], non_blocking=True)
+                done += n
+        out = self.model(**x)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
 
 
 def load(variant: str, model: str, path: str):
@@ -50,7 +88,7 @@ def load(variant: str, model: str, path: str):
     cls = SD3Transformer2DModel if model == "sd3" else FluxTransformer2DModel
     gguf = next((f for f in os.listdir(path) if f.endswith(".gguf")), None) if model == "q8" else None
     dev = torch.device("cuda:0")
-    if variant == "resident":
+    if variant == "resident" or BESIDE.match(variant):
         if gguf:
             from diffusers import GGUFQuantizationConfig
 
@@ -62,7 +100,7 @@ def load(variant: str, model: str, path: str):
     m = VARIANT.match(variant)
     if m is None:
         raise SystemExit(
-            f"unknown variant {variant!r}: resident, vmm@GIB, vmm@GIB+dN, vmm@GIB~peer, vmm@GIB~bare, vmm@GIB/PATTERN"
+            f"unknown variant {variant!r}: resident, resident+copy@GIB, vmm@GIB, vmm@GIB+dN, vmm@GIB~peer, vmm@GIB~bare, vmm@GIB/PATTERN"
         )
     extra = {"prefetch_depth": int(m.group(2))} if m.group(2) else {}
     if m.group(3) == "~peer":
@@ -231,9 +269,11 @@ def main() -> int:
     ap.add_argument("--variants", default="resident,vmm@3,vmm@6,vmm@10.5,vmm@14.5,vmm@14.5~peer")
     ap.add_argument("--resolution", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--chain", type=int, default=4,
+                    help="then time this many steps back to back (one synchronize at the end), as a pipeline runs them")
     ap.add_argument("--trace", type=int, default=0, help="steps of each variant to profile after the rounds")
     ap.add_argument("--host", action="store_true", help="then time ddo's host work per step of each ddo variant")
-    ap.add_argument("--dump", help="write the traced steps and per-block timelines (2 steps) of each variant to this JSON file")
+    ap.add_argument("--dump", help="write the traced steps and per-block timelines (4 steps, taken before any profiling) of each variant to this JSON file")
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ddo-bench"))
     a = ap.parse_args()
     variants = a.variants.split(",")
@@ -251,16 +291,24 @@ def main() -> int:
     models, offloads = {}, {}
     for v in variants:
         t = time.perf_counter()
+        if BESIDE.match(v):
+            continue
         models[v], offloads[v] = load(v, a.model, path)
         print(f"{v}: loaded in {time.perf_counter() - t:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
     x = (sd3_inputs if a.model == "sd3" else flux_inputs)(a.resolution, dev, g)
+    call = {v: (lambda v=v: models[v](**x)) for v in models}
+    for v in variants:
+        m = BESIDE.match(v)
+        if m:  # the resident model itself, with copies beside it
+            models[v], offloads[v] = models["resident"], None
+            call[v] = lambda c=CopiesBeside(models["resident"], float(m.group(1))): c(**x)
     steps: dict = {v: [] for v in variants}
     hosts: dict = {v: [] for v in variants}
     digests: dict = {}
     with torch.no_grad():
         for v in variants:  # warm-up: each variant's first pass learns its order
-            models[v](**x)
+            call[v]()
             if v.endswith("~bare"):
                 strip_ddo(models[v], offloads[v])
         for r in range(a.rounds):
@@ -268,7 +316,7 @@ def main() -> int:
             for v in variants[r % len(variants):] + variants[: r % len(variants)]:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                out = models[v](**x)[0]
+                out = call[v]()[0]
                 hosts[v].append(time.perf_counter() - t)
                 torch.cuda.synchronize()
                 steps[v].append(time.perf_counter() - t)
@@ -279,15 +327,49 @@ def main() -> int:
           f"{a.rounds} interleaved rounds\n")
     print("| variant | streamed GiB/step | step s (median; min-max) | host s | floor s | x floor | x resident | output = resident |")
     print("|---|---|---|---|---|---|---|---|")
+    streamed_bytes: dict = {}
     for v in variants:
         s = statistics.median(steps[v])
         streamed = 0
         if offloads[v] is not None:
             streamed = offloads[v].metrics_snapshot().as_dict()["setup"]["streamed_bytes_per_pass"] or 0
+        beside = BESIDE.match(v)
+        if beside:
+            streamed = float(beside.group(1)) * 2**30
+        streamed_bytes[v] = streamed
         peer = v.endswith("~peer")
         floor = resident if peer else max(resident, streamed / link)
-        print(f"| {v} | {streamed / 2**30:.2f}{' (device memory)' if peer else ''} | {s:.4f} ({min(steps[v]):.4f}-{max(steps[v]):.4f}) | "
+        what = " (device memory)" if peer else " (unrelated copies)" if beside else ""
+        print(f"| {v} | {streamed / 2**30:.2f}{what} | {s:.4f} ({min(steps[v]):.4f}-{max(steps[v]):.4f}) | "
               f"{statistics.median(hosts[v]):.4f} | {floor:.4f} | {s / floor:.3f} | {s / resident:.3f} | {'yes' if digests[v] == digests['resident'] else 'NO'} |", flush=True)
+    if a.chain:
+        # A pipeline's steps follow each other with no synchronize between them: the host
+        # enqueues the next step while the GPU ends the last, and uploads for the next pass's
+        # first units overlap the last pass's end.
+        chained: dict = {v: [] for v in variants}
+        with torch.no_grad():
+            for r in range(a.rounds):
+                for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    for _ in range(a.chain):
+                        call[v]()
+                    torch.cuda.synchronize()
+                    chained[v].append((time.perf_counter() - t) / a.chain)
+        resident_chained = statistics.median(chained["resident"])
+        print(f"\n{a.chain} steps back to back (one synchronize at the end), per step:\n")
+        print("| variant | step s (median; min-max) | floor s | x floor | x resident |")
+        print("|---|---|---|---|---|")
+        for v in variants:
+            s = statistics.median(chained[v])
+            floor = resident_chained if v.endswith("~peer") else max(resident_chained, streamed_bytes[v] / link)
+            print(f"| {v} | {s:.4f} ({min(chained[v]):.4f}-{max(chained[v]):.4f}) | {floor:.4f} | {s / floor:.3f} | "
+                  f"{s / resident_chained:.3f} |", flush=True)
+    if a.dump:
+        # Before any profiling or timing wrapper: the profiler leaves the host slower after it.
+        from bench_gpu import timeline
+
+        lines = {v: timeline(models[v], call[v], 4) for v in variants}
     if a.host:
         from bench_gpu import host_ms_per_step, host_threads
 
@@ -302,7 +384,7 @@ def main() -> int:
         print("\nHost work per step (ms): in ddo's session calls, in its per-forward check, GPU waits for "
               "uploads; the forward thread's wall and CPU time")
         for v in variants:
-            step = lambda v=v: models[v](**x)  # noqa: E731
+            step = call[v]
             spent = host_ms_per_step(offloads[v].runtime, step, 3) if offloads[v] is not None else {}
             threads = host_threads(step, 3)
             print(f"  {v}: " + ", ".join(f"{k} {val:.2f}" for k, val in spent.items())
@@ -315,11 +397,12 @@ def main() -> int:
             with torch.no_grad():
                 prof.enable()
                 for _ in range(3):
-                    models[v](**x)
+                    call[v]()
                 prof.disable()
             torch.cuda.synchronize()
             print(f"\n{v}: the host's functions with the most own time over 3 steps (cProfile)")
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    traces: dict = {}
     if a.trace:
         print("\nPlans (units in module order; S streamed, R resident, P pinned):")
         for v in variants:
@@ -327,15 +410,13 @@ def main() -> int:
                 session = offloads[v].runtime.session
                 streamed = {u for u, _ in session.streamed_units()}
                 print(f"  {v}: " + "".join("P" if pinned else "S" if u in streamed else "R" for u, _, pinned in session.units()))
-        traces = {v: traced_steps(lambda v=v: models[v](**x), a.trace) for v in variants}
+        traces = {v: traced_steps(call[v], a.trace) for v in variants}
         report_traces(traces, link)
-        if a.dump:
-            from bench_gpu import timeline
-
-            lines = {v: timeline(models[v], lambda v=v: models[v](**x), 2) for v in variants}
-            with open(a.dump, "w") as f:
-                json.dump({"link": link, "steps": {v: statistics.median(steps[v]) for v in variants},
-                           "traces": traces, "timelines": lines}, f)
+    if a.dump:
+        with open(a.dump, "w") as f:
+            json.dump({"link": link, "steps": {v: statistics.median(steps[v]) for v in variants},
+                       "hosts": {v: statistics.median(hosts[v]) for v in variants},
+                       "traces": traces, "timelines": lines}, f)
     return 0 if all(d == digests["resident"] for d in digests.values()) else 1
 
 
