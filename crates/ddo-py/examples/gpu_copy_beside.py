@@ -9,14 +9,15 @@ several rounds.
 
     python gpu_copy_beside.py [--blocks 38] [--rounds 7] [--workload blocks|small]
 
-``--workload small`` runs blocks of 80 short elementwise kernels instead: a launch-bound GPU, where
-a cost per kernel shows.
+``--workload small`` runs blocks of 80 short elementwise kernels instead (``--small-mib`` sets
+their length); the host enqueue column tells whether the GPU or the host set the pace.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,9 @@ def run_block(x: torch.Tensor, w: dict) -> torch.Tensor:
 
 
 def run_small(x: torch.Tensor, w: dict) -> torch.Tensor:
-    """Eighty short elementwise kernels on 1 MiB: launch-bound on the GPU, as the many norms,
-    scales and gates of a real block are."""
+    """Eighty elementwise kernels on ``--small-mib`` MiB (16: about 10 us each on the GPU, near
+    what the host needs to launch one; the host enqueue column says which side sets the pace):
+    many short kernels, as the norms, scales and gates of a real block are."""
     for _ in range(40):
         x = x * 1.0001
         x = x + 0.0001
@@ -61,7 +63,8 @@ def sleep_cycles_per_ms(dev: torch.device) -> float:
 
 def measure(mode: dict, run, weights: list, x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, side: torch.cuda.Stream,
             cycles_per_ms: float) -> tuple:
-    """The workload's GPU milliseconds and the copies' GB/s while the workload ran."""
+    """The workload's GPU milliseconds, the copies' GB/s while the workload ran, and the host's
+    milliseconds to enqueue the workload (well under the GPU's: the GPU sets the pace)."""
     torch.cuda.synchronize()
     chunk = mode.get("chunk_mib", 0) << 20
     copied = 0
@@ -69,7 +72,7 @@ def measure(mode: dict, run, weights: list, x: torch.Tensor, src: torch.Tensor, 
     if chunk:
         # Enough copies to outlast the workload (its time at the link speed, twice over).
         budget = int(mode.get("cover_gb", 14) * 1e9)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(mode.get("stream", side)):
             c0.record()
             offset = 0
             while copied < budget:
@@ -84,15 +87,17 @@ def measure(mode: dict, run, weights: list, x: torch.Tensor, src: torch.Tensor, 
         torch.cuda._sleep(int(2 * cycles_per_ms))
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
+    t = time.perf_counter()
     for w in weights:
         x = run(x, w)
+    host = (time.perf_counter() - t) * 1e3
     e.record()
     torch.cuda.synchronize()
     ms = s.elapsed_time(e)
     rate = copied / (c0.elapsed_time(c1) / 1e3) / 1e9 if chunk else 0.0
     # The copies must have been running for the whole workload.
     covered = (not chunk) or (c0.elapsed_time(e) <= c0.elapsed_time(c1))
-    return ms, rate, covered
+    return ms, rate, covered, host
 
 
 def main() -> int:
@@ -100,7 +105,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=38)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--workload", choices=["blocks", "small"], default="blocks",
-                    help="blocks: SD3-shaped blocks; small: 80 short elementwise kernels per block (launch-bound)")
+                    help="blocks: SD3-shaped blocks; small: 80 short elementwise kernels per block")
+    ap.add_argument("--small-mib", type=int, default=16, help="the tensor each short kernel reads and writes")
     a = ap.parse_args()
     dev = torch.device("cuda:0")
     g = torch.Generator().manual_seed(0)
@@ -108,7 +114,7 @@ def main() -> int:
     x = torch.randn(1, TOKENS, WIDTH, generator=g).to(dev, torch.bfloat16)
     run = run_block
     if a.workload == "small":
-        run, x = run_small, torch.randn(1 << 19, generator=g).to(dev, torch.bfloat16)
+        run, x = run_small, torch.randn(a.small_mib << 19, generator=g).to(dev, torch.bfloat16)
     src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     src_dev = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
@@ -119,32 +125,37 @@ def main() -> int:
         # A stream holds about a thousand pending operations: small chunks cover less time.
         modes[f"host, {mib} MiB copies"] = {"chunk_mib": mib, "cover_gb": min(14.0, 0.9 * mib)}
     modes["host, 32 MiB copies into a ring of 64 MiB"] = {"chunk_mib": 32, "ring": True}
+    # The copies' stream at the highest priority instead of the default (lowest).
+    modes["host, 256 MiB copies, high-priority stream"] = {
+        "chunk_mib": 256, "stream": torch.cuda.Stream(dev, priority=torch.cuda.Stream.priority_range()[1]),
+    }
     modes["device, 256 MiB copies"] = {"chunk_mib": 256, "device": True, "cover_gb": 120}
     for _ in range(2):  # warm-up
         for w in weights[:4]:
             x = run(x, w)
     torch.cuda.synchronize()
-    rows: dict = {m: ([], []) for m in modes}
+    rows: dict = {m: ([], [], []) for m in modes}
     uncovered = set()
     for r in range(a.rounds):
         names = list(modes)
         for m in names[r % len(names):] + names[: r % len(names)]:
             mode = modes[m]
             d = dst[: 64 << 20] if mode.get("ring") else dst
-            ms, rate, covered = measure(mode, run, weights, x, src_dev if mode.get("device") else src, d, side, cpm)
+            ms, rate, covered, host = measure(mode, run, weights, x, src_dev if mode.get("device") else src, d, side, cpm)
             rows[m][0].append(ms)
             rows[m][1].append(rate)
+            rows[m][2].append(host)
             if not covered:
                 uncovered.add(m)
     base = statistics.median(rows["none"][0])
     what = "SD3-Large-shaped blocks at 1024x1024" if a.workload == "blocks" else "blocks of 80 short kernels"
     print(f"\n{a.blocks} {what} on {torch.cuda.get_device_name(dev)}, {a.rounds} rounds\n")
-    print("| copies beside | workload ms (median; min-max) | x without copies | copy GB/s |")
-    print("|---|---|---|---|")
-    for m, (ms, rate) in rows.items():
+    print("| copies beside | workload ms (median; min-max) | x without copies | copy GB/s | host enqueue ms |")
+    print("|---|---|---|---|---|")
+    for m, (ms, rate, host) in rows.items():
         note = " (copies ended before the workload)" if m in uncovered else ""
         print(f"| {m}{note} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) | {statistics.median(ms) / base:.3f} | "
-              f"{statistics.median(rate):.1f} |")
+              f"{statistics.median(rate):.1f} | {statistics.median(host):.1f} |")
     return 0
 
 
