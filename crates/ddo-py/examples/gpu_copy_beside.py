@@ -64,13 +64,14 @@ def sleep_cycles_per_ms(dev: torch.device) -> float:
 def measure(mode: dict, run, weights: list, x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, side: torch.cuda.Stream,
             cycles_per_ms: float) -> tuple:
     """The workload's GPU milliseconds, the copies' GB/s while the workload ran, and the host's
-    milliseconds to enqueue the workload (well under the GPU's: the GPU sets the pace)."""
+    milliseconds to enqueue the workload (well under the GPU's: the GPU set the pace; near it:
+    the host did)."""
     torch.cuda.synchronize()
     chunk = mode.get("chunk_mib", 0) << 20
     copied = 0
     c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if chunk:
-        # Enough copies to outlast the workload (its time at the link speed, twice over).
+        # Enough copies to outlast the workload where the stream can hold them ("covered").
         budget = int(mode.get("cover_gb", 14) * 1e9)
         with torch.cuda.stream(mode.get("stream", side)):
             c0.record()
@@ -108,6 +109,9 @@ def main() -> int:
                     help="blocks: SD3-shaped blocks; small: 80 short elementwise kernels per block")
     ap.add_argument("--small-mib", type=int, default=16, help="the tensor each short kernel reads and writes")
     a = ap.parse_args()
+    for name in ("blocks", "rounds", "small_mib"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more")
     dev = torch.device("cuda:0")
     g = torch.Generator().manual_seed(0)
     weights = [block_weights(dev, g)] * a.blocks  # one block's weights: its kernels are what matters

@@ -88,7 +88,7 @@ def load(variant: str, model: str, path: str):
     cls = SD3Transformer2DModel if model == "sd3" else FluxTransformer2DModel
     gguf = next((f for f in os.listdir(path) if f.endswith(".gguf")), None) if model == "q8" else None
     dev = torch.device("cuda:0")
-    if variant == "resident" or BESIDE.match(variant):
+    if variant == "resident":
         if gguf:
             from diffusers import GGUFQuantizationConfig
 
@@ -277,6 +277,8 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ddo-bench"))
     a = ap.parse_args()
     variants = a.variants.split(",")
+    if a.rounds < 1 or a.chain < 0:
+        raise SystemExit("--rounds must be 1 or more and --chain 0 or more")
     if "resident" not in variants:
         raise SystemExit("--variants needs resident: it sets every floor and output to compare")
     os.makedirs(a.dir, exist_ok=True)
@@ -290,9 +292,9 @@ def main() -> int:
     link = link_speed()
     models, offloads = {}, {}
     for v in variants:
-        t = time.perf_counter()
         if BESIDE.match(v):
             continue
+        t = time.perf_counter()
         models[v], offloads[v] = load(v, a.model, path)
         print(f"{v}: loaded in {time.perf_counter() - t:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
