@@ -2,7 +2,8 @@
 //! exchange, and the errors they report.
 //!
 //! ddo streams diffusion-model weights from host memory (or disk) to a GPU just before each block
-//! runs, inside a bounded GPU weight arena. This crate holds no I/O and no `unsafe`: it states the
+//! runs, inside a bounded GPU weight arena. This crate holds no I/O and no `unsafe` code beyond
+//! the host-region contract (an `unsafe trait`, implemented once for owned bytes): it states the
 //! contracts. Four small `Send + Sync` ports describe the outside world:
 //!
 //! - [`WeightSource`]: immutable tensor slices of a checkpoint and their bytes;

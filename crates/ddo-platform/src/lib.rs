@@ -6,8 +6,9 @@
 //!   fails with an error that says ddo was built without CUDA.
 //! - [`host`]: the host backend, real host memory with the same virtual-memory semantics, for
 //!   machines without a GPU and for tests.
-//! - [`linux`]: host-memory observation and admission from `/proc`, cgroup v2 and rlimits, read
-//!   under an injectable root directory so every decision is testable on fixture trees.
+//! - [`linux`]: host-memory observation and admission from `/proc`, cgroups (v2, or the v1
+//!   memory hierarchy) and rlimits, read under an injectable root directory so every decision is
+//!   testable on fixture trees.
 //! - [`samples`]: weight-like bytes for probes and benchmarks of the device.
 //!
 //! Adapters are values: a host builds them once and puts them in a [`ddo_core::Platform`]

@@ -26,7 +26,8 @@ pub(crate) const COMPONENT_KEYS: &[&str] = &[
 const SELECTION_KEYS: &[&str] = &["PRESET", "BACKEND"];
 
 /// Keys ddo's own test and benchmark tooling reads.
-const TOOLING_KEYS: &[&str] = &["TEST_TMPDIR", "BENCH_GIB", "BENCH_DIR"];
+const TOOLING_KEYS: &[&str] =
+    &["TEST_TMPDIR", "BENCH_GIB", "BENCH_DIR", "BENCH_TRACE", "BENCH_TIMELINE", "DISK_BENCH_GIB"];
 
 /// Keys the Python package reads itself (`DDO_PROGRESS`: its progress bars; `DDO_PROFILE_DIR`:
 /// where capacity profiles are stored).
@@ -267,6 +268,9 @@ mod tests {
             "DDO_RUNNER_ATTENTION_BACKEND",
             "DDO_PURGE_WINDOWS_STANDBY_BEFORE_RUN",
             "DDO_TEST_TMPDIR",
+            "DDO_BENCH_TRACE",
+            "DDO_BENCH_TIMELINE",
+            "DDO_DISK_BENCH_GIB",
             "DDO_PROGRESS",
             "DDO_PROFILE_DIR",
         ];

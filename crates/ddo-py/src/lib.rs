@@ -2,7 +2,9 @@
 //! hosts. Configuration resolution and validation live in `ddo-policy`, metrics rendering in
 //! `ddo-metrics`, checkpoint validation in `ddo-source`; this module exposes them to Python (as
 //! JSON text across the boundary) so the package holds no second copy of the rules. Every error
-//! becomes a Python `ValueError` with the Rust message; nothing panics across the boundary.
+//! becomes a `ddo.DynamicOffloadError` (a `RuntimeError`) subclass chosen by its cause, with the
+//! Rust message; configuration and capacity errors are also `ValueError`s. Nothing panics across
+//! the boundary.
 
 mod dlpack;
 mod errors;

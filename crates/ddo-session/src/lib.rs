@@ -7,8 +7,9 @@
 //! (mapping, retained windows, reads, or host tensors in place with small ones packed), host
 //! registration under its ceiling, the arena under the GPU budget, per-unit leases on the
 //! caller's streams, reclaim, unload and reload, and the metrics snapshot. Routes are a type
-//! ([`SessionRoute`]): `linear_runtime` and `vmm_fast_runtime` are the same arena fed by two
-//! sources. The crate forbids `unsafe`: mapping a file is the caller's promise
+//! ([`SessionRoute`]): `linear_runtime` (and `linear_convolution`), `vmm_fast_runtime` and
+//! `vmm_runtime` are the same arena fed by three sources (host tensors, the checkpoint's
+//! mapping or retained windows, disk reads into registered staging). The crate forbids `unsafe`: mapping a file is the caller's promise
 //! ([`ddo_source::MmapChoice`]), adopting a foreign stream the CUDA adapter's.
 //!
 //! ```

@@ -110,7 +110,7 @@ pub struct SessionSpec {
     pub tree: Option<ModuleTree>,
 }
 
-/// The routes a session runs: both on the arena, fed by different sources.
+/// The routes a session runs: all on the arena, fed by different sources.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionRoute {
     /// `linear_runtime` and `linear_convolution` (whose units are layers): the module's own host

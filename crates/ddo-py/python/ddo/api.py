@@ -93,7 +93,8 @@ def _host_memory(phase: str) -> Dict[str, Any]:
 class DynamicOffloadApplyResult:
     """What :func:`enable_offload` did to one component. ``route`` is the published library's
     route (``dynamic_offload``, ``diffusers_group_offload``, ``none``); ``runtime_route`` is
-    ddo's (``linear_runtime``, ``vmm_fast_runtime``, ``diffusers_group_offload``, ``none``)."""
+    ddo's (``linear_runtime``, ``linear_convolution``, ``vmm_fast_runtime``, ``vmm_runtime``,
+    ``diffusers_group_offload``, ``none``)."""
 
     module: torch.nn.Module
     route: str
@@ -217,7 +218,7 @@ class DynamicOffloadApplyResult:
             )
         if self.runtime is None:
             raise DynamicOffloadError(
-                f"{what} needs a route that streams through ddo's arena (linear_runtime, vmm_fast_runtime); "
+                f"{what} needs a route that streams through ddo's arena (linear_runtime, linear_convolution, vmm_fast_runtime, vmm_runtime); "
                 f"this component uses {self.runtime_route or self.route}"
             )
         return self.runtime
@@ -475,8 +476,10 @@ def enable_offload(
     **config_overrides: Any,
 ) -> DynamicOffloadApplyResult:
     """Offloads one component by its resolved route (see the README's route table):
-    ``linear_runtime`` (default), ``vmm_fast_runtime`` (``backend="vmm"``; the module must come
-    from :func:`from_pretrained_with_dynamic_offload`), ``diffusers_group_offload`` or ``none``.
+    ``linear_runtime`` (default), ``linear_convolution`` (``route="linear_convolution"``),
+    ``vmm_fast_runtime`` (``backend="vmm"``) and ``vmm_runtime`` (preset ``nvme_baseline``) (the
+    module of these two must come from :func:`from_pretrained_with_dynamic_offload`),
+    ``diffusers_group_offload`` or ``none``.
 
     Explicit keywords beat ``config``, which beats component policies, ``DDO_<COMPONENT>_*``,
     ``DDO_*``, the preset and defaults; ``config_overrides`` are config field names (``backend``
@@ -782,9 +785,12 @@ def from_pretrained_with_dynamic_offload(
     build_profile: Optional[bool] = None,
     **from_pretrained_kwargs: Any,
 ) -> DynamicOffloadLoadResult:
-    """Validates the checkpoint (every header, before any load), loads the model with
-    ``model_loader.from_pretrained`` (default: the Diffusers class named in its ``config.json``),
-    binds each parameter to its checkpoint slice by name, and with ``apply_dynamic`` offloads it.
+    """Validates the checkpoint (every header, before any load), builds the model (``model_loader``,
+    by default the class its ``config.json`` names: a Diffusers ``_class_name``, else the first
+    transformers ``architectures`` entry), binds each parameter to its checkpoint slice by name,
+    and with ``apply_dynamic`` offloads it. On the native and disk routes with ``apply_dynamic``
+    the model is built without weights and every weight streams from the checkpoint; otherwise it
+    is loaded with ``model_loader.from_pretrained``.
     A corrupt checkpoint raises :class:`DynamicOffloadError` naming the file and tensor.
 
     ``gguf_file`` (a file in the folder, or a path; by default the folder's one ``*.gguf`` when it

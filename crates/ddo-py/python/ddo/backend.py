@@ -96,8 +96,9 @@ _FLAGS: tuple = (
 def add_dynamic_offload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the published library's flags with its defaults (``--ddo-backend``,
     ``--ddo-preset``, the ``--ddo-vmm-*`` flags, ``--show-profile`` / ``--show-metrics``) and
-    ddo's ``--ddo-prefetch-depth``, ``--ddo-vmm-weight-encoding`` and
-    ``--ddo-vmm-encoded-cache-dir``. Only flags given on the command line reach the config, so
+    ddo's ``--ddo-prefetch-depth``, ``--ddo-vmm-weight-encoding``,
+    ``--ddo-vmm-encoded-cache-dir``, ``--ddo-vmm-peer-store-device`` and
+    ``--ddo-vmm-peer-store-gb``. Only flags given on the command line reach the config, so
     variables and presets decide the rest."""
     g = parser.add_argument_group("dynamic offload (ddo)")
     for flag, _field, kind, default, text in _FLAGS:
