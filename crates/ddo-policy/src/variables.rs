@@ -26,8 +26,15 @@ pub(crate) const COMPONENT_KEYS: &[&str] = &[
 const SELECTION_KEYS: &[&str] = &["PRESET", "BACKEND"];
 
 /// Keys ddo's own test and benchmark tooling reads.
-const TOOLING_KEYS: &[&str] =
-    &["TEST_TMPDIR", "BENCH_GIB", "BENCH_DIR", "BENCH_TRACE", "BENCH_TIMELINE", "DISK_BENCH_GIB"];
+const TOOLING_KEYS: &[&str] = &[
+    "TEST_TMPDIR",
+    "BENCH_GIB",
+    "BENCH_DIR",
+    "BENCH_TRACE",
+    "BENCH_TIMELINE",
+    "DISK_BENCH_GIB",
+    "FEATURES_DEVICE",
+];
 
 /// Keys the Python package reads itself (`DDO_PROGRESS`: its progress bars; `DDO_PROFILE_DIR`:
 /// where capacity profiles are stored).
@@ -271,6 +278,7 @@ mod tests {
             "DDO_BENCH_TRACE",
             "DDO_BENCH_TIMELINE",
             "DDO_DISK_BENCH_GIB",
+            "DDO_FEATURES_DEVICE",
             "DDO_PROGRESS",
             "DDO_PROFILE_DIR",
         ];

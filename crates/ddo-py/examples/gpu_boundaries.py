@@ -119,6 +119,49 @@ def check_reads_between_passes(case: Case) -> str:
     return "state_dict() and parameters equal the checkpoint after every pass and after reclaim()"
 
 
+def check_reclaim_with_a_kept_view(case: Case) -> str:
+    """A streamed weight kept from inside its block's forward views slot memory: reclaim()
+    leaves the slots mapped (a read never faults the device) and frees them once it is dropped."""
+    import warnings
+
+    loaded = case.native()
+    layer = loaded.module.single_transformer_blocks[0].proj_mlp
+    kept = []
+    h = layer.register_forward_hook(lambda m, _i, _o: kept.append(m.weight))
+    assert torch.equal(case.run(loaded.module), case.want)
+    h.remove()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert loaded.offload.reclaim() == (0, 0)
+    assert any("kept the execution slots" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    kept[0].float().sum().item()
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+    kept.clear()
+    slots, freed = loaded.offload.reclaim()
+    assert slots > 0 and freed > 0
+    assert torch.equal(case.run(loaded.module), case.want)
+    loaded.offload.remove()
+    return f"kept: slots stay mapped; dropped: {slots} slots, {freed >> 20} MiB reclaimed"
+
+
+def check_replaced_block_weight(case: Case) -> str:
+    """A block's weight replaced between passes is refused at that block, and restoring it
+    recovers (each block's parameters are compared in its pre-hook)."""
+    loaded = case.native()
+    module = loaded.module
+    assert torch.equal(case.run(module), case.want)
+    owner = module.single_transformer_blocks[1].proj_out
+    published = owner.weight
+    owner.weight = torch.nn.Parameter(torch.zeros(published.shape, dtype=published.dtype, device=DEVICE), requires_grad=False)
+    message = raises(ddo.DynamicOffloadLifecycleError, lambda: case.run(module))
+    assert "single_transformer_blocks.1.proj_out.weight" in message, message
+    owner.weight = published
+    assert torch.equal(case.run(module), case.want)
+    loaded.offload.remove()
+    return f"refused: {message[:80]}"
+
+
 def check_training_and_casts(case: Case) -> str:
     loaded = case.native()
     module = loaded.module
@@ -205,6 +248,8 @@ def main() -> int:
     checks = [
         ("weights kept after the offload ends", check_kept_weights),
         ("reads between passes and after reclaim()", check_reads_between_passes),
+        ("reclaim() beside a weight kept from a forward", check_reclaim_with_a_kept_view),
+        ("a block's weight replaced between passes", check_replaced_block_weight),
         ("training, casts and writes refused", check_training_and_casts),
         ("an interrupt and concurrent forwards", check_interrupts_and_threads),
         ("a checkpoint rewritten in place", check_rewritten_checkpoint),

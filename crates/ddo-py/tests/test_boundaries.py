@@ -556,6 +556,94 @@ def test_an_in_place_write_into_a_resident_weight_is_refused_at_the_next_forward
     result.remove()
 
 
+@pytest.mark.parametrize("route", ["linear", "native"])
+@pytest.mark.parametrize("block", ["transformer_blocks.0", "single_transformer_blocks.1"])
+def test_a_block_weight_replaced_between_passes_is_refused_and_restoring_it_recovers(tmp_path, flux, route, block):
+    # Each block's weights are compared in its pre-hook, while the blocks before it run: the
+    # pass ends there with an error, and the module serves again once the weight is back.
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, route)
+    assert torch.equal(run(module, inputs), reference)
+    layer = f"{block}.proj_out" if "single" in block else f"{block}.ff.net.2"
+    owner = module.get_submodule(layer)
+    published = owner.weight
+    owner.weight = torch.nn.Parameter(torch.zeros(published.shape, dtype=published.dtype), requires_grad=False)
+    for _ in range(2):  # the refusal repeats: no pass is left open
+        with pytest.raises(ddo.DynamicOffloadLifecycleError, match=f"{layer}.weight was changed after ddo attached"):
+            run(module, inputs)
+    owner.weight = published
+    assert torch.equal(run(module, inputs), reference)
+    result.remove()
+
+
+class _Skip(torch.nn.Module):
+    """A single block that passes its inputs through."""
+
+    def forward(self, hidden_states, encoder_hidden_states, **_kwargs):
+        return encoder_hidden_states, hidden_states
+
+
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_a_changed_weight_of_a_block_the_forward_skipped_is_refused_before_the_output_returns(tmp_path, flux, route):
+    model, inputs = flux
+    result, module = offload(tmp_path, model, route)
+    run(module, inputs)
+    blocks = module.single_transformer_blocks
+    skipped = blocks[1]
+    blocks[1] = _Skip()
+    want = run(module, inputs)  # the block's hooks never run
+    assert torch.equal(run(module, inputs), want)
+    published = skipped.proj_out.weight
+    skipped.proj_out.weight = torch.nn.Parameter(torch.zeros(published.shape, dtype=published.dtype), requires_grad=False)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="single_transformer_blocks.1.proj_out.weight was changed"):
+        run(module, inputs)
+    skipped.proj_out.weight = published
+    assert torch.equal(run(module, inputs), want)
+    blocks[1] = skipped
+    result.remove()
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_reclaim_keeps_the_slots_a_weight_kept_from_a_forward_still_views(tmp_path, flux, derived):
+    # A streamed weight kept from inside its block's forward (or a tensor derived from it) views
+    # slot memory: reclaim() leaves the slots mapped and says why, and reclaims them once the
+    # reference is dropped.
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, "native")
+    layer = module.single_transformer_blocks[1].proj_mlp
+    assert isinstance(layer.weight, ddo.StreamedWeight)
+    kept = []
+    h = layer.register_forward_hook(lambda m, _i, _o: kept.append(m.weight.t() if derived else m.weight))
+    assert torch.equal(run(module, inputs), reference)
+    h.remove()
+    with pytest.warns(UserWarning, match=r"reclaim\(\) kept the execution slots .*single_transformer_blocks\.1"):
+        assert result.reclaim() == (0, 0)
+    assert torch.isfinite(kept[0].float()).all()  # still mapped: readable (its values are the slot's now)
+    kept.clear()
+    slots, freed = result.reclaim()
+    assert slots > 0 and freed > 0
+    assert torch.equal(run(module, inputs), reference)
+    result.remove()
+
+
+def test_a_forward_after_remove_on_the_native_route_says_the_weights_went_with_the_arena(tmp_path, flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    result, module = offload(tmp_path, model, "native")
+    assert torch.equal(run(module, inputs), reference)
+    result.remove()
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="has no weights: ddo was removed"):
+        run(module, inputs)
+    # Weights loaded into it: an ordinary module again.
+    module.to_empty(device="cpu")
+    module.load_state_dict(state)
+    assert torch.equal(run(module, inputs), reference)
+    assert not module._forward_pre_hooks
+
+
 def test_training_is_refused_when_asked_for_and_the_module_is_unchanged(flux):
     model, inputs = flux
     want = run(copy.deepcopy(model), inputs)

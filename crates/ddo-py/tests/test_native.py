@@ -568,8 +568,15 @@ def test_a_pass_that_ends_leaves_another_threads_lease_to_that_thread(tmp_path, 
     log = []
 
     runtime.session = LoggedSession(runtime.session, log)
-    acquired = threading.Event()
-    worker = threading.Thread(target=lambda: (pre(block, ()), acquired.set()), name="other")
+    acquired, pass_ended = threading.Event(), threading.Event()
+
+    def other():
+        pre(block, ())
+        acquired.set()
+        pass_ended.wait(timeout=60)
+        post(block, (), None)
+
+    worker = threading.Thread(target=other, name="other")
 
     def in_the_pass(_m, _args):
         worker.start()
@@ -578,10 +585,9 @@ def test_a_pass_that_ends_leaves_another_threads_lease_to_that_thread(tmp_path, 
     h = block.register_forward_pre_hook(in_the_pass, prepend=True)
     assert torch.equal(run(loaded.module, inputs), reference)  # the pass ends; "other" still holds
     h.remove()
+    assert any(u == unit for _, u in runtime.leases)
+    pass_ended.set()
     worker.join()
-    ends = threading.Thread(target=lambda: post(block, (), None), name="other")
-    ends.start()
-    ends.join()
     mine = [lease for kind, lease, who in log if kind == "acquire" and who == "other"]
     assert [(lease, who) for kind, lease, who in log if kind == "release" and lease in mine] == [(mine[0], "other")], log
     assert runtime.leases == {}
@@ -682,6 +688,47 @@ def test_a_streamed_block_another_thread_runs_or_left_is_named_and_a_dead_thread
     assert runtime.leases == {}
     loaded.offload.unload()
     loaded.offload.reload()
+    assert torch.equal(run(loaded.module, inputs), reference)
+    loaded.offload.remove()
+
+
+def test_a_streamed_block_another_thread_enters_during_a_pass_is_not_taken_for_a_changed_weight(tmp_path, sd3):
+    """Another thread enters a streamed block while a pass runs, before the pass reaches it (its
+    pre-hook compares the block's parameters for the pass, its views then go in place): the pass
+    does not take them for a changed parameter but fails on the slot that thread holds, saying
+    so, and the module serves once the block returns."""
+    import threading
+
+    model, inputs = sd3
+    reference = run(copy.deepcopy(model), inputs)
+    loaded, runtime, units = load_mixed(tmp_path, model)
+    unit = sorted(runtime.streamed)[0]
+    block = loaded.module.get_submodule(units[unit])
+    first = loaded.module.pos_embed  # runs before every block
+    leave, worker = threading.Event(), []
+
+    def enter_it(_m, _args):
+        if not worker:
+            inside = threading.Event()
+
+            def other():
+                runtime._pre(unit)(block, ())
+                inside.set()
+                leave.wait(timeout=60)
+                runtime._post(unit)(block, (), None)
+
+            worker.append(threading.Thread(target=other))
+            worker[0].start()
+            inside.wait()
+
+    h = first.register_forward_pre_hook(enter_it, prepend=True)
+    with pytest.raises(ddo.DynamicOffloadError, match="leased by unit") as refused:
+        run(loaded.module, inputs)
+    assert "changed" not in str(refused.value) and "holds another" not in str(refused.value)
+    h.remove()
+    leave.set()
+    worker[0].join()
+    assert runtime.leases == {}
     assert torch.equal(run(loaded.module, inputs), reference)
     loaded.offload.remove()
 

@@ -325,6 +325,7 @@ def test_host_costs_measures_each_part_of_ddos_host_work(tmp_path, capsys):
         "step, plain", "step, ddo, all resident", "step, ddo, every block streamed",
         "pre + post hooks of a resident block, in a pass", "of which native reached",
         "pre + post hooks of a block taking its own lease", "of which native acquire + release",
+        "one block's parameters, compared in its pre-hook",
     ]:
         assert float(rows[what]) > 0, (what, out)
-    assert re.search(r"per-forward check \((\d+) parameters\)", out), out
+    assert re.search(r"per-forward check at the pass's start \((\d+) parameters", out), out

@@ -124,6 +124,35 @@ _VERSION = operator.attrgetter("_version")
 _TENSOR = operator.attrgetter("_cdata")
 _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_NO_PLACES: Tuple[list, ...] = ([], [], [], [], [], [], [], [])
+
+
+def _held_beyond(now: Tuple[int, int], published: Optional[Tuple[int, int]]) -> bool:
+    """Whether either count exceeds what ddo itself held at publish (unknown: assume so)."""
+    return published is None or now[0] > published[0] or now[1] > published[1]
+
+
+def _holds(view: torch.Tensor) -> Tuple[int, int]:
+    """References to a view and tensors sharing its memory, as counted the same way each time:
+    the object's reference count and its storage's use count."""
+    return sys.getrefcount(view), torch._C._storage_Use_Count(view.untyped_storage()._cdata)
+
+
+def _places_unchanged(group: Tuple[list, ...], grad: bool) -> bool:
+    """Whether a group of places (see ``SessionRuntime.checked``) holds its parameters as
+    published: column by column, in C-level loops (about a tenth of a microsecond per
+    parameter). A parameter requiring grad matters only where autograd records."""
+    dicts, attrs, params, addressed, versions, addresses, unaddressed, tensors = group
+    try:
+        return (
+            all(map(operator.is_, map(dict.get, dicts, attrs), params))
+            and list(map(_VERSION, addressed)) == versions
+            and list(map(_DATA_PTR, addressed)) == addresses
+            and list(map(_TENSOR, unaddressed)) == tensors
+            and not (grad and any(map(_REQUIRES_GRAD, params)))
+        )
+    except RuntimeError:  # data_ptr() of data given no storage
+        return False
 
 
 def _refuse_traced(what: Any, capture: bool = True) -> None:
@@ -623,11 +652,18 @@ class SessionRuntime:
         self.published: Dict[int, Tuple[torch.nn.Parameter, int]] = {}
         self.swap_views: Dict[int, torch.Tensor] = {}
         self.watched: List[Tuple[torch.nn.Module, str, torch.nn.Parameter, Optional[int], int]] = []
-        # The same as columns, as each forward compares them: owners' parameter dicts, attributes
-        # and parameters; the parameters with an address, their versions and addresses; those
-        # without one (placeholders).
-        self.checked: Tuple[list, ...] = ([], [], [], [], [], [], [])
+        # The same as columns, as each forward compares them, grouped by the hooked unit the
+        # place belongs to (``None``: outside every hooked unit): owners' parameter dicts,
+        # attributes and parameters; the parameters with an address, their versions and
+        # addresses; those without one (placeholders) and their tensors.
+        self.checked: Dict[Optional[int], Tuple[list, ...]] = {}
         self.placeholder_tensors: List[int] = []
+        # Hooked units whose places the running pass has not compared yet: each is compared in
+        # its block's pre-hook (while the GPU runs the blocks before it), the rest at the pass's
+        # end, before its output is returned.
+        self.pass_unchecked: set = set()
+        # The module path of every hooked (not pinned) unit.
+        self.unit_paths: Dict[str, int] = {}
         self.watched_names: List[str] = []
         # The record above matches the last complete publish (views or placeholders).
         self.watched_whole = False
@@ -635,6 +671,8 @@ class SessionRuntime:
         # Streamed units' places: (owner, attribute, view, placeholder) per unit; the view is in
         # place only while the unit's forward runs.
         self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
+        # Per streamed view (by identity), the references ddo itself holds (see ``_holds``).
+        self.view_holds: Dict[int, Tuple[int, int]] = {}
         self.streamed: Dict[int, List[str]] = {}
         self.detached = False
         # Each streamed parameter's shape and dtype as published (what its placeholder reads).
@@ -710,6 +748,7 @@ class SessionRuntime:
         self.sources = [] if self.checkpoint is not None else [(n, p, p._version) for n, p in self.originals.items()]
         self.places = [(*_owner(self.module, name), name) for name in self.originals]
         self.streamed = dict(self.session.streamed_units())
+        self.unit_paths = {name: unit for unit, name, pinned in self.session.units() if not pinned}
         self._publish_views()
         for name, b in list(self.module.named_buffers()):
             self.original_buffers[name] = b
@@ -777,22 +816,25 @@ class SessionRuntime:
         w = self.watched
         # A streamed unit's placeholder refuses every write itself (its dispatch, its `.data`), so
         # only its identity and tensor are compared; other parameters by version and address.
-        addressed = [
-            (p, ptr, version) for _, _, p, ptr, version in w if ptr is not None and not isinstance(p, StreamedWeight)
-        ]
         # Placeholders (no address, or address 0) also have their tensor checked: two swapped
         # with torch.utils.swap_tensors keep their objects, addresses and versions.
-        unaddressed = [p for _, _, p, ptr, _ in w if not ptr]
-        self.placeholder_tensors = [p._cdata for p in unaddressed]
-        self.checked = (
-            [owner._parameters for owner, *_ in w],
-            [attr for _, attr, *_ in w],
-            [p for _, _, p, _, _ in w],
-            [p for p, _, _ in addressed],
-            [version for _, _, version in addressed],
-            [ptr for _, ptr, _ in addressed],
-            unaddressed,
-        )
+        self.placeholder_tensors = [p._cdata for _, _, p, ptr, _ in w if not ptr]
+        groups: Dict[Optional[int], Tuple[list, ...]] = {}
+        for (owner, attr, p, ptr, version), name in zip(w, self.watched_names):
+            dicts, attrs, params, addressed, versions, addresses, unaddressed, tensors = groups.setdefault(
+                self._unit_of(name), ([], [], [], [], [], [], [], [])
+            )
+            dicts.append(owner._parameters)
+            attrs.append(attr)
+            params.append(p)
+            if ptr is not None and not isinstance(p, StreamedWeight):
+                addressed.append(p)
+                versions.append(version)
+                addresses.append(ptr)
+            if not ptr:
+                unaddressed.append(p)
+                tensors.append(p._cdata)
+        self.checked = groups
         self.owners = list({id(owner): (owner, owner._parameters) for owner, _, _ in self.places}.values())
 
     def _refuse_changes(self) -> None:
@@ -811,6 +853,10 @@ class SessionRuntime:
         # publishes ordinary tensors.
         with torch.inference_mode(False):
             self._publish_views_now()
+        # What ddo itself holds of each streamed view, counted once the publish's temporaries
+        # are gone: a reference beyond these (a tensor a host kept from inside a block's forward,
+        # or one derived from it) keeps the slots' memory from being reclaimed.
+        self.view_holds = {id(view): _holds(view) for places in self.swaps.values() for _, _, view, _ in places}
 
     def _republish(self) -> None:
         """Publishes the session's views again from whatever state an interrupted publish left
@@ -882,6 +928,7 @@ class SessionRuntime:
                     owner._parameters[attr] = view
         self.swaps = {}
         self.ranges = {}
+        self.view_holds = {}
         self._group_swaps()
         # Ordinary tensors (with version counters) also under inference mode, as for the views.
         with torch.inference_mode(False):
@@ -1000,8 +1047,9 @@ class SessionRuntime:
 
     def _check_parameters(self) -> None:
         # Every forward: each parameter still the one published, at its address, not written
-        # in place, without grad; the host tensors streamed from unwritten; added ones usable.
-        self._check_places()
+        # in place, without grad (those of hooked units in their blocks' pre-hooks); the host
+        # tensors streamed from unwritten; added ones usable.
+        self._check_places(units=False)
         for name, p, version in self.sources:
             if p._version != version:
                 raise _native.DynamicOffloadSourceChangedError(
@@ -1012,10 +1060,11 @@ class SessionRuntime:
                 )
         self._check_added_parameters()
 
-    def _check_places(self, grad: Optional[bool] = None) -> None:
+    def _check_places(self, grad: Optional[bool] = None, units: bool = True) -> None:
         """Each managed place still holds the parameter published there, at its address, not
         written in place, and (where autograd records: ``grad``, by default the grad mode) without
-        grad."""
+        grad. With ``units`` false only the places outside the hooked units are compared (a pass
+        compares each unit's in its block's pre-hook: :meth:`_check_unit`)."""
         grad = torch.is_grad_enabled() if grad is None else grad
         if len(self.watched) != len(self.places):
             self._refuse_changed_parameter(grad)
@@ -1025,21 +1074,30 @@ class SessionRuntime:
                 f"the parameters of {type(changed).__name__} were replaced as a whole since ddo attached: call "
                 "remove_dynamic_offload(module) first, change the module, then offload it again"
             )
-        dicts, attrs, params, addressed, versions, addresses, unaddressed = self.checked
-        try:
-            # Column by column (C-level loops: about a tenth of a microsecond per parameter).
-            # A parameter requiring grad matters only where autograd records.
-            unchanged = (
-                all(map(operator.is_, map(dict.get, dicts, attrs), params))
-                and list(map(_VERSION, addressed)) == versions
-                and list(map(_DATA_PTR, addressed)) == addresses
-                and list(map(_TENSOR, unaddressed)) == self.placeholder_tensors
-                and not (grad and any(map(_REQUIRES_GRAD, params)))
-            )
-        except RuntimeError:  # data_ptr() of data given no storage
-            unchanged = False
-        if unchanged:
-            return
+        groups = self.checked.values() if units else [self.checked.get(None, _NO_PLACES)]
+        if not all(_places_unchanged(group, grad) for group in groups):
+            self._refuse_changed_place(grad)
+
+    def _check_unit(self, unit: int) -> None:
+        """The places of a hooked unit, compared once per pass before its block first runs (in
+        whichever thread enters it first: a streamed unit's placeholders are then in place)."""
+        if unit in self.pass_unchecked:
+            grad = torch.is_grad_enabled()
+            if not _places_unchanged(self.checked[unit], grad):
+                self._refuse_changed_place(grad)
+            # Compared: a refusal leaves it to be compared again where the block runs next.
+            self.pass_unchecked.discard(unit)
+
+    def _check_unreached_units(self) -> None:
+        """The end of a pass: the places of the hooked units whose blocks did not run in it (a
+        parent may read their weights itself), before the pass's output is returned."""
+        grad = torch.is_grad_enabled()
+        unchecked, self.pass_unchecked = self.pass_unchecked, set()
+        if not all(_places_unchanged(self.checked[u], grad) for u in unchecked):
+            self._refuse_changed_place(grad)
+
+    def _refuse_changed_place(self, grad: bool) -> None:
+        """Raises for the first changed place (a fast comparison found one)."""
         at = self._first_changed_place(grad)
         if at is not None:
             self._refuse_changed_parameter(grad)
@@ -1048,6 +1106,18 @@ class SessionRuntime:
                 f"parameter {self.watched_names[at]} now holds another of the module's parameters (exchanged or tied "
                 "since ddo attached): call remove_dynamic_offload(module) first, change the module, then offload it again"
             )
+
+    def _unit_of(self, name: str) -> Optional[int]:
+        """The hooked unit below the module's root whose module holds the parameter ``name``
+        (the innermost), or ``None`` (compared at the pass's start: a unit at the root runs its
+        pre-hook before the pass begins)."""
+        path = name
+        while "." in path:
+            path = path.rsplit(".", 1)[0]
+            unit = self.unit_paths.get(path)
+            if unit is not None:
+                return unit
+        return None
 
     def _first_changed_place(self, grad: bool) -> Optional[int]:
         """The index of the first place whose parameter changed, or ``None``."""
@@ -1172,12 +1242,17 @@ class SessionRuntime:
         self._settle_leases(f"{type(self.module).__name__}.forward", streamed_only=True)
         self._check_module(args, kwargs)
         stream = self.stream()
+        self.pass_unchecked = set(self.checked)
+        self.pass_unchecked.discard(None)
         self.pass_units = frozenset(self.session.begin_pass(stream))
         self.pass_stream, self.pass_thread = stream, threading.get_ident()
         try:
             out = original(*move_inputs(args, self.device), **move_inputs(kwargs, self.device))
+            with torch._C.DisableTorchFunctionSubclass():
+                self._check_unreached_units()
         except BaseException as error:
             self.pass_units = frozenset()
+            self.pass_unchecked = set()
             try:
                 # The blocks this thread entered and never left, each on the stream it took its
                 # lease on; then the pass's own leases, on the pass's stream.
@@ -1305,6 +1380,9 @@ class SessionRuntime:
             # A block compiled on its own (regional compilation) traces this hook; a capture may
             # also begin inside the forward.
             _refuse_traced(lambda: f"block {type(m).__name__} of {type(self.module).__name__}")
+            if unit in self.pass_unchecked:
+                with torch._C.DisableTorchFunctionSubclass():
+                    self._check_unit(unit)
             stream = self.stream()
             if (
                 unit in self.pass_units
@@ -1325,12 +1403,15 @@ class SessionRuntime:
         def hook(m: torch.nn.Module, _args: tuple, out: Any) -> None:
             key = (threading.get_ident(), unit)
             held = self.leases.get(key)
-            if held:
+            released = bool(held)
+            if released:
                 self.session.release(held.pop()[0], self.stream())
             if not held:
                 self.leases.pop(key, None)
-                # Placeholders back once no thread runs the block (another may still read its views).
-                if not self.leases or not any(u == unit for _, u in tuple(self.leases)):
+                # Placeholders back once no thread runs the block (another may still read its
+                # views). Without a lease released here (leased for the pass, or its pre-hook
+                # refused the block before taking one) this thread put no view in place.
+                if released and (not self.leases or not any(u == unit for _, u in tuple(self.leases))):
                     self._rest(unit)
             self._refuse_streamed_output(unit, m, out)
             if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(out)):
@@ -1418,11 +1499,14 @@ class SessionRuntime:
 
     def _rest_all(self) -> None:
         """Every streamed unit no thread runs back on its placeholders (a pass ended, however
-        it ended)."""
+        it ended): each place that holds the unit's view. A place holding anything else keeps
+        it (a parameter the host replaced, which the next check refuses, is not undone)."""
         held = {u for _, u in tuple(self.leases)}
-        for unit in self.swaps:
+        for unit, places in self.swaps.items():
             if unit not in held:
-                self._rest(unit)
+                for owner, attr, view, placeholder in places:
+                    if owner._parameters.get(attr) is view:
+                        owner._parameters[attr] = placeholder
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -1446,7 +1530,28 @@ class SessionRuntime:
             self._refuse_changes()
             self.synchronize()
             self._rest_all()
+            kept = self._kept_streamed_views()
+            if kept:
+                warnings.warn(
+                    f"ddo: reclaim() kept the execution slots of {type(self.module).__name__}: tensors taken from "
+                    f"the weights of its streamed blocks during a forward ({', '.join(kept[:3])}"
+                    f"{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}) still view slot memory, which "
+                    "reclaiming would free under them. Drop those references (or clone them inside the forward), "
+                    "then call reclaim() again",
+                    stacklevel=3,
+                )
+                return (0, 0)
             return self.session.reclaim()
+
+    def _kept_streamed_views(self) -> List[str]:
+        """The streamed parameters whose views something beyond ddo still references (between
+        passes, when ddo's own references are the ones counted at publish)."""
+        holds = self.view_holds
+        return [
+            self._unit_path(unit)
+            for unit, places in self.swaps.items()
+            if any(_held_beyond(_holds(view), holds.get(id(view))) for _, _, view, _ in places)
+        ]
 
     def _not_inside_forward(self, what: str) -> None:
         if self.in_forward.get(threading.get_ident()):
@@ -1518,7 +1623,8 @@ class SessionRuntime:
             del self.module.__dict__["fuse_lora"]
         self.published, self.watched, self.watched_names, self.owners = {}, [], [], []
         self.swap_views = {}
-        self.checked = ([], [], [], [], [], [], [])
+        self.checked = {}
+        self.pass_unchecked = set()
         self.placeholder_tensors = []
         self.watched_whole = False
         if self.session is None:
