@@ -644,6 +644,28 @@ def test_a_forward_after_remove_on_the_native_route_says_the_weights_went_with_t
     assert not module._forward_pre_hooks
 
 
+@pytest.mark.parametrize("route", ["linear", "native"])
+def test_pickling_and_diffusers_placement_hooks_are_refused_and_the_module_is_unchanged(tmp_path, flux, route):
+    import pickle
+
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, route)
+    for target in (module, module.transformer_blocks[0]):
+        with pytest.raises(ddo.DynamicOffloadLifecycleError, match="cannot be pickled or saved whole"):
+            pickle.dumps(target)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match=r"enable_group_offload\(\) would move or cast"):
+        module.enable_group_offload(torch.device("cpu"), offload_type="leaf_level")
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match=r"enable_layerwise_casting\(\)"):
+        module.enable_layerwise_casting()
+    assert not any(hasattr(m, "_diffusers_hook") for m in module.modules())
+    assert torch.equal(run(module, inputs), reference)
+    result.remove()
+    assert "enable_group_offload" not in module.__dict__ and "__reduce_ex__" not in module.__dict__
+    if route == "linear":  # its own host tensors again: an ordinary module
+        assert torch.equal(run(pickle.loads(pickle.dumps(module)), inputs), reference)
+
+
 def test_training_is_refused_when_asked_for_and_the_module_is_unchanged(flux):
     model, inputs = flux
     want = run(copy.deepcopy(model), inputs)

@@ -125,6 +125,8 @@ _TENSOR = operator.attrgetter("_cdata")
 _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _NO_PLACES: Tuple[list, ...] = ([], [], [], [], [], [], [], [])
+# Diffusers model methods that hook weight placement or casting, refused while ddo offloads.
+_PLACEMENT_METHODS = ("enable_group_offload", "enable_layerwise_casting")
 
 
 def _held_beyond(now: Tuple[int, int], published: Optional[Tuple[int, int]]) -> bool:
@@ -1007,6 +1009,11 @@ class SessionRuntime:
         for m in self.module.modules():
             m._apply = guard(m)
             m.__deepcopy__ = self._refuse_deepcopy
+            m.__reduce_ex__ = self._refuse_pickle
+        # Diffusers' own placement and casting hooks would move or cast weights the arena holds.
+        for method in _PLACEMENT_METHODS:
+            if method not in self.module.__dict__ and callable(getattr(self.module, method, None)):
+                setattr(self.module, method, functools.partial(self._refuse_placement, method))
         name = type(self.module).__name__
         self.module.train = _refusing_true(
             self.module.train,
@@ -1024,6 +1031,19 @@ class SessionRuntime:
             f"{type(self.module).__name__} is offloaded by ddo (its weights live in the arena and stream from their "
             "source): to copy it, build a new module and load its state_dict() (the checkpoint's values), or call "
             "remove_dynamic_offload(module) first"
+        )
+
+    def _refuse_pickle(self, _protocol: Any) -> Any:
+        raise _native.DynamicOffloadLifecycleError(
+            f"{type(self.module).__name__} is offloaded by ddo (its weights live in the arena and stream from their "
+            "source), so it cannot be pickled or saved whole: save its weights (save_pretrained, or torch.save of "
+            "its state_dict(), which gives the checkpoint's values), or call remove_dynamic_offload(module) first"
+        )
+
+    def _refuse_placement(self, method: str, *_args: Any, **_kwargs: Any) -> None:
+        raise _native.DynamicOffloadLifecycleError(
+            f"{type(self.module).__name__} is offloaded by ddo, which places its weights itself: {method}() would "
+            "move or cast weights the arena holds. Call remove_dynamic_offload(module) first, or use one of the two"
         )
 
     def _check_module(self, args: tuple, kwargs: dict) -> None:
@@ -1544,7 +1564,7 @@ class SessionRuntime:
             return self.session.reclaim()
 
     def _kept_streamed_views(self) -> List[str]:
-        """The streamed parameters whose views something beyond ddo still references (between
+        """The blocks whose streamed views something beyond ddo still references (between
         passes, when ddo's own references are the ones counted at publish)."""
         holds = self.view_holds
         return [
@@ -1617,8 +1637,13 @@ class SessionRuntime:
         for m in self.module.modules():
             m.__dict__.pop("_apply", None)
             m.__dict__.pop("__deepcopy__", None)
+            m.__dict__.pop("__reduce_ex__", None)
         for guarded in ("__deepcopy__", "train", "requires_grad_"):
             self.module.__dict__.pop(guarded, None)
+        for method in _PLACEMENT_METHODS:
+            guard = self.module.__dict__.get(method)
+            if isinstance(guard, functools.partial) and guard.func == self._refuse_placement:
+                del self.module.__dict__[method]
         if self.module.__dict__.get("fuse_lora") == self._refuse_fuse:
             del self.module.__dict__["fuse_lora"]
         self.published, self.watched, self.watched_names, self.owners = {}, [], [], []
