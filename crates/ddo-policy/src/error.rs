@@ -53,7 +53,7 @@ pub enum ConfigError {
         hint: String,
     },
     /// A size that is negative, NaN or infinite.
-    #[error("{field} = {value} (from {origin}) must be a finite number >= 0 (GiB)")]
+    #[error("{field} = {} (from {origin}) must be a finite number >= 0 (GiB)", Number(*.value))]
     InvalidSize {
         /// The setting.
         field: String,
@@ -76,7 +76,9 @@ pub enum ConfigError {
     },
     /// The registration ceiling does not fit the retained storage ceiling.
     #[error(
-        "vmm_source_registered_gb = {registered} (from {origin}) exceeds vmm_source_cache_gb = {storage}: registration must fit the retained storage; lower vmm_source_registered_gb, raise vmm_source_cache_gb, or set vmm_source_registered_gb to 0 (same as storage)"
+        "vmm_source_registered_gb = {} (from {origin}) exceeds vmm_source_cache_gb = {}: registration must fit the retained storage; lower vmm_source_registered_gb, raise vmm_source_cache_gb, or set vmm_source_registered_gb to 0 (same as storage)",
+        Number(*.registered),
+        Number(*.storage)
     )]
     RegistrationExceedsStorage {
         /// Registration ceiling (GiB).
@@ -88,7 +90,8 @@ pub enum ConfigError {
     },
     /// The registration ceiling is not a whole number of segments.
     #[error(
-        "vmm_source_registered_gb = {registered} (from {origin}) is not a whole number of {segment_mib} MiB segments; use a multiple of {step} GiB (for example {suggestion})"
+        "vmm_source_registered_gb = {} (from {origin}) is not a whole number of {segment_mib} MiB segments; use a multiple of {step} GiB (for example {suggestion})",
+        Number(*.registered)
     )]
     RegistrationNotWholeSegments {
         /// Registration ceiling (GiB).
@@ -143,4 +146,19 @@ pub enum ConfigError {
     /// A route that cannot run under the resolved preset.
     #[error("{0}")]
     RouteConflict(String),
+}
+
+/// A number as a message shows it: as written for ordinary magnitudes, in exponent form for
+/// extreme ones (`1e-300`, not three hundred digits).
+struct Number(f64);
+
+impl std::fmt::Display for Number {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = self.0;
+        if v.is_finite() && v != 0.0 && !(1e-6..1e15).contains(&v.abs()) {
+            write!(f, "{v:e}")
+        } else {
+            write!(f, "{v}")
+        }
+    }
 }

@@ -409,6 +409,24 @@ fn negative_nan_and_infinite_sizes() {
         err(&r),
         "system_ram_headroom_gb = inf (from DDO_SYSTEM_RAM_HEADROOM_GB) must be a finite number >= 0 (GiB)"
     );
+    // Extreme magnitudes are written in exponent form, not as hundreds of digits.
+    let r = Request {
+        arguments: args(|c| c.vmm_source_cache_gb = Some(-1e-300)),
+        ..req("transformer")
+    };
+    assert_eq!(
+        err(&r),
+        "vmm_source_cache_gb = -1e-300 (from argument) must be a finite number >= 0 (GiB)"
+    );
+    let r = Request {
+        arguments: args(|c| c.vmm_source_registered_gb = Some(1e-300)),
+        ..req("transformer")
+    };
+    assert!(
+        err(&r).starts_with("vmm_source_registered_gb = 1e-300 (from argument) exceeds"),
+        "{}",
+        err(&r)
+    );
 }
 
 #[test]
