@@ -150,7 +150,7 @@ pub enum ConfigError {
 
 /// A number as a message shows it: as written for ordinary magnitudes, in exponent form for
 /// extreme ones (`1e-300`, not three hundred digits).
-struct Number(f64);
+pub(crate) struct Number(pub(crate) f64);
 
 impl std::fmt::Display for Number {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

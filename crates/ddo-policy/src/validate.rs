@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::error::Number;
 use crate::resolve::{MAX_PREFETCH_DEPTH, MAX_SOURCE_CACHE_GB, REGISTRATION_SEGMENT_MIB};
 use crate::{ConfigError, Origin, Settings};
 
@@ -47,14 +48,14 @@ pub(crate) fn validate(
     if s.vmm_source_cache_gb > MAX_SOURCE_CACHE_GB {
         return Err(out_of_range(
             "vmm_source_cache_gb",
-            s.vmm_source_cache_gb.to_string(),
+            Number(s.vmm_source_cache_gb).to_string(),
             "0 to 32 GiB",
         ));
     }
     if s.vmm_staging_buffer_gb <= 0.0 {
         return Err(out_of_range(
             "vmm_staging_buffer_gb",
-            s.vmm_staging_buffer_gb.to_string(),
+            Number(s.vmm_staging_buffer_gb).to_string(),
             "more than 0 GiB (a staging buffer holds the largest unit; 0.625 by default)",
         ));
     }
@@ -73,8 +74,7 @@ pub(crate) fn validate(
         if field.ends_with("_gb") && value >= MAX_GIB {
             return Err(ConfigError::OutOfRange {
                 field: field.into(),
-                // Exponent form for huge values (1e300 would print 301 digits).
-                value: if value >= 1e12 { format!("{value:e}") } else { value.to_string() },
+                value: Number(value).to_string(),
                 origin: origin(field),
                 range: format!("0 to below {MAX_GIB} GiB (a 64-bit byte count)"),
             });

@@ -427,6 +427,12 @@ fn negative_nan_and_infinite_sizes() {
         "{}",
         err(&r)
     );
+    let r =
+        Request { arguments: args(|c| c.vmm_source_cache_gb = Some(1e300)), ..req("transformer") };
+    assert_eq!(
+        err(&r),
+        "vmm_source_cache_gb = 1e300 (from argument) is out of range; allowed: 0 to 32 GiB"
+    );
 }
 
 #[test]

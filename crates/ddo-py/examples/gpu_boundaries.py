@@ -134,6 +134,12 @@ def check_reclaim_with_a_kept_view(case: Case) -> str:
         warnings.simplefilter("always")
         assert loaded.offload.reclaim() == (0, 0)
     assert any("kept the execution slots" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    # A re-plan the kept view refuses publishes new views of the same memory: still kept.
+    assert loaded.offload.runtime.set_budget(64 << 20) is False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert loaded.offload.reclaim() == (0, 0)
+    assert any("re-plan refused" in str(w.message) for w in seen), [str(w.message) for w in seen]
     kept[0].float().sum().item()
     if DEVICE.startswith("cuda"):
         torch.cuda.synchronize()

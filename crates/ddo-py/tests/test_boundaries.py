@@ -628,6 +628,27 @@ def test_reclaim_keeps_the_slots_a_weight_kept_from_a_forward_still_views(tmp_pa
     result.remove()
 
 
+def test_reclaim_keeps_the_slots_of_a_weight_kept_across_a_refused_replan(tmp_path, flux):
+    # A re-plan refused because the host holds a view publishes new views of the same memory:
+    # the kept one still keeps reclaim() from freeing the slots.
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result, module = offload(tmp_path, model, "native")
+    kept = []
+    h = module.single_transformer_blocks[1].proj_mlp.register_forward_hook(lambda m, _i, _o: kept.append(m.weight))
+    run(module, inputs)
+    h.remove()
+    assert result.runtime.set_budget(64 << 20) is False
+    with pytest.warns(UserWarning, match="weights from before a re-plan refused while they were held"):
+        assert result.reclaim() == (0, 0)
+    assert torch.isfinite(kept[0].float()).all()
+    kept.clear()
+    slots, _ = result.reclaim()
+    assert slots > 0
+    assert torch.equal(run(module, inputs), reference)
+    result.remove()
+
+
 def test_a_forward_after_remove_on_the_native_route_says_the_weights_went_with_the_arena(tmp_path, flux):
     model, inputs = flux
     reference = run(copy.deepcopy(model), inputs)
@@ -640,6 +661,10 @@ def test_a_forward_after_remove_on_the_native_route_says_the_weights_went_with_t
     # Weights loaded into it: an ordinary module again.
     module.to_empty(device="cpu")
     module.load_state_dict(state)
+    import pickle
+
+    copied = pickle.loads(pickle.dumps(module))  # the refusal travels with it until weights are in
+    assert torch.equal(run(copied, inputs), reference) and not copied._forward_pre_hooks
     assert torch.equal(run(module, inputs), reference)
     assert not module._forward_pre_hooks
 
@@ -652,7 +677,7 @@ def test_pickling_and_diffusers_placement_hooks_are_refused_and_the_module_is_un
     reference = run(copy.deepcopy(model), inputs)
     result, module = offload(tmp_path, model, route)
     for target in (module, module.transformer_blocks[0]):
-        with pytest.raises(ddo.DynamicOffloadLifecycleError, match="cannot be pickled or saved whole"):
+        with pytest.raises(ddo.DynamicOffloadLifecycleError, match="cannot be pickled, copied or saved whole"):
             pickle.dumps(target)
     with pytest.raises(ddo.DynamicOffloadLifecycleError, match=r"enable_group_offload\(\) would move or cast"):
         module.enable_group_offload(torch.device("cpu"), offload_type="leaf_level")

@@ -10,7 +10,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -201,7 +201,7 @@ class DynamicOffloadApplyResult:
             # Refused inside a forward: the offload stays in place, and a later remove() works.
             self.runtime.detach()
             if self.runtime.checkpoint is not None:
-                _refuse_weightless_forwards(self.module)
+                self.module.register_forward_pre_hook(_refuse_weightless_forward)
         self._removed = True
         if self.route == "diffusers_group_offload":
             _remove_group_hooks(self.module)
@@ -681,23 +681,21 @@ def _record(
     record_event(name, result.event_payload)
 
 
-def _refuse_weightless_forwards(module: torch.nn.Module) -> None:
-    """After ``remove()`` on a route whose weights were the arena's memory: a forward while
-    parameters are meta placeholders says why, until weights are loaded into the module."""
-    handle: List[Any] = []
-
-    def hook(m: torch.nn.Module, _args: tuple) -> None:
-        if not any(p.is_meta for p in m.parameters()):
-            handle[0].remove()  # weights loaded into it: an ordinary module again
-            return
-        raise _native.DynamicOffloadLifecycleError(
-            f"{type(m).__name__} has no weights: ddo was removed from it, and its weights were the arena's memory "
-            "(streamed from the checkpoint), so its parameters are meta placeholders now. Load it again "
-            "(from_pretrained_with_dynamic_offload, or the model class's from_pretrained), or load weights into it "
-            "(module.to_empty(device=...) then load_state_dict(...))"
-        )
-
-    handle.append(module.register_forward_pre_hook(hook))
+def _refuse_weightless_forward(m: torch.nn.Module, _args: tuple) -> None:
+    """A forward pre-hook put on a module after ``remove()`` on a route whose weights were the
+    arena's memory: while parameters are meta placeholders, a forward says why; once weights are
+    loaded it takes itself off (a module-level function: the module still pickles and copies)."""
+    if not any(p.is_meta for p in m.parameters()):
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if hook is _refuse_weightless_forward:
+                del m._forward_pre_hooks[key]
+        return
+    raise _native.DynamicOffloadLifecycleError(
+        f"{type(m).__name__} has no weights: ddo was removed from it, and its weights were the arena's memory "
+        "(streamed from the checkpoint), so its parameters are meta placeholders now. Load it again "
+        "(from_pretrained_with_dynamic_offload, or the model class's from_pretrained), or load weights into it "
+        "(module.to_empty(device=...) then load_state_dict(...))"
+    )
 
 
 def remove_dynamic_offload(module: torch.nn.Module, recurse: bool = True) -> None:

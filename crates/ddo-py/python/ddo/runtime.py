@@ -17,6 +17,7 @@ import os
 import threading
 import warnings
 import weakref
+import gc
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -675,6 +676,9 @@ class SessionRuntime:
         self.swaps: Dict[int, List[Tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
         # Per streamed view (by identity), the references ddo itself holds (see ``_holds``).
         self.view_holds: Dict[int, Tuple[int, int]] = {}
+        # The memory of streamed views ddo let go of while the arena stayed (a re-plan refused
+        # because the host held views), weakly: what the host kept of them keeps it alive.
+        self.retired_views: List[Any] = []
         self.streamed: Dict[int, List[str]] = {}
         self.detached = False
         # Each streamed parameter's shape and dtype as published (what its placeholder reads).
@@ -853,6 +857,7 @@ class SessionRuntime:
         # Views made under inference mode would be inference tensors, which have no version
         # counter for the write guard: a re-plan or reload inside ``torch.inference_mode()``
         # publishes ordinary tensors.
+        self.view_holds = {}  # a publish interrupted half way counts nothing as ddo's
         with torch.inference_mode(False):
             self._publish_views_now()
         # What ddo itself holds of each streamed view, counted once the publish's temporaries
@@ -923,6 +928,11 @@ class SessionRuntime:
         # Holding the views would keep the arena's memory alive. The views go back first, so
         # the placeholders take their class (a quantized parameter's).
         self.views_whole = False
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.retired_views = [
+            StorageWeakRef(view.untyped_storage()) for places in self.swaps.values() for _, _, view, _ in places
+        ]
         for places in self.swaps.values():
             for owner, attr, view, placeholder in places:
                 if failed is None or attr in owner._parameters:
@@ -1036,14 +1046,15 @@ class SessionRuntime:
     def _refuse_pickle(self, _protocol: Any) -> Any:
         raise _native.DynamicOffloadLifecycleError(
             f"{type(self.module).__name__} is offloaded by ddo (its weights live in the arena and stream from their "
-            "source), so it cannot be pickled or saved whole: save its weights (save_pretrained, or torch.save of "
+            "source), so it cannot be pickled, copied or saved whole: save its weights (save_pretrained, or torch.save of "
             "its state_dict(), which gives the checkpoint's values), or call remove_dynamic_offload(module) first"
         )
 
     def _refuse_placement(self, method: str, *_args: Any, **_kwargs: Any) -> None:
         raise _native.DynamicOffloadLifecycleError(
             f"{type(self.module).__name__} is offloaded by ddo, which places its weights itself: {method}() would "
-            "move or cast weights the arena holds. Call remove_dynamic_offload(module) first, or use one of the two"
+            "move or cast weights the arena holds. Use ddo or Diffusers' hooks on a module, not both: call "
+            "remove_dynamic_offload(module) first"
         )
 
     def _check_module(self, args: tuple, kwargs: dict) -> None:
@@ -1113,19 +1124,24 @@ class SessionRuntime:
         parent may read their weights itself), before the pass's output is returned."""
         grad = torch.is_grad_enabled()
         unchecked, self.pass_unchecked = self.pass_unchecked, set()
-        if not all(_places_unchanged(self.checked[u], grad) for u in unchecked):
+        if not all(_places_unchanged(self.checked[u], grad) for u in tuple(unchecked)):
             self._refuse_changed_place(grad)
 
     def _refuse_changed_place(self, grad: bool) -> None:
         """Raises for the first changed place (a fast comparison found one)."""
         at = self._first_changed_place(grad)
-        if at is not None:
-            self._refuse_changed_parameter(grad)
-            # Each parameter in place is one ddo published, at its own address: two traded places.
+        if at is None:
+            # Changed back between the two comparisons (another thread): refused all the same.
             raise _native.DynamicOffloadLifecycleError(
-                f"parameter {self.watched_names[at]} now holds another of the module's parameters (exchanged or tied "
-                "since ddo attached): call remove_dynamic_offload(module) first, change the module, then offload it again"
+                f"the parameters of {type(self.module).__name__} changed during this forward (another thread wrote "
+                "them): call remove_dynamic_offload(module) first, change the module, then offload it again"
             )
+        self._refuse_changed_parameter(grad)
+        # Each parameter in place is one ddo published, at its own address: two traded places.
+        raise _native.DynamicOffloadLifecycleError(
+            f"parameter {self.watched_names[at]} now holds another of the module's parameters (exchanged or tied "
+            "since ddo attached): call remove_dynamic_offload(module) first, change the module, then offload it again"
+        )
 
     def _unit_of(self, name: str) -> Optional[int]:
         """The hooked unit below the module's root whose module holds the parameter ``name``
@@ -1262,9 +1278,9 @@ class SessionRuntime:
         self._settle_leases(f"{type(self.module).__name__}.forward", streamed_only=True)
         self._check_module(args, kwargs)
         stream = self.stream()
+        self.pass_units = frozenset(self.session.begin_pass(stream))
         self.pass_unchecked = set(self.checked)
         self.pass_unchecked.discard(None)
-        self.pass_units = frozenset(self.session.begin_pass(stream))
         self.pass_stream, self.pass_thread = stream, threading.get_ident()
         try:
             out = original(*move_inputs(args, self.device), **move_inputs(kwargs, self.device))
@@ -1318,6 +1334,8 @@ class SessionRuntime:
         try:
             self._publish_meta()
             changed = self.session.switch_encoding()
+            if changed:
+                self.retired_views = []  # a new arena (none of the old one's views was held)
         finally:
             if not self.session.is_unloaded():
                 self.streamed = dict(self.session.streamed_units())
@@ -1333,6 +1351,8 @@ class SessionRuntime:
         try:
             self._publish_meta()
             changed = self.session.set_budget(int(total))
+            if changed:
+                self.retired_views = []  # a new arena (none of the old one's views was held)
         finally:
             # However the re-plan ended (refused, interrupted half way), the module views the
             # arena the session holds now, unless nothing fits any more (unloaded).
@@ -1552,6 +1572,9 @@ class SessionRuntime:
             self._rest_all()
             kept = self._kept_streamed_views()
             if kept:
+                gc.collect()  # a view only a garbage cycle holds (a traceback) holds nothing
+                kept = self._kept_streamed_views()
+            if kept:
                 warnings.warn(
                     f"ddo: reclaim() kept the execution slots of {type(self.module).__name__}: tensors taken from "
                     f"the weights of its streamed blocks during a forward ({', '.join(kept[:3])}"
@@ -1567,11 +1590,15 @@ class SessionRuntime:
         """The blocks whose streamed views something beyond ddo still references (between
         passes, when ddo's own references are the ones counted at publish)."""
         holds = self.view_holds
-        return [
+        kept = [
             self._unit_path(unit)
             for unit, places in self.swaps.items()
             if any(_held_beyond(_holds(view), holds.get(id(view))) for _, _, view, _ in places)
         ]
+        self.retired_views = [r for r in self.retired_views if not r.expired()]
+        if self.retired_views:
+            kept.append(f"{len(self.retired_views)} weights from before a re-plan refused while they were held")
+        return kept
 
     def _not_inside_forward(self, what: str) -> None:
         if self.in_forward.get(threading.get_ident()):
@@ -1605,6 +1632,7 @@ class SessionRuntime:
         with self.forward_lock:
             self._refuse_changes()
             self.session.reload()
+            self.retired_views = []  # what the host kept holds the old arena's memory, not this one's
             try:
                 self._publish_views()
             except BaseException:
