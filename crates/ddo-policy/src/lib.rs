@@ -6,15 +6,20 @@
 //! [`resolve`] turns it into a [`Plan`]: the backend, the effective [`Preset`], the [`Route`] and
 //! every [`Settings`] value with the [`Origin`] that decided it. Settings ddo does not implement
 //! ([`UNSUPPORTED_SETTINGS`]) are refused unless left at their default, and every `DDO_*` variable
-//! ddo does not read becomes a warning on the plan. The crate is pure (no I/O beyond
+//! ddo does not read becomes a warning on the plan. The rules a host applies while a component
+//! runs live here too: the automatic GPU budget ([`auto_budget`]), capacity profiles
+//! ([`capacity_profile`]) and the route's predicates ([`Route::facts`]). The crate is pure (no I/O beyond
 //! [`Environment::from_process`]); the Python package calls it rather than re-implementing the
 //! rules.
 #![forbid(unsafe_code)]
 
+pub mod auto_budget;
+pub mod capacity_profile;
 mod config;
 mod env;
 mod error;
 mod format;
+mod limits;
 mod origin;
 mod preset;
 mod resolve;
@@ -30,12 +35,14 @@ pub use config::{
 pub use env::{ENV_PREFIX, Environment, component_env_name};
 pub use error::ConfigError;
 pub use format::format_presets;
+pub use limits::{MAX_PREFETCH_DEPTH, MAX_SOURCE_CACHE_GB, REGISTRATION_SEGMENT_MIB};
 pub use origin::Origin;
 pub use preset::{Backend, ExecutionMode, Preset, VaeDefault, resolve_backend};
-pub use resolve::{
-    MAX_PREFETCH_DEPTH, MAX_SOURCE_CACHE_GB, Plan, REGISTRATION_SEGMENT_MIB, Request, resolve,
+pub use resolve::{Plan, Request, resolve};
+pub use route::{
+    GroupOffload, LAYER_ROUTE_DTYPES, LAYER_ROUTE_RESIDENT_KIB, Placement, Route, RouteChoice,
+    RouteFacts,
 };
-pub use route::{GroupOffload, Placement, Route, RouteChoice};
 pub use value::{
     AutoBudgetPolicy, ConversionSite, OffloadType, ReadBackend, Selection, SettingValue,
     WeightEncoding,

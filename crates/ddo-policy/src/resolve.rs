@@ -22,17 +22,10 @@ use serde::Serialize;
 use crate::config::{ENV_ALIASES, parse_setting};
 use crate::env::component_env_name;
 use crate::preset::{Backend, ExecutionMode, Preset, VaeDefault, resolve_backend};
-use crate::route::{GroupOffload, Placement, Route, RouteChoice};
+use crate::route::{GroupOffload, LAYER_ROUTE_RESIDENT_KIB, Placement, Route, RouteChoice};
 use crate::value::{AutoBudgetPolicy, OffloadType, SettingValue};
 use crate::variables::{COMPONENT_KEYS, unknown_variable_warnings};
 use crate::{ComponentPolicy, ConfigError, DynamicOffloadConfig, Environment, Origin, Settings};
-
-/// Size of one host registration segment.
-pub const REGISTRATION_SEGMENT_MIB: u64 = 64;
-/// Largest retained source storage ceiling, in GiB.
-pub const MAX_SOURCE_CACHE_GB: f64 = 32.0;
-/// Largest prefetch depth.
-pub const MAX_PREFETCH_DEPTH: u32 = 16;
 
 /// Everything resolution needs for one component.
 #[derive(Debug, Clone, Default)]
@@ -234,6 +227,17 @@ pub fn resolve(request: &Request<'_>) -> Result<Plan, ConfigError> {
     } else {
         execution_mode
     };
+    if settings.auto_budget_policy == AutoBudgetPolicy::Balanced
+        && route.is_dynamic()
+        && !route.takes_auto_budget()
+    {
+        return Err(ConfigError::RouteConflict(format!(
+            "auto_budget_policy = balanced (from {}) sizes the native arena's GPU budget from the card, and this \
+             component takes route {}: use backend vmm (the native route), or leave auto_budget_policy off",
+            origin_of(&origins, "auto_budget_policy"),
+            route.name()
+        )));
+    }
     if route.is_native() && settings.vmm_resident_weight_budget_gb <= 0.0 {
         return Err(ConfigError::RouteConflict(format!(
             "route {} needs vmm_resident_weight_budget_gb > 0 (it is {}, from {}); set a GPU budget in GiB",
@@ -569,7 +573,7 @@ fn linear_convolution_config() -> DynamicOffloadConfig {
         resident_module_budget_gb: Some(0.0),
         auto_budget_policy: Some(AutoBudgetPolicy::Off),
         cache_pinned_weights: Some(false),
-        small_tensor_threshold_kb: Some(16),
+        small_tensor_threshold_kb: Some(LAYER_ROUTE_RESIDENT_KIB),
         ..DynamicOffloadConfig::default()
     }
 }

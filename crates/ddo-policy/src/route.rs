@@ -126,11 +126,112 @@ impl Route {
     pub const fn is_native(&self) -> bool {
         matches!(self, Route::VmmFastRuntime | Route::VmmRuntime)
     }
+
+    /// The published library's name of the route: its four arena routes are all
+    /// `dynamic_offload` there.
+    pub const fn published_name(&self) -> &'static str {
+        if self.is_dynamic() { "dynamic_offload" } else { self.name() }
+    }
+
+    /// Whether every weight streams from the checkpoint the module was loaded from (its mapping,
+    /// retained windows or reads into staging): a loader then builds the module without weights
+    /// (on the meta device), so host memory holds the model at most once.
+    pub const fn reads_checkpoint(&self) -> bool {
+        self.is_native()
+    }
+
+    /// The setting that sizes the route's GPU weight budget: the whole arena on the native
+    /// route, the resident blocks beside the slots on the linear route; `None` on routes
+    /// without one (a capacity profile has nothing to size there).
+    pub const fn budget_setting(&self) -> Option<&'static str> {
+        match self {
+            Route::VmmFastRuntime => Some("vmm_resident_weight_budget_gb"),
+            Route::LinearRuntime => Some("resident_module_budget_gb"),
+            _ => None,
+        }
+    }
+
+    /// Whether the automatic GPU budget (`auto_budget_policy = balanced`) can size the route:
+    /// only the native arena's budget follows the card.
+    pub const fn takes_auto_budget(&self) -> bool {
+        matches!(self, Route::VmmFastRuntime)
+    }
+
+    /// What a host needs to know about the route, in one value it can read as JSON.
+    pub const fn facts(&self) -> RouteFacts {
+        RouteFacts {
+            name: self.name(),
+            published_name: self.published_name(),
+            streams: self.is_dynamic(),
+            native: self.is_native(),
+            reads_checkpoint: self.reads_checkpoint(),
+            budget_setting: self.budget_setting(),
+            takes_auto_budget: self.takes_auto_budget(),
+        }
+    }
 }
+
+/// The route's predicates as data ([`Route::facts`]): what a host (the Python package) reads
+/// instead of comparing route names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+pub struct RouteFacts {
+    /// [`Route::name`].
+    pub name: &'static str,
+    /// [`Route::published_name`].
+    pub published_name: &'static str,
+    /// [`Route::is_dynamic`]: ddo's arena streams the component.
+    pub streams: bool,
+    /// [`Route::is_native`].
+    pub native: bool,
+    /// [`Route::reads_checkpoint`].
+    pub reads_checkpoint: bool,
+    /// [`Route::budget_setting`].
+    pub budget_setting: Option<&'static str>,
+    /// [`Route::takes_auto_budget`].
+    pub takes_auto_budget: bool,
+}
+
+/// Parameters up to this many KiB stay resident on route `linear_convolution` unless the
+/// configuration sets `small_tensor_threshold_kb` (the published route's threshold).
+pub const LAYER_ROUTE_RESIDENT_KIB: u32 = 16;
+
+/// The parameter dtypes route `linear_convolution` streams: plain float weights, since each
+/// layer runs its own forward on them (a quantized or integer parameter is refused).
+pub const LAYER_ROUTE_DTYPES: [ddo_core::Dtype; 4] =
+    [ddo_core::Dtype::F16, ddo_core::Dtype::BF16, ddo_core::Dtype::F32, ddo_core::Dtype::F64];
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn predicates_agree_with_the_published_names() {
+        let streamed = [
+            Route::LinearRuntime,
+            Route::LinearConvolution,
+            Route::VmmFastRuntime,
+            Route::VmmRuntime,
+        ];
+        for route in streamed {
+            assert!(route.is_dynamic());
+            assert_eq!(route.published_name(), "dynamic_offload");
+            assert_eq!(route.facts().name, route.name());
+        }
+        let none = Route::None { placement: Placement::Unmanaged };
+        assert_eq!(none.published_name(), "none");
+        assert!(!none.facts().streams && none.budget_setting().is_none());
+        assert!(Route::VmmRuntime.reads_checkpoint() && !Route::LinearRuntime.reads_checkpoint());
+        assert_eq!(Route::VmmFastRuntime.budget_setting(), Some("vmm_resident_weight_budget_gb"));
+        assert_eq!(Route::LinearRuntime.budget_setting(), Some("resident_module_budget_gb"));
+        assert_eq!(Route::VmmRuntime.budget_setting(), None);
+        assert!(Route::VmmFastRuntime.takes_auto_budget());
+        assert!(
+            !Route::VmmRuntime.takes_auto_budget() && !Route::LinearRuntime.takes_auto_budget()
+        );
+        let json = serde_json::to_value(Route::LinearConvolution.facts()).unwrap();
+        assert_eq!(json["published_name"], "dynamic_offload");
+        assert_eq!(json["budget_setting"], serde_json::Value::Null);
+    }
 
     #[test]
     fn aliases_and_errors() {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::Number;
-use crate::resolve::{MAX_PREFETCH_DEPTH, MAX_SOURCE_CACHE_GB, REGISTRATION_SEGMENT_MIB};
+use crate::limits::{MAX_PREFETCH_DEPTH, MAX_SOURCE_CACHE_GB, REGISTRATION_SEGMENT_MIB};
 use crate::{ConfigError, Origin, Settings};
 
 /// GiB sizes are below 2^34 GiB: 2^64 bytes.

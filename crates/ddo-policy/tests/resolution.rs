@@ -728,3 +728,31 @@ fn typed_configs_from_json_name_the_field_of_a_bad_value() {
     assert_eq!(typed.prefetch_depth, Some(3));
     assert_eq!(typed.components["vae"].route.as_deref(), Some("none"));
 }
+
+// ---- the automatic budget ----
+
+#[test]
+fn the_automatic_budget_is_refused_on_every_arena_route_but_the_native_one() {
+    let balanced = |backend: &str| Request {
+        arguments: args(|c| {
+            c.backend = Some(backend.into());
+            c.auto_budget_policy = Some(ddo_policy::AutoBudgetPolicy::Balanced);
+        }),
+        ..req("transformer")
+    };
+    let p = plan(&balanced("vmm"));
+    let auto = ddo_policy::auto_budget::AutoBudget::for_plan(&p).expect("balanced");
+    assert_eq!(auto.headroom_bytes(), 1 << 30);
+    let e = err(&balanced("linear"));
+    assert!(e.contains("takes route linear_runtime: use backend vmm"), "{e}");
+    // A route ddo does not stream has no arena to size: nothing to refuse.
+    let group = Request {
+        group: ComponentPolicy {
+            route: Some("diffusers_group_offload".into()),
+            ..Default::default()
+        },
+        ..balanced("linear")
+    };
+    assert!(ddo_policy::auto_budget::AutoBudget::for_plan(&plan(&group)).is_some());
+    assert!(ddo_policy::auto_budget::AutoBudget::for_plan(&plan(&req("transformer"))).is_none());
+}
