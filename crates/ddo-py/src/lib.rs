@@ -9,7 +9,9 @@
 mod dlpack;
 mod errors;
 mod plan;
+mod rules;
 mod session;
+mod torch_dtype;
 
 use std::collections::BTreeMap;
 
@@ -340,6 +342,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_cuda_device, m)?)?;
     m.add_function(wrap_pyfunction!(take_drop_failures, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_schema, m)?)?;
+    rules::register(m)?;
     errors::register(m)?;
     Ok(())
 }

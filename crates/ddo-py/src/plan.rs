@@ -42,6 +42,7 @@ impl ResolvedPlan {
                 .collect::<BTreeMap<_, _>>(),
         )
         .map_err(config_error)?;
+        json["route_facts"] = serde_json::to_value(plan.route.facts()).map_err(config_error)?;
         json["session_route"] =
             serde_json::Value::Bool(ddo_session::SessionRoute::of(&plan.route).is_ok());
         let from_default = matches!(

@@ -1,0 +1,145 @@
+//! The rules a host applies while a component runs, from `ddo-policy`: the automatic GPU
+//! budget, capacity profiles and the layer route's limits. Python samples, applies and warns;
+//! the decisions are made here.
+
+use std::sync::Mutex;
+
+use ddo_policy::auto_budget::{self, Refusal, Sample, Step};
+use ddo_policy::capacity_profile::{self, Outcome, Recommendation, Target};
+use pyo3::prelude::*;
+
+use crate::errors::config_error;
+use crate::plan::ResolvedPlan;
+
+/// One component's automatic GPU budget (`auto_budget_policy = balanced`): after each pass the
+/// host hands it what the device looks like, re-plans the arena when it says so, and reports
+/// how that went.
+#[pyclass(module = "ddo._native", frozen)]
+pub(crate) struct AutoBudget {
+    inner: Mutex<auto_budget::AutoBudget>,
+}
+
+impl AutoBudget {
+    fn rule(&self) -> std::sync::MutexGuard<'_, auto_budget::AutoBudget> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl AutoBudget {
+    /// The automatic budget `plan` asks for, or `None` when its policy is off.
+    #[staticmethod]
+    fn for_plan(plan: &ResolvedPlan) -> Option<AutoBudget> {
+        auto_budget::AutoBudget::for_plan(&plan.plan).map(|a| AutoBudget { inner: Mutex::new(a) })
+    }
+
+    /// The headroom kept free, in bytes.
+    #[getter]
+    fn headroom_bytes(&self) -> u64 {
+        self.rule().headroom_bytes()
+    }
+
+    /// Decides after a pass: the budget in bytes to re-plan the arena under, or `None` to keep
+    /// it. A budget returned must be followed by `replanned`, `refused` or `interrupted`.
+    fn after_pass(
+        &self,
+        free_bytes: u64,
+        budget_bytes: u64,
+        held_bytes: u64,
+        blocks_running: bool,
+    ) -> Option<u64> {
+        let sample = Sample { free_bytes, budget_bytes, held_bytes, blocks_running };
+        match self.rule().after_pass(sample) {
+            Step::Keep => None,
+            Step::Replan { target_bytes } => Some(target_bytes),
+        }
+    }
+
+    /// The re-plan ran (`changed` false: held views kept the arena); `budget_bytes` is the
+    /// arena's budget now.
+    fn replanned(&self, changed: bool, budget_bytes: u64) {
+        self.rule().replanned(changed, budget_bytes);
+    }
+
+    /// The re-plan was refused with `error`; `unloaded` when the component could not keep its
+    /// last budget either. Returns the warning to show.
+    fn refused(&self, unloaded: bool, error: &str) -> String {
+        let refusal = if unloaded { Refusal::Unloaded } else { Refusal::TooSmall };
+        self.rule().refused(refusal, error)
+    }
+
+    /// The re-plan was interrupted: the next pass decides as this one would have.
+    fn interrupted(&self) {
+        self.rule().interrupted();
+    }
+
+    /// `setup.auto_budget` of the metrics, as JSON.
+    fn report(&self) -> PyResult<String> {
+        serde_json::to_string(&self.rule().report()).map_err(config_error)
+    }
+}
+
+/// Whether a capacity profile's recommendation sizes the budget of `plan`'s component, as
+/// `(outcome, setting, budget GiB, why)`: outcome `not_applicable`, `explicit_budget` (budget:
+/// the recommendation), `apply`, or a refusal's status (`invalid`, `device_changed`) with `why`.
+#[pyfunction]
+#[pyo3(signature = (plan, explicit_budget, device_total_bytes, device_is_gpu, setting=None, budget_gb=None, recorded_total_bytes=None))]
+pub(crate) fn capacity_profile_outcome(
+    plan: &ResolvedPlan,
+    explicit_budget: bool,
+    device_total_bytes: u64,
+    device_is_gpu: bool,
+    setting: Option<String>,
+    budget_gb: Option<f64>,
+    recorded_total_bytes: Option<f64>,
+) -> (&'static str, Option<&'static str>, Option<f64>, Option<String>) {
+    let recommendation =
+        Recommendation { setting, budget_gb, device_total_bytes: recorded_total_bytes };
+    let target =
+        Target { route: plan.plan.route, explicit_budget, device_total_bytes, device_is_gpu };
+    match capacity_profile::decide(&recommendation, &target) {
+        Outcome::NotApplicable => ("not_applicable", None, None, None),
+        Outcome::ExplicitBudget { recommended_gb } => {
+            ("explicit_budget", plan.plan.route.budget_setting(), Some(recommended_gb), None)
+        }
+        Outcome::Apply { setting, budget_gb } => ("apply", Some(setting), Some(budget_gb), None),
+        Outcome::Refused { refusal, why } => {
+            (refusal.status(), plan.plan.route.budget_setting(), budget_gb, Some(why))
+        }
+    }
+}
+
+/// A measured run's recommendation: `(budget GiB, free margin bytes)`.
+#[pyfunction]
+pub(crate) fn recommend_budget_gb(
+    build_budget_gb: f64,
+    total_bytes: u64,
+    peak_bytes: u64,
+    headroom_bytes: u64,
+) -> (f64, u64) {
+    capacity_profile::recommend_budget_gb(build_budget_gb, total_bytes, peak_bytes, headroom_bytes)
+}
+
+/// The published library's rule: `max(0, total - peak - headroom)` GiB, rounded to 4 digits.
+#[pyfunction]
+pub(crate) fn published_resident_budget_gb(total_gb: f64, peak_gb: f64, headroom_gb: f64) -> f64 {
+    capacity_profile::published_resident_budget_gb(total_gb, peak_gb, headroom_gb)
+}
+
+/// Route `linear_convolution`'s limits: `(resident KiB, streamed dtypes as torch names)`.
+#[pyfunction]
+pub(crate) fn layer_route_limits() -> (u32, Vec<&'static str>) {
+    let dtypes =
+        ddo_policy::LAYER_ROUTE_DTYPES.iter().map(|d| crate::torch_dtype::torch_name(*d)).collect();
+    (ddo_policy::LAYER_ROUTE_RESIDENT_KIB, dtypes)
+}
+
+/// Registers the rules in `ddo._native`.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<AutoBudget>()?;
+    m.add_function(wrap_pyfunction!(capacity_profile_outcome, m)?)?;
+    m.add_function(wrap_pyfunction!(recommend_budget_gb, m)?)?;
+    m.add_function(wrap_pyfunction!(published_resident_budget_gb, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_route_limits, m)?)?;
+    Ok(())
+}
