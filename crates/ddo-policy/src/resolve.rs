@@ -23,7 +23,7 @@ use crate::config::{ENV_ALIASES, parse_setting};
 use crate::env::component_env_name;
 use crate::preset::{Backend, ExecutionMode, Preset, VaeDefault, resolve_backend};
 use crate::route::{GroupOffload, LAYER_ROUTE_RESIDENT_KIB, Placement, Route, RouteChoice};
-use crate::value::{AutoBudgetPolicy, OffloadType, SettingValue};
+use crate::value::{AutoBudgetPolicy, OffloadType, ReadBackend, SettingValue, WeightEncoding};
 use crate::variables::{COMPONENT_KEYS, unknown_variable_warnings};
 use crate::{ComponentPolicy, ConfigError, DynamicOffloadConfig, Environment, Origin, Settings};
 
@@ -97,6 +97,20 @@ impl Plan {
         ];
         out.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
         out
+    }
+}
+
+impl Plan {
+    /// Whether reading the checkpoint's files into the page cache while the module is built
+    /// pays: the native route will map them whole (no retained or registered host tier, no
+    /// encoding, the mapping read backend). Admission still decides whether the host can hold them.
+    pub fn reads_ahead(&self) -> bool {
+        let s = &self.settings;
+        self.route == Route::VmmFastRuntime
+            && s.vmm_source_cache_gb == 0.0
+            && s.vmm_source_registered_gb == 0.0
+            && matches!(s.load_safetensors_backend, ReadBackend::Auto | ReadBackend::Mmap)
+            && s.vmm_weight_encoding == WeightEncoding::Off
     }
 }
 

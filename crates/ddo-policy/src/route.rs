@@ -191,6 +191,29 @@ pub struct RouteFacts {
     pub takes_auto_budget: bool,
 }
 
+impl RouteFacts {
+    /// The facts of the route named `name` (as [`Route::name`] writes it), or `None` for a
+    /// name that is no route. Group-offload parameters do not change the facts.
+    pub fn of_name(name: &str) -> Option<RouteFacts> {
+        let route = match name {
+            "linear_runtime" => Route::LinearRuntime,
+            "linear_convolution" => Route::LinearConvolution,
+            "vmm_fast_runtime" => Route::VmmFastRuntime,
+            "vmm_runtime" => Route::VmmRuntime,
+            "diffusers_group_offload" => Route::DiffusersGroupOffload(GroupOffload {
+                offload_type: OffloadType::LeafLevel,
+                use_stream: false,
+                record_stream: false,
+                low_cpu_mem_usage: false,
+                num_blocks_per_group: 1,
+            }),
+            "none" => Route::None { placement: Placement::Unmanaged },
+            _ => return None,
+        };
+        Some(route.facts())
+    }
+}
+
 /// Parameters up to this many KiB stay resident on route `linear_convolution` unless the
 /// configuration sets `small_tensor_threshold_kb` (the published route's threshold).
 pub const LAYER_ROUTE_RESIDENT_KIB: u32 = 16;
@@ -228,6 +251,10 @@ mod tests {
         assert!(
             !Route::VmmRuntime.takes_auto_budget() && !Route::LinearRuntime.takes_auto_budget()
         );
+        for route in streamed.into_iter().chain([none]) {
+            assert_eq!(RouteFacts::of_name(route.name()), Some(route.facts()));
+        }
+        assert_eq!(RouteFacts::of_name("dynamic_offload"), None);
         let json = serde_json::to_value(Route::LinearConvolution.facts()).unwrap();
         assert_eq!(json["published_name"], "dynamic_offload");
         assert_eq!(json["budget_setting"], serde_json::Value::Null);

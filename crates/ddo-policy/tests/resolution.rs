@@ -756,3 +756,26 @@ fn the_automatic_budget_is_refused_on_every_arena_route_but_the_native_one() {
     assert!(ddo_policy::auto_budget::AutoBudget::for_plan(&plan(&group)).is_some());
     assert!(ddo_policy::auto_budget::AutoBudget::for_plan(&plan(&req("transformer"))).is_none());
 }
+
+#[test]
+fn only_a_whole_mapping_of_the_checkpoint_reads_ahead() {
+    let native = |f: fn(&mut DynamicOffloadConfig)| Request {
+        arguments: args(|c| {
+            c.backend = Some("vmm".into());
+            f(c);
+        }),
+        ..req("transformer")
+    };
+    assert!(plan(&native(|_| {})).reads_ahead());
+    assert!(!plan(&native(|c| c.vmm_source_cache_gb = Some(2.0))).reads_ahead());
+    assert!(
+        !plan(&native(|c| c.load_safetensors_backend = Some(ddo_policy::ReadBackend::Direct)))
+            .reads_ahead()
+    );
+    assert!(
+        !plan(&native(|c| c.vmm_weight_encoding = Some(ddo_policy::WeightEncoding::On)))
+            .reads_ahead()
+    );
+    assert!(!plan(&native(|c| c.preset = Some("nvme_baseline".into()))).reads_ahead());
+    assert!(!plan(&req("transformer")).reads_ahead());
+}

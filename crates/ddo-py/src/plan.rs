@@ -43,6 +43,7 @@ impl ResolvedPlan {
         )
         .map_err(config_error)?;
         json["route_facts"] = serde_json::to_value(plan.route.facts()).map_err(config_error)?;
+        json["reads_ahead"] = serde_json::Value::Bool(plan.reads_ahead());
         json["session_route"] =
             serde_json::Value::Bool(ddo_session::SessionRoute::of(&plan.route).is_ok());
         let from_default = matches!(

@@ -134,6 +134,15 @@ pub(crate) fn layer_route_limits() -> (u32, Vec<&'static str>) {
     (ddo_policy::LAYER_ROUTE_RESIDENT_KIB, dtypes)
 }
 
+/// The facts of the route named `name` as JSON (`name`, `published_name`, `streams`, `native`,
+/// `reads_checkpoint`, `budget_setting`, `takes_auto_budget`); `None` for a name that is no route.
+#[pyfunction]
+pub(crate) fn route_facts(name: &str) -> PyResult<Option<String>> {
+    ddo_policy::RouteFacts::of_name(name)
+        .map(|facts| serde_json::to_string(&facts).map_err(config_error))
+        .transpose()
+}
+
 /// Registers the rules in `ddo._native`.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<AutoBudget>()?;
@@ -141,5 +150,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(recommend_budget_gb, m)?)?;
     m.add_function(wrap_pyfunction!(published_resident_budget_gb, m)?)?;
     m.add_function(wrap_pyfunction!(layer_route_limits, m)?)?;
+    m.add_function(wrap_pyfunction!(route_facts, m)?)?;
     Ok(())
 }
