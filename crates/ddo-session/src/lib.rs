@@ -106,3 +106,13 @@ pub fn running_on_wsl() -> bool {
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
+
+/// The book's page on the component session, its examples run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/src/rust/session.md")]
+struct BookSessionDoctests;
+
+/// The book's page on the Platform and the host backend, its examples run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/src/rust/platform.md")]
+struct BookPlatformDoctests;
