@@ -4,12 +4,14 @@
 //! - `demo`: the main job: shows what ddo decides for a Diffusers pipeline on this machine.
 //! - `test-gpu`: the CUDA tests and GPU benchmarks, here or as a bundle for a GPU machine.
 //! - `bench-gpu`: the side-by-side benchmark as a bundle for a GPU machine.
+//! - `docs`: the book's generated references (configuration, metrics) from the code's schemas.
 //! - `fuzz`: every fuzz target on a nightly toolchain.
 //! - `kernels`: the CUDA C kernels compiled to the PTX ddo ships (NVRTC from PyPI, no toolkit).
 
 use std::process::{Command, ExitCode};
 
 mod demo;
+mod docs;
 mod fuzz;
 mod gpu;
 mod kernels;
@@ -18,12 +20,14 @@ mod python;
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
-  ci      cargo fmt --check, clippy -D warnings, the test suite (nextest), doc tests, and the
+  ci      cargo fmt --check, clippy -D warnings, the test suite (nextest), doc tests, the docs
+          (generated references checked, cargo doc -D warnings, mdbook build docs) and the
           Python tests on the built wheel (creates .venv with PyTorch and Diffusers)
   demo    offload a Diffusers model from Python (CUDA when present, else CPU), then resolve a
           pipeline's plan and stream a checkpoint through the Rust arena
   test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)
   bench-gpu the side-by-side GPU benchmark as a bundle for a GPU machine (--help)
+  docs    write the book's generated references from the code's schemas (--check: compare only)
   fuzz    every fuzz target on the nightly toolchain with cargo-fuzz (--help)
   kernels compile the CUDA C kernels to the PTX shipped beside them, with NVRTC from PyPI (--help)";
 
@@ -34,6 +38,7 @@ fn main() -> ExitCode {
         Some("demo") => demo::run(&args[1..]),
         Some("test-gpu") => gpu::test_gpu(&args[1..]),
         Some("bench-gpu") => gpu::bench_gpu(&args[1..]),
+        Some("docs") => docs::run(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("kernels") => kernels::run_task(&args[1..]),
         Some("-h" | "--help") | None => {
@@ -82,6 +87,9 @@ fn ci() -> Result<(), String> {
         run("cargo", &["test", "--workspace", "--all-features", "--lib", "--bins", "--tests"])?;
     }
     run("cargo", &["test", "--workspace", "--all-features", "--doc"])?;
+    docs::check()?;
+    docs::api_docs()?;
+    docs::build_book()?;
     // ddo-platform builds and works without CUDA (its `cuda` feature off).
     run(
         "cargo",
