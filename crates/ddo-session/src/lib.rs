@@ -116,3 +116,8 @@ struct BookSessionDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/src/rust/platform.md")]
 struct BookPlatformDoctests;
+
+/// The book's page on the arena used on its own, its example run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/src/rust/arena.md")]
+struct BookArenaDoctests;
