@@ -211,6 +211,27 @@ fn a_failed_release_retains_and_refuses_reuse_and_close() {
     arena.release(ok, stream).unwrap();
 }
 
+/// Contract 2: the bytes a failed release retains are counted once, however many of the
+/// memory's leases fail to be given back, by `release` and `release_all` alike.
+#[test]
+fn failed_releases_count_the_retained_bytes_once() {
+    let (_d, spy, arena, stream) = spy_arena(4, 2);
+    let leases: Vec<_> = (0..4).map(|_| arena.acquire(UnitId(1), stream).unwrap()).collect();
+    let mut leases = leases.into_iter();
+    for nth in 0..3 {
+        spy.fail(Op::Record, nth);
+    }
+    arena.release(leases.next().unwrap(), stream).unwrap_err();
+    arena.release(leases.next().unwrap(), stream).unwrap_err();
+    arena.release_all(leases.collect(), stream).unwrap_err();
+    assert_eq!(arena.stats().unsafe_retained_bytes, arena.plan().slot_len);
+    let e = arena.close().unwrap_err();
+    assert!(
+        matches!(e, ArenaError::CloseRefused { retained, .. } if retained == arena.plan().slot_len),
+        "{e}"
+    );
+}
+
 /// Contracts 1 and 2 for pass leases: resident units leased for a pass are given back after one
 /// fence on the consumer (its work on them completes before their memory can go), a unit the
 /// plan streams is refused with nothing left leased, and a failed record retains every unit.

@@ -1,0 +1,113 @@
+//! The arena's one lock is never held while the source is read: while an upload waits for the
+//! disk, other callers of the arena (its counters, the release of another unit) go on.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use common::*;
+use ddo_arena::{Arena, Budget, UnitSpec};
+use ddo_core::{
+    CheckpointFileId, HostSlice, ReadRequest, SourceError, TensorSlice, UnitId, WeightSource,
+};
+
+/// A source that holds nothing in host memory (every upload reads), whose reads wait at a gate
+/// once it is closed, telling the test when one has started.
+struct GatedSource {
+    inner: Arc<dyn WeightSource>,
+    closed: AtomicBool,
+    open: (Mutex<bool>, Condvar),
+    started: Mutex<mpsc::Sender<()>>,
+}
+
+impl GatedSource {
+    fn open_gate(&self) {
+        *self.open.0.lock().unwrap() = true;
+        self.open.1.notify_all();
+    }
+}
+
+impl WeightSource for GatedSource {
+    fn slices(&self) -> &[TensorSlice] {
+        self.inner.slices()
+    }
+
+    fn check_unchanged(&self) -> Result<(), SourceError> {
+        self.inner.check_unchanged()
+    }
+
+    fn read(&self, slice: usize, dst: &mut [u8]) -> Result<(), SourceError> {
+        self.inner.read(slice, dst)
+    }
+
+    fn host_bytes(&self, _slice: usize) -> Option<HostSlice> {
+        None
+    }
+
+    fn host_pieces(
+        &self,
+        _file: CheckpointFileId,
+        _offset: u64,
+        _len: u64,
+    ) -> Option<Vec<(u64, HostSlice)>> {
+        None
+    }
+
+    fn read_batch(&self, requests: &[ReadRequest], dst: &mut [u8]) -> Result<(), SourceError> {
+        if self.closed.load(Ordering::SeqCst) {
+            self.started.lock().unwrap().send(()).unwrap();
+            let mut open = self.open.0.lock().unwrap();
+            while !*open {
+                open = self.open.1.wait(open).unwrap();
+            }
+        }
+        self.inner.read_batch(requests, dst)
+    }
+}
+
+#[test]
+fn a_read_of_the_source_does_not_hold_the_arena() {
+    let dir = scratch();
+    let (started, reading) = mpsc::channel();
+    let source = Arc::new(GatedSource {
+        inner: checkpoint(dir.path(), 4, 128),
+        closed: AtomicBool::new(false),
+        open: (Mutex::new(false), Condvar::new()),
+        started: Mutex::new(started),
+    });
+    let (platform, device) = host();
+    let units = UnitSpec::by_block(source.slices());
+    let block = (5 * 128 * 128 * 2 + 128 * 2) as u64;
+    let slot = block.div_ceil(GRANULARITY) * GRANULARITY;
+    // Two slots, no look-ahead: each streamed unit uploads when acquired.
+    let budget = Budget { total: GRANULARITY + 2 * slot, headroom: 0, prefetch_depth: 0 };
+    let arena = Arena::new(&platform, source.clone(), &units, budget).unwrap();
+    let stream = ddo_core::Residency::create_stream(&*device).unwrap();
+    // Unit 1 streams through slot 0, unit 2 through slot 1.
+    let held = arena.acquire(UnitId(1), stream).unwrap();
+    source.closed.store(true, Ordering::SeqCst);
+    let (went_on, seen) = std::thread::scope(|s| {
+        let arena = &arena;
+        let reader = s.spawn(|| arena.acquire(UnitId(2), stream));
+        reading.recv_timeout(Duration::from_secs(30)).expect("the upload of unit 2 reads");
+        let (done, finished) = mpsc::channel();
+        let other = s.spawn(move || {
+            let stats = arena.stats();
+            arena.release(held, stream).unwrap();
+            done.send(()).unwrap();
+            stats
+        });
+        let went_on = finished.recv_timeout(Duration::from_secs(5)).is_ok();
+        source.open_gate();
+        let lease = reader.join().unwrap().unwrap();
+        arena.release(lease, stream).unwrap();
+        (went_on, other.join().unwrap())
+    });
+    assert!(went_on, "the arena's lock was held while the source was read");
+    assert_eq!(seen.uploads, 1, "unit 2's upload had not committed yet");
+    assert_eq!(arena.stats().uploads, 2);
+    arena.close().unwrap();
+}
