@@ -3,8 +3,8 @@
 //! working set the model's framework keeps (activations, its allocator's cache) never counts as
 //! free.
 //!
-//! The rule is pure: the host samples the device after each pass and hands the sample to
-//! [`AutoBudget::after_pass`], applies the [`Step`] it gets back (a re-plan of the arena), and
+//! The rule is pure: the host samples the device's free memory after each pass and hands it to
+//! [`AutoBudget::after_pass`] with a way to read the arena's state, applies the [`Step`] it gets back (a re-plan of the arena), and
 //! reports how that went ([`AutoBudget::replanned`], [`AutoBudget::refused`],
 //! [`AutoBudget::interrupted`]). The budget is planned again after the first pass, and after any
 //! pass that leaves less than half the headroom free (the working set grew).
@@ -42,11 +42,10 @@ pub enum Decision {
     Unloaded,
 }
 
-/// What the device looked like after a pass.
+/// What the arena looked like after a pass: read only when the free memory alone does not
+/// settle the decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sample {
-    /// Free device memory, as the driver counts it.
-    pub free_bytes: u64,
+pub struct Arena {
     /// The arena's budget now.
     pub budget_bytes: u64,
     /// Device bytes the arena holds now (resident units and slots): free to it when re-planned.
@@ -146,16 +145,26 @@ impl AutoBudget {
         self.decision
     }
 
-    /// Decides after a pass. A [`Step::Replan`] must be followed by one of the three reports.
-    pub fn after_pass(&mut self, sample: Sample) -> Step {
+    /// Whether [`after_pass`](AutoBudget::after_pass) with `free_bytes` reads the arena (the
+    /// first pass, or less than half the headroom free).
+    pub fn reads_arena(&self, free_bytes: u64) -> bool {
+        self.passes == 0 || free_bytes < self.headroom_bytes / 2
+    }
+
+    /// Decides after a pass that left `free_bytes` free; `arena` is read only when that alone
+    /// does not settle it (a steady pass costs the host nothing more). A [`Step::Replan`] must be
+    /// followed by one of the three reports.
+    pub fn after_pass(&mut self, free_bytes: u64, arena: impl FnOnce() -> Arena) -> Step {
         self.passes += 1;
-        self.free_bytes = Some(sample.free_bytes);
-        if self.passes > 1 && sample.free_bytes >= self.headroom_bytes / 2 {
+        self.free_bytes = Some(free_bytes);
+        if self.passes > 1 && free_bytes >= self.headroom_bytes / 2 {
             return Step::Keep;
         }
+        debug_assert!(self.passes == 1 || free_bytes < self.headroom_bytes / 2);
+        let sample = arena();
         let budget = sample.budget_bytes;
-        let target = (sample.free_bytes.saturating_add(sample.held_bytes))
-            .saturating_sub(self.headroom_bytes);
+        let target =
+            (free_bytes.saturating_add(sample.held_bytes)).saturating_sub(self.headroom_bytes);
         self.budget_bytes = Some(budget);
         // Shrinking is never skipped (the device is short); growing only pays past a margin.
         let margin = AUTO_REPLAN_MIN_BYTES.max((budget as f64 * AUTO_REPLAN_SHARE) as u64);
@@ -254,8 +263,13 @@ mod tests {
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
 
-    fn sample(free: u64, budget: u64, held: u64) -> Sample {
-        Sample { free_bytes: free, budget_bytes: budget, held_bytes: held, blocks_running: false }
+    /// After a pass that left `free` free, with the arena at `budget` holding `held`.
+    fn pass(auto: &mut AutoBudget, free: u64, budget: u64, held: u64) -> Step {
+        auto.after_pass(free, || Arena {
+            budget_bytes: budget,
+            held_bytes: held,
+            blocks_running: false,
+        })
     }
 
     #[test]
@@ -268,7 +282,7 @@ mod tests {
     #[test]
     fn the_first_pass_plans_free_plus_held_less_the_headroom() {
         let mut auto = AutoBudget::with_headroom(GIB);
-        let step = auto.after_pass(sample(10 * GIB, 3 * GIB, 3 * GIB));
+        let step = pass(&mut auto, 10 * GIB, 3 * GIB, 3 * GIB);
         assert_eq!(step, Step::Replan { target_bytes: 12 * GIB });
         auto.replanned(true, 12 * GIB);
         let report = auto.report();
@@ -279,11 +293,11 @@ mod tests {
     #[test]
     fn later_passes_keep_the_budget_while_half_the_headroom_is_free() {
         let mut auto = AutoBudget::with_headroom(GIB);
-        assert!(matches!(auto.after_pass(sample(10 * GIB, 3 * GIB, 3 * GIB)), Step::Replan { .. }));
+        assert!(matches!(pass(&mut auto, 10 * GIB, 3 * GIB, 3 * GIB), Step::Replan { .. }));
         auto.replanned(true, 12 * GIB);
-        assert_eq!(auto.after_pass(sample(GIB / 2, 12 * GIB, 12 * GIB)), Step::Keep);
+        assert_eq!(pass(&mut auto, GIB / 2, 12 * GIB, 12 * GIB), Step::Keep);
         // Below half the headroom: the working set grew, the budget shrinks.
-        let step = auto.after_pass(sample(GIB / 4, 12 * GIB, 12 * GIB));
+        let step = pass(&mut auto, GIB / 4, 12 * GIB, 12 * GIB);
         assert_eq!(step, Step::Replan { target_bytes: 12 * GIB + GIB / 4 - GIB });
         auto.replanned(true, 11 * GIB);
         assert_eq!(auto.decision(), Some(Decision::WorkingSetGrew));
@@ -294,29 +308,29 @@ mod tests {
     fn growth_within_the_margin_is_not_worth_a_replan_but_shrinking_always_is() {
         let mut auto = AutoBudget::with_headroom(GIB);
         // 200 MiB more than the budget: under the 256 MiB floor of the margin.
-        assert_eq!(auto.after_pass(sample(GIB + 200 * MIB, 4 * GIB, 4 * GIB)), Step::Keep);
+        assert_eq!(pass(&mut auto, GIB + 200 * MIB, 4 * GIB, 4 * GIB), Step::Keep);
         assert_eq!(auto.decision(), Some(Decision::KeptCloseEnough));
         let mut auto = AutoBudget::with_headroom(GIB);
         // 1 MiB less: shrunk.
-        let step = auto.after_pass(sample(GIB - MIB, 4 * GIB, 4 * GIB));
+        let step = pass(&mut auto, GIB - MIB, 4 * GIB, 4 * GIB);
         assert_eq!(step, Step::Replan { target_bytes: 4 * GIB - MIB });
         // On a 40 GiB budget the margin is 5 %: 1 GiB more is under it.
         let mut auto = AutoBudget::with_headroom(GIB);
-        assert_eq!(auto.after_pass(sample(2 * GIB, 40 * GIB, 40 * GIB)), Step::Keep);
+        assert_eq!(pass(&mut auto, 2 * GIB, 40 * GIB, 40 * GIB), Step::Keep);
     }
 
     #[test]
     fn a_refused_budget_is_said_once_and_tried_again_only_above_it() {
         let mut auto = AutoBudget::with_headroom(GIB);
-        let step = auto.after_pass(sample(0, 2 * GIB, 2 * GIB));
+        let step = pass(&mut auto, 0, 2 * GIB, 2 * GIB);
         assert_eq!(step, Step::Replan { target_bytes: GIB });
         let warning = auto.refused(Refusal::TooSmall, "two slots need 1.5 GiB");
         assert!(warning.contains("cannot run in (two slots need 1.5 GiB)"), "{warning}");
         assert!(warning.contains("keeps 2.00 GiB"), "{warning}");
-        assert_eq!(auto.after_pass(sample(0, 2 * GIB, 2 * GIB)), Step::Keep);
+        assert_eq!(pass(&mut auto, 0, 2 * GIB, 2 * GIB), Step::Keep);
         assert_eq!(auto.decision(), Some(Decision::KeptTooSmall));
         // More memory free: tried again.
-        assert!(matches!(auto.after_pass(sample(GIB / 4, 2 * GIB, 2 * GIB)), Step::Replan { .. }));
+        assert!(matches!(pass(&mut auto, GIB / 4, 2 * GIB, 2 * GIB), Step::Replan { .. }));
         let warning = auto.refused(Refusal::Unloaded, "out of memory");
         assert!(warning.contains("call reload()"), "{warning}");
         assert_eq!(auto.decision(), Some(Decision::Unloaded));
@@ -325,16 +339,26 @@ mod tests {
     #[test]
     fn running_blocks_and_interrupts_leave_the_pass_to_be_decided_again() {
         let mut auto = AutoBudget::with_headroom(GIB);
-        let running = Sample { blocks_running: true, ..sample(10 * GIB, GIB, GIB) };
-        assert_eq!(auto.after_pass(running), Step::Keep);
+        let running = || Arena { budget_bytes: GIB, held_bytes: GIB, blocks_running: true };
+        assert_eq!(auto.after_pass(10 * GIB, running), Step::Keep);
         assert_eq!(auto.decision(), Some(Decision::KeptBlocksRunning));
         // Still the first pass: a re-plan follows whatever is free.
-        assert!(matches!(auto.after_pass(sample(10 * GIB, GIB, GIB)), Step::Replan { .. }));
+        assert!(matches!(pass(&mut auto, 10 * GIB, GIB, GIB), Step::Replan { .. }));
         auto.interrupted();
-        assert!(matches!(auto.after_pass(sample(10 * GIB, GIB, GIB)), Step::Replan { .. }));
+        assert!(matches!(pass(&mut auto, 10 * GIB, GIB, GIB), Step::Replan { .. }));
         auto.replanned(false, GIB);
         assert_eq!(auto.decision(), Some(Decision::KeptViewsHeld));
         assert_eq!(auto.report().replans, 0);
+    }
+
+    #[test]
+    fn a_steady_pass_does_not_read_the_arena() {
+        let mut auto = AutoBudget::with_headroom(GIB);
+        assert!(matches!(pass(&mut auto, 10 * GIB, GIB, GIB), Step::Replan { .. }));
+        auto.replanned(true, 10 * GIB);
+        assert!(!auto.reads_arena(GIB) && auto.reads_arena(GIB / 4));
+        let step = auto.after_pass(GIB, || panic!("the arena was read on a steady pass"));
+        assert_eq!(step, Step::Keep);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use ddo_policy::auto_budget::{self, Refusal, Sample, Step};
+use ddo_policy::auto_budget::{self, Arena, Refusal, Step};
 use ddo_policy::capacity_profile::{self, Outcome, Recommendation, Target};
 use pyo3::prelude::*;
 
@@ -39,20 +39,25 @@ impl AutoBudget {
         self.rule().headroom_bytes()
     }
 
-    /// Decides after a pass: the budget in bytes to re-plan the arena under, or `None` to keep
-    /// it. A budget returned must be followed by `replanned`, `refused` or `interrupted`.
-    fn after_pass(
-        &self,
-        free_bytes: u64,
-        budget_bytes: u64,
-        held_bytes: u64,
-        blocks_running: bool,
-    ) -> Option<u64> {
-        let sample = Sample { free_bytes, budget_bytes, held_bytes, blocks_running };
-        match self.rule().after_pass(sample) {
+    /// Decides after a pass that left `free_bytes` free: the budget in bytes to re-plan the
+    /// arena under, or `None` to keep it. `arena()` returns `(budget bytes, held bytes, blocks
+    /// running)` and is called only when the free memory alone does not settle it. A budget
+    /// returned must be followed by `replanned`, `refused` or `interrupted`.
+    fn after_pass(&self, free_bytes: u64, arena: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        // Read without holding the rule's lock: the read runs Python, which may let another
+        // thread in to read the report.
+        let read = if self.rule().reads_arena(free_bytes) {
+            let (budget_bytes, held_bytes, blocks_running) = arena.call0()?.extract()?;
+            Some(Arena { budget_bytes, held_bytes, blocks_running })
+        } else {
+            None
+        };
+        // Another pass may have ended in between: an arena not read is taken as busy (kept).
+        let busy = Arena { budget_bytes: 0, held_bytes: 0, blocks_running: true };
+        Ok(match self.rule().after_pass(free_bytes, || read.unwrap_or(busy)) {
             Step::Keep => None,
             Step::Replan { target_bytes } => Some(target_bytes),
-        }
+        })
     }
 
     /// The re-plan ran (`changed` false: held views kept the arena); `budget_bytes` is the
