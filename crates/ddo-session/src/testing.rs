@@ -73,7 +73,7 @@ pub fn write_typed(
     f.flush()
 }
 
-/// The bytes [`write`] stores for tensor number `t` of `len` bytes.
+/// The bytes [`write()`] stores for tensor number `t` of `len` bytes.
 pub fn expected_bytes(t: usize, len: u64) -> Vec<u8> {
     (0..len).map(|i| ((t as u64 * 31 + i) % 251) as u8).collect()
 }
