@@ -19,11 +19,11 @@ use std::time::Instant;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaContext;
-use ddo_arena::{Arena, Budget, UnitSpec};
+use ddo_arena::{Arena, ArenaStats, Budget, UnitSpec};
 use ddo_core::{
     DeviceRange, GIB, HostRegion, HostSlice, Platform, Residency, StreamId, UnitId, WeightSource,
 };
-use ddo_metrics::{DynamicOffloadMetrics, ExecutionSection, SetupSection};
+use ddo_metrics::{DynamicOffloadMetrics, ExecutionSection, RuntimeSection, SetupSection};
 use ddo_platform::cuda::CudaDevice;
 use ddo_source::{Checkpoint, CheckpointSource, Registrar};
 
@@ -387,6 +387,34 @@ fn profile(arena: &Arena, register_seconds: f64) -> String {
         setup_seconds: Some(register_seconds),
         ..SetupSection::default()
     };
-    m.runtime = arena.stats().runtime_section();
+    m.runtime = runtime_section(&arena.stats());
     m.format_profile()
+}
+
+/// The arena's counters as the runtime section of the metrics (the arena reports plain
+/// counters; whoever reports metrics maps them, as the session does for its routes).
+fn runtime_section(s: &ArenaStats) -> RuntimeSection {
+    RuntimeSection {
+        passes: Some(s.passes),
+        uploads: Some(s.uploads),
+        upload_bytes: Some(s.upload_bytes),
+        upload_copies: Some(s.upload_copies),
+        device_conversions: Some(s.device_conversions),
+        device_decodes: Some(s.device_decodes),
+        encoded_upload_bytes: Some(s.encoded_upload_bytes),
+        decoded_bytes: Some(s.decoded_bytes),
+        decode_seconds: Some(s.decode_seconds),
+        upload_seconds: Some(s.upload_seconds),
+        wait_seconds: Some(s.wait_seconds),
+        prefetch_hits: Some(s.prefetch_hits),
+        prefetch_misses: Some(s.prefetch_misses),
+        prefetch_cancels: Some(s.prefetch_cancels),
+        evictions: Some(s.evictions),
+        reclaim_cycles: Some(s.reclaim_cycles),
+        resident_bytes: Some(s.resident_bytes),
+        slot_bytes: Some(s.slot_bytes),
+        peak_bytes: Some(s.peak_bytes),
+        unsafe_retained_bytes: Some(s.unsafe_retained_bytes),
+        ..RuntimeSection::default()
+    }
 }

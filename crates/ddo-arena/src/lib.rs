@@ -38,7 +38,6 @@ pub use plan::{Budget, ResidencyPlan};
 pub use stats::ArenaStats;
 pub use tree::{
     Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitKind, UnitRule,
-    dtype_from_torch,
 };
 
 pub use ddo_core::{ExecutionUnit, SlotId, UnitId};

@@ -1,7 +1,5 @@
 //! Arena counters.
 
-use ddo_metrics::RuntimeSection;
-
 /// What the arena did. Times are host wall time in seconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ArenaStats {
@@ -102,33 +100,6 @@ impl ArenaStats {
             peer_uploads: self.peer_uploads + later.peer_uploads,
             peer_upload_bytes: self.peer_upload_bytes + later.peer_upload_bytes,
             peer_store_bytes: later.peer_store_bytes,
-        }
-    }
-
-    /// The runtime section of metrics for a native route.
-    pub fn runtime_section(&self) -> RuntimeSection {
-        RuntimeSection {
-            passes: Some(self.passes),
-            uploads: Some(self.uploads),
-            upload_bytes: Some(self.upload_bytes),
-            upload_copies: Some(self.upload_copies),
-            device_conversions: Some(self.device_conversions),
-            device_decodes: Some(self.device_decodes),
-            encoded_upload_bytes: Some(self.encoded_upload_bytes),
-            decoded_bytes: Some(self.decoded_bytes),
-            decode_seconds: Some(self.decode_seconds),
-            upload_seconds: Some(self.upload_seconds),
-            wait_seconds: Some(self.wait_seconds),
-            prefetch_hits: Some(self.prefetch_hits),
-            prefetch_misses: Some(self.prefetch_misses),
-            prefetch_cancels: Some(self.prefetch_cancels),
-            evictions: Some(self.evictions),
-            reclaim_cycles: Some(self.reclaim_cycles),
-            resident_bytes: Some(self.resident_bytes),
-            slot_bytes: Some(self.slot_bytes),
-            peak_bytes: Some(self.peak_bytes),
-            unsafe_retained_bytes: Some(self.unsafe_retained_bytes),
-            ..RuntimeSection::default()
         }
     }
 

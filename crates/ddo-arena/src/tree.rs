@@ -368,29 +368,6 @@ impl Assignment {
     }
 }
 
-/// The element type of a PyTorch dtype name (`torch.bfloat16`, `bfloat16`).
-pub fn dtype_from_torch(name: &str) -> Option<Dtype> {
-    let name = name.strip_prefix("torch.").unwrap_or(name);
-    Some(match name {
-        "bfloat16" => Dtype::BF16,
-        "float16" | "half" => Dtype::F16,
-        "float32" | "float" => Dtype::F32,
-        "float64" | "double" => Dtype::F64,
-        "int64" | "long" => Dtype::I64,
-        "int32" | "int" => Dtype::I32,
-        "int16" | "short" => Dtype::I16,
-        "int8" => Dtype::I8,
-        "uint8" => Dtype::U8,
-        "bool" => Dtype::Bool,
-        "uint16" => Dtype::U16,
-        "uint32" => Dtype::U32,
-        "uint64" => Dtype::U64,
-        "float8_e4m3fn" => Dtype::F8E4M3,
-        "float8_e5m2" => Dtype::F8E5M2,
-        _ => return None,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -628,12 +605,5 @@ mod tests {
         let a = t.assign(&UnitRule::default().by_layers(1 << 30));
         assert_eq!(names(&a)[0], "conv_in");
         assert_eq!(a.units[0].parameters.len(), 2, "sizes unknown: the bias streams too");
-    }
-
-    #[test]
-    fn torch_dtype_names() {
-        assert_eq!(dtype_from_torch("torch.bfloat16"), Some(Dtype::BF16));
-        assert_eq!(dtype_from_torch("float32"), Some(Dtype::F32));
-        assert_eq!(dtype_from_torch("torch.complex64"), None);
     }
 }

@@ -79,6 +79,30 @@ impl Dtype {
             Dtype::F8E5M2 => "F8_E5M2",
         }
     }
+
+    /// The element type PyTorch names `name` (`torch.bfloat16`, `bfloat16`, `half`, ...), where
+    /// ddo has one; `None` for a dtype ddo does not hold (complex, quantized, ...).
+    pub fn from_torch(name: &str) -> Option<Dtype> {
+        let name = name.strip_prefix("torch.").unwrap_or(name);
+        Some(match name {
+            "bfloat16" => Dtype::BF16,
+            "float16" | "half" => Dtype::F16,
+            "float32" | "float" => Dtype::F32,
+            "float64" | "double" => Dtype::F64,
+            "int64" | "long" => Dtype::I64,
+            "int32" | "int" => Dtype::I32,
+            "int16" | "short" => Dtype::I16,
+            "int8" => Dtype::I8,
+            "uint8" => Dtype::U8,
+            "bool" => Dtype::Bool,
+            "uint16" => Dtype::U16,
+            "uint32" => Dtype::U32,
+            "uint64" => Dtype::U64,
+            "float8_e4m3fn" => Dtype::F8E4M3,
+            "float8_e5m2" => Dtype::F8E5M2,
+            _ => return None,
+        })
+    }
 }
 
 impl fmt::Display for Dtype {
@@ -119,5 +143,12 @@ mod tests {
         assert_eq!(Dtype::F8E4M3.size_bytes(), 1);
         let err = "F4".parse::<Dtype>().unwrap_err();
         assert!(err.to_string().starts_with("unknown dtype \"F4\"; known dtypes: BOOL, U8"));
+    }
+
+    #[test]
+    fn torch_dtype_names() {
+        assert_eq!(Dtype::from_torch("torch.bfloat16"), Some(Dtype::BF16));
+        assert_eq!(Dtype::from_torch("float32"), Some(Dtype::F32));
+        assert_eq!(Dtype::from_torch("torch.complex64"), None);
     }
 }

@@ -257,7 +257,7 @@ fn unit_paths(
                 UnitParameter::Sized(name, key, dtype, shape) => ddo_session::ParameterRef {
                     name,
                     key,
-                    dtype: ddo_session::dtype_from_torch(&dtype),
+                    dtype: ddo_core::Dtype::from_torch(&dtype),
                     shape: Some(shape),
                 },
                 UnitParameter::Named(name, key) => {

@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
-use ddo_core::{HostRegion, HostSlice, StreamId, UnitId};
+use ddo_core::{Dtype, HostRegion, HostSlice, StreamId, UnitId};
 use ddo_session::{
     ComponentSession, ExecutionDevice, LeaseId, ModuleNode, ModuleTree, ParameterRef, SessionSpec,
-    Weights, dtype_from_torch,
+    Weights,
 };
 use ddo_source::{HostTensor, MmapChoice};
 use pyo3::prelude::*;
@@ -55,8 +55,8 @@ type TensorRow = (String, String, Vec<u64>, usize, u64);
 type ParameterRow = (String, u64, String, Vec<u64>);
 
 /// A PyTorch dtype the session can stream and PyTorch can view through DLPack.
-fn dtype(name: &str) -> PyResult<ddo_core::Dtype> {
-    dtype_from_torch(name).filter(|d| crate::dlpack::dtype_code(*d).is_some()).ok_or_else(|| {
+fn dtype(name: &str) -> PyResult<Dtype> {
+    Dtype::from_torch(name).filter(|d| crate::dlpack::dtype_code(*d).is_some()).ok_or_else(|| {
         crate::errors::DynamicOffloadError::new_err(format!(
             "dtype {name} cannot be offloaded (supported: float16, bfloat16, float32, float64, \
              float8_e4m3fn, float8_e5m2, integer and bool dtypes)"

@@ -59,7 +59,6 @@ pub mod testing;
 
 pub use ddo_arena::{
     Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitKind, UnitRule,
-    dtype_from_torch,
 };
 pub use device::ExecutionDevice;
 pub use error::SessionError;

@@ -1,7 +1,9 @@
 //! The metrics snapshot of a session, assembled in one place.
 
+use ddo_arena::ArenaStats;
 use ddo_metrics::{
-    DynamicOffloadMetrics, ExecutionSection, GroupOffloadSetup, HostMemorySection, SetupSection,
+    DynamicOffloadMetrics, ExecutionSection, GroupOffloadSetup, HostMemorySection, RuntimeSection,
+    SetupSection,
 };
 use ddo_policy::{OffloadType, Placement, Plan, Route};
 
@@ -148,7 +150,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         if let Some(reason) = a.not_packed {
             setup.warnings.get_or_insert_with(Vec::new).push(reason.to_owned());
         }
-        let mut runtime = a.stats.runtime_section();
+        let mut runtime = runtime_section(&a.stats);
         runtime.passes = Some(a.stats.passes);
         if a.peer.is_some() {
             runtime.peer_uploads = Some(a.stats.peer_uploads);
@@ -171,6 +173,34 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
     });
     m.setup = setup;
     m
+}
+
+/// The runtime section of a native route's metrics: the arena's counters every arena has (the
+/// peer store's and the disk's are added where the route has them).
+fn runtime_section(s: &ArenaStats) -> RuntimeSection {
+    RuntimeSection {
+        passes: Some(s.passes),
+        uploads: Some(s.uploads),
+        upload_bytes: Some(s.upload_bytes),
+        upload_copies: Some(s.upload_copies),
+        device_conversions: Some(s.device_conversions),
+        device_decodes: Some(s.device_decodes),
+        encoded_upload_bytes: Some(s.encoded_upload_bytes),
+        decoded_bytes: Some(s.decoded_bytes),
+        decode_seconds: Some(s.decode_seconds),
+        upload_seconds: Some(s.upload_seconds),
+        wait_seconds: Some(s.wait_seconds),
+        prefetch_hits: Some(s.prefetch_hits),
+        prefetch_misses: Some(s.prefetch_misses),
+        prefetch_cancels: Some(s.prefetch_cancels),
+        evictions: Some(s.evictions),
+        reclaim_cycles: Some(s.reclaim_cycles),
+        resident_bytes: Some(s.resident_bytes),
+        slot_bytes: Some(s.slot_bytes),
+        peak_bytes: Some(s.peak_bytes),
+        unsafe_retained_bytes: Some(s.unsafe_retained_bytes),
+        ..RuntimeSection::default()
+    }
 }
 
 /// Where each unit's weights come from, as ranges of unit ids (`session.units()` order) per
