@@ -205,10 +205,10 @@ def check_side_stream(work: str) -> str:
     model run there."""
     from diffusers import FluxTransformer2DModel
 
-    from ddo.runtime import _stream_reader
+    from ddo.runtime.hooks import stream_reader
 
     side = torch.cuda.Stream(DEVICE)
-    current = _stream_reader(torch.device(DEVICE))
+    current = stream_reader(torch.device(DEVICE))
     assert current() == torch.cuda.current_stream(DEVICE).cuda_stream
     with torch.cuda.stream(side):
         assert current() == side.cuda_stream, "the stream handle does not follow torch.cuda.stream()"

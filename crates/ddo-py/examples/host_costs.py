@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None)
     a = ap.parse_args(argv)
     import ddo
-    from ddo import runtime as rt
+    from ddo.runtime.guards import refuse_traced
 
     dev = torch.device(a.device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             streamed_hooks = per_call(lambda: (spre(sblk, ()), spost(sblk, (), outputs)), 1000, a.rounds)
         finally:
             srun.session.end_pass(stream)
-        traced = per_call(lambda: rt._refuse_traced("a block"), 1000, a.rounds)
+        traced = per_call(lambda: refuse_traced("a block"), 1000, a.rounds)
         event = per_call(lambda: torch.cuda.Event().record(), 1000, a.rounds) if dev.type == "cuda" else None
     base = statistics.median(times["plain"])
     params = len(run.watched)

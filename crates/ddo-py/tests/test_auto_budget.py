@@ -10,6 +10,7 @@ import torch
 
 import ddo
 from ddo import runtime as ddo_runtime
+from ddo.runtime import publishing
 
 MIB = 1 << 20
 
@@ -212,7 +213,7 @@ def test_counters_go_on_across_a_budget_change(tmp_path, flux):
 def test_a_write_after_an_interrupted_unload_is_still_refused(tmp_path, flux, monkeypatch):
     loaded, inputs, reference = load(tmp_path, flux, auto_budget_policy="balanced")
     assert torch.equal(run(loaded.module, inputs), reference)
-    real, calls = ddo_runtime._parameter_like, {"n": 0}
+    real, calls = publishing._parameter_like, {"n": 0}
 
     def flaky(*args):
         calls["n"] += 1
@@ -220,10 +221,10 @@ def test_a_write_after_an_interrupted_unload_is_still_refused(tmp_path, flux, mo
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(ddo_runtime, "_parameter_like", flaky)
+    monkeypatch.setattr(publishing, "_parameter_like", flaky)
     with pytest.raises(KeyboardInterrupt):
         loaded.offload.unload()
-    monkeypatch.setattr(ddo_runtime, "_parameter_like", real)
+    monkeypatch.setattr(publishing, "_parameter_like", real)
     weight = [p for p in loaded.module.parameters() if not p.is_meta][-1]
     with torch.no_grad():
         weight.fill_(1)

@@ -114,9 +114,9 @@ def release_pytorch_host_cache(
 
 
 def _live_runtimes() -> List[Any]:
-    from .runtime import _RUNTIMES
+    from .runtime.guards import ATTACHED
 
-    return [r for r in list(_RUNTIMES) if not r.detached and r.session is not None]
+    return [r for r in list(ATTACHED) if not r.detached and r.session is not None]
 
 
 def release_native_vmm_idle_cache(
