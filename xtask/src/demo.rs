@@ -1,9 +1,8 @@
 //! The demo: what ddo decides for a Diffusers pipeline on this machine.
 
-use ddo_core::{AdmissionProbe, GIB, GrowthKind, GrowthRequest, StreamId, WeightSource};
-use ddo_platform::LinuxAdmissionProbe;
+use ddo_core::{GIB, GrowthKind, GrowthRequest, StreamId, WeightSource};
 use ddo_policy::{Environment, Request, format_presets, resolve};
-use ddo_session::{ComponentSession, SessionSpec, Weights};
+use ddo_session::{SessionSpec, Weights};
 use ddo_source::{Checkpoint, CheckpointSource, MmapChoice, ReadOptions};
 
 /// Resolves the plan of a text-encoder + transformer + VAE pipeline under this process's `DDO_*`
@@ -26,7 +25,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         print!("{}", ddo_session::plan_snapshot(&plan, Some("plan")).format_profile());
     }
     let request = GrowthRequest { kind: GrowthKind::Retained, bytes: GIB, registered_bytes: 0 };
-    match LinuxAdmissionProbe::system().admit(&request).into_result() {
+    match ddo_compose::host_admission(None).admit(&request).into_result() {
         Ok(headroom) => println!(
             "host admission: 1 GiB of retained storage would be granted ({:.2} GiB left after it)",
             headroom as f64 / GIB as f64
@@ -45,7 +44,7 @@ fn stream_checkpoint() -> Result<(), String> {
     let path = dir.join("flux-shaped.safetensors");
     let (blocks, width) = (19usize, 512usize);
     write_checkpoint(&path, blocks, width)?;
-    let device = if ddo_platform::cuda::driver_present() { "cuda:0" } else { "cpu" };
+    let device = if ddo_compose::cuda_driver_present() { "cuda:0" } else { "cpu" };
     let plan = ddo_session::resolve(
         "transformer",
         &[
@@ -60,8 +59,8 @@ fn stream_checkpoint() -> Result<(), String> {
     // SAFETY: the demo does not modify its checkpoint while it is mapped.
     let mmap = unsafe { MmapChoice::auto() };
     let weights = Weights::Checkpoint { path: path.clone(), mmap };
-    let session = ComponentSession::open(SessionSpec { plan, weights, tree: None })
-        .map_err(|e| e.to_string())?;
+    let session =
+        ddo_compose::open(SessionSpec { plan, weights, tree: None }).map_err(|e| e.to_string())?;
     let reference = CheckpointSource::new(
         std::sync::Arc::new(Checkpoint::open(&path).map_err(|e| e.to_string())?),
         ReadOptions::pread(),

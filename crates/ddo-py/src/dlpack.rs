@@ -6,7 +6,7 @@ use std::any::Any;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use ddo_core::Dtype;
+use ddo_session::core::Dtype;
 use pyo3::ffi;
 use pyo3::prelude::*;
 

@@ -91,8 +91,8 @@ pub(crate) fn capacity_err(text: impl Into<String>) -> PyErr {
 /// also one that reaches Python through the arena (a file changed during a run), is about the
 /// checkpoint, unless it is the host refusing memory (capacity).
 pub(crate) fn session_error(e: SessionError) -> PyErr {
-    use ddo_arena::ArenaError;
-    use ddo_core::SourceError;
+    use ddo_session::arena::ArenaError;
+    use ddo_session::core::SourceError;
     let text = e.to_string();
     // A failure whose cleanup also failed is classed by the original error.
     let e = e.original();

@@ -15,7 +15,6 @@ mod torch_dtype;
 
 use std::collections::BTreeMap;
 
-use ddo_core::AdmissionProbe;
 use pyo3::prelude::*;
 
 use crate::errors::{DynamicOffloadError, config_error};
@@ -40,8 +39,8 @@ fn version() -> &'static str {
 #[pyo3(signature = (config, origin="config"))]
 fn check_config(config: &str, origin: &str) -> PyResult<()> {
     let origin = match origin {
-        "argument" => ddo_policy::Origin::Argument,
-        _ => ddo_policy::Origin::Config,
+        "argument" => ddo_session::policy::Origin::Argument,
+        _ => ddo_session::policy::Origin::Config,
     };
     plan::typed_config("config", config, origin).map(|_| ())
 }
@@ -49,13 +48,13 @@ fn check_config(config: &str, origin: &str) -> PyResult<()> {
 /// The text listing of presets.
 #[pyfunction]
 fn format_presets() -> String {
-    ddo_policy::format_presets()
+    ddo_session::policy::format_presets()
 }
 
 /// Every preset's values as JSON `{preset: {KEY: value}}`.
 #[pyfunction]
 fn preset_values() -> String {
-    let map: BTreeMap<&str, BTreeMap<&str, &str>> = ddo_policy::Preset::ALL
+    let map: BTreeMap<&str, BTreeMap<&str, &str>> = ddo_session::policy::Preset::ALL
         .iter()
         .map(|p| (p.as_str(), p.values().iter().copied().collect()))
         .collect();
@@ -65,52 +64,52 @@ fn preset_values() -> String {
 /// `(effective preset, execution mode)` for a backend and preset.
 #[pyfunction]
 fn resolve_backend(backend: &str, preset: &str) -> PyResult<(String, String)> {
-    use ddo_policy::{Backend, Origin, Preset, SettingValue};
+    use ddo_session::policy::{Backend, Origin, Preset, SettingValue};
     let b = Backend::parse_text(backend).ok_or_else(|| {
         config_error(format!("backend = {backend:?} is not valid; allowed: {}", Backend::allowed()))
     })?;
     let p = Preset::parse(preset, Origin::Argument).map_err(value_error)?;
-    let effective = ddo_policy::resolve_backend(b, p).map_err(value_error)?;
+    let effective = ddo_session::policy::resolve_backend(b, p).map_err(value_error)?;
     Ok((effective.as_str().to_owned(), effective.execution_mode().as_str().to_owned()))
 }
 
 /// `(field, DDO_ variable key)` of every setting.
 #[pyfunction]
 fn setting_keys() -> Vec<(&'static str, &'static str)> {
-    ddo_policy::SETTING_KEYS.to_vec()
+    ddo_session::policy::SETTING_KEYS.to_vec()
 }
 
 /// The JSON Schema of the configuration.
 #[pyfunction]
 fn config_schema() -> String {
-    ddo_policy::config_schema().to_string()
+    ddo_session::policy::config_schema().to_string()
 }
 
 /// The JSON Schema of metrics snapshots (both layouts: ddo's version 2 and the published
 /// version 1), as JSON.
 #[pyfunction]
 fn metrics_schema() -> String {
-    ddo_metrics::metrics_schema().to_string()
+    ddo_session::metrics::metrics_schema().to_string()
 }
 
 /// Validates a metrics snapshot (JSON) and renders its text profile.
 #[pyfunction]
 fn format_profile(metrics: &str) -> PyResult<String> {
-    let m: ddo_metrics::DynamicOffloadMetrics = parse("metrics", metrics)?;
+    let m: ddo_session::metrics::DynamicOffloadMetrics = parse("metrics", metrics)?;
     Ok(m.format_profile())
 }
 
 /// Raises if a metrics snapshot reports a counter its route does not have.
 #[pyfunction]
 fn validate_metrics(metrics: &str) -> PyResult<()> {
-    let m: ddo_metrics::DynamicOffloadMetrics = parse("metrics", metrics)?;
+    let m: ddo_session::metrics::DynamicOffloadMetrics = parse("metrics", metrics)?;
     m.validate().map_err(value_error)
 }
 
 /// The host-memory observation of this process (JSON; unreadable fields are absent).
 #[pyfunction]
 fn observe_host_memory() -> String {
-    let o = ddo_platform::LinuxAdmissionProbe::system().observe();
+    let o = ddo_compose::observe_host_memory();
     serde_json::to_string(&o).expect("serializes")
 }
 
@@ -120,9 +119,9 @@ fn observe_host_memory() -> String {
 fn inspect_checkpoint(path: std::path::PathBuf) -> PyResult<String> {
     // A path, not text: names that are not UTF-8 (os.fsdecode's surrogates) open as they are.
     let c = if path.to_string_lossy().ends_with(".index.json") {
-        ddo_source::Checkpoint::open_index(&path)
+        ddo_session::source::Checkpoint::open_index(&path)
     } else {
-        ddo_source::Checkpoint::open(&path)
+        ddo_session::source::Checkpoint::open(&path)
     }
     .map_err(|e| errors::DynamicOffloadCheckpointError::new_err(e.to_string()))?;
     let tensors: Vec<serde_json::Value> = c
@@ -144,7 +143,7 @@ fn inspect_checkpoint(path: std::path::PathBuf) -> PyResult<String> {
 /// [`read_ahead`]); dropping or stopping it ends the reads after their current chunk.
 #[pyclass(module = "ddo._native", frozen)]
 struct ReadAhead {
-    inner: std::sync::Mutex<Option<ddo_source::ReadAhead>>,
+    inner: std::sync::Mutex<Option<ddo_session::source::ReadAhead>>,
     total: u64,
 }
 
@@ -187,16 +186,16 @@ fn read_ahead(files: Vec<std::path::PathBuf>, workers: usize) -> PyResult<Option
             })?
             .len();
     }
-    let request = ddo_core::GrowthRequest {
-        kind: ddo_core::GrowthKind::Retained,
+    let request = ddo_session::core::GrowthRequest {
+        kind: ddo_session::core::GrowthKind::Retained,
         bytes: total,
         registered_bytes: 0,
     };
-    let probe = ddo_platform::LinuxAdmissionProbe::system();
-    if !matches!(probe.admit(&request), ddo_core::Admission::Granted { .. }) {
+    let probe = ddo_compose::host_admission(None);
+    if !matches!(probe.admit(&request), ddo_session::core::Admission::Granted { .. }) {
         return Ok(None);
     }
-    let inner = ddo_source::ReadAhead::start(&files, workers)
+    let inner = ddo_session::source::ReadAhead::start(&files, workers)
         .map_err(|e| errors::DynamicOffloadCheckpointError::new_err(e.to_string()))?;
     Ok(Some(ReadAhead { inner: std::sync::Mutex::new(Some(inner)), total }))
 }
@@ -207,7 +206,7 @@ fn read_ahead(files: Vec<std::path::PathBuf>, workers: usize) -> PyResult<Option
 #[pyfunction]
 fn config_fields() -> Vec<&'static str> {
     let mut out = vec!["preset", "backend", "route", "execution_mode", "components"];
-    out.extend(ddo_policy::SETTING_KEYS.iter().map(|(field, _)| *field));
+    out.extend(ddo_session::policy::SETTING_KEYS.iter().map(|(field, _)| *field));
     out.push("small_tensor_threshold_bytes");
     out
 }
@@ -215,7 +214,7 @@ fn config_fields() -> Vec<&'static str> {
 /// The fields of a component policy (`route`, `group_offload`, ...).
 #[pyfunction]
 fn component_policy_fields() -> Vec<String> {
-    let schema = serde_json::to_value(schemars::schema_for!(ddo_policy::ComponentPolicy))
+    let schema = serde_json::to_value(schemars::schema_for!(ddo_session::policy::ComponentPolicy))
         .expect("schema serializes");
     schema["properties"].as_object().map(|p| p.keys().cloned().collect()).unwrap_or_default()
 }
@@ -257,7 +256,7 @@ fn unit_paths(
                 UnitParameter::Sized(name, key, dtype, shape) => ddo_session::ParameterRef {
                     name,
                     key,
-                    dtype: ddo_core::Dtype::from_torch(&dtype),
+                    dtype: ddo_session::core::Dtype::from_torch(&dtype),
                     shape: Some(shape),
                 },
                 UnitParameter::Named(name, key) => {
@@ -276,31 +275,31 @@ fn unit_paths(
 /// The metrics layout version.
 #[pyfunction]
 fn metrics_schema_version() -> u32 {
-    ddo_metrics::SCHEMA_VERSION
+    ddo_session::metrics::SCHEMA_VERSION
 }
 
 /// Whether this Linux kernel is WSL's.
 #[pyfunction]
 fn running_on_wsl() -> bool {
-    ddo_session::running_on_wsl()
+    ddo_compose::running_on_wsl()
 }
 
 /// The backends a host may select.
 #[pyfunction]
 fn backends() -> Vec<&'static str> {
-    ddo_policy::Backend::ALL.iter().map(|b| b.as_str()).collect()
+    ddo_session::policy::Backend::ALL.iter().map(|b| b.as_str()).collect()
 }
 
 /// Whether a CUDA driver library can be loaded here.
 #[pyfunction]
 fn cuda_driver_present() -> bool {
-    ddo_platform::cuda::driver_present()
+    ddo_compose::cuda_driver_present()
 }
 
 /// Opens CUDA device `ordinal` through the native adapter (raises when no driver exists).
 #[pyfunction]
 fn check_cuda_device(ordinal: u32) -> PyResult<()> {
-    ddo_platform::cuda::CudaDevice::new(ordinal)
+    ddo_compose::CudaDevice::new(ordinal)
         .map(|_| ())
         .map_err(|e| DynamicOffloadError::new_err(e.to_string()))
 }
@@ -309,7 +308,7 @@ fn check_cuda_device(ordinal: u32) -> PyResult<()> {
 /// what was kept), and how many more failed than are listed.
 #[pyfunction]
 fn take_drop_failures() -> (Vec<String>, u64) {
-    let (failures, more) = ddo_core::take_drop_failures();
+    let (failures, more) = ddo_session::core::take_drop_failures();
     (failures.iter().map(ToString::to_string).collect(), more)
 }
 

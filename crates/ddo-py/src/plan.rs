@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use ddo_policy::{ComponentPolicy, DynamicOffloadConfig, Environment, Plan, Request};
+use ddo_session::policy::{ComponentPolicy, DynamicOffloadConfig, Environment, Plan, Request};
 use pyo3::prelude::*;
 
 use crate::errors::config_error;
@@ -15,7 +15,7 @@ fn parse<T: serde::de::DeserializeOwned>(what: &str, json: &str) -> PyResult<T> 
 pub(crate) fn typed_config(
     what: &str,
     json: &str,
-    origin: ddo_policy::Origin,
+    origin: ddo_session::policy::Origin,
 ) -> PyResult<DynamicOffloadConfig> {
     let value: serde_json::Value = parse(what, json)?;
     DynamicOffloadConfig::from_json_value(&value, origin).map_err(config_error)
@@ -46,13 +46,7 @@ impl ResolvedPlan {
         json["reads_ahead"] = serde_json::Value::Bool(plan.reads_ahead());
         json["session_route"] =
             serde_json::Value::Bool(ddo_session::SessionRoute::of(&plan.route).is_ok());
-        let from_default = matches!(
-            plan.origins.get("execution_device"),
-            Some(ddo_policy::Origin::Default) | None
-        );
-        let device =
-            ddo_session::ExecutionDevice::choose(&plan.settings.execution_device, from_default)
-                .map_err(crate::errors::session_error)?;
+        let device = ddo_compose::plan_device(plan).map_err(crate::errors::session_error)?;
         json["device"] = serde_json::Value::String(device.torch_name());
         Ok(json.to_string())
     }
@@ -68,8 +62,8 @@ impl ResolvedPlan {
         phase: Option<&str>,
     ) -> PyResult<String> {
         let mut m = ddo_session::plan_snapshot(&self.plan, phase);
-        let observed: ddo_metrics::SetupSection = parse("setup", setup)?;
-        m.setup = ddo_metrics::SetupSection {
+        let observed: ddo_session::metrics::SetupSection = parse("setup", setup)?;
+        m.setup = ddo_session::metrics::SetupSection {
             group_offload: observed.group_offload.clone().or(m.setup.group_offload),
             placement: observed.placement.clone().or(m.setup.placement),
             warnings: m.setup.warnings,
@@ -93,18 +87,19 @@ pub(crate) fn resolve(
     environ: BTreeMap<String, String>,
     running_on_wsl: Option<bool>,
 ) -> PyResult<ResolvedPlan> {
-    let arguments = typed_config("arguments", arguments, ddo_policy::Origin::Argument)?;
+    let arguments = typed_config("arguments", arguments, ddo_session::policy::Origin::Argument)?;
     let group: ComponentPolicy = parse("component arguments", group)?;
-    let config =
-        config.map(|c| typed_config("config", c, ddo_policy::Origin::Config)).transpose()?;
+    let config = config
+        .map(|c| typed_config("config", c, ddo_session::policy::Origin::Config))
+        .transpose()?;
     let request = Request {
         component,
         arguments,
         group,
         config,
         environment: Environment::from_pairs(environ),
-        running_on_wsl: running_on_wsl.unwrap_or_else(ddo_session::running_on_wsl),
+        running_on_wsl: running_on_wsl.unwrap_or_else(ddo_compose::running_on_wsl),
     };
-    let plan = ddo_policy::resolve(&request).map_err(config_error)?;
+    let plan = ddo_session::policy::resolve(&request).map_err(config_error)?;
     Ok(ResolvedPlan { plan })
 }

@@ -5,12 +5,12 @@
 
 use std::sync::Arc;
 
-use ddo_core::{Dtype, HostRegion, HostSlice, StreamId, UnitId};
+use ddo_session::core::{Dtype, HostRegion, HostSlice, StreamId, UnitId};
+use ddo_session::source::{HostTensor, MmapChoice};
 use ddo_session::{
     ComponentSession, ExecutionDevice, LeaseId, ModuleNode, ModuleTree, ParameterRef, SessionSpec,
     Weights,
 };
-use ddo_source::{HostTensor, MmapChoice};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -69,6 +69,8 @@ fn dtype(name: &str) -> PyResult<Dtype> {
 pub(crate) struct Session {
     /// Dropped in [`Drop`] with the GIL released (closing waits for the device and unregisters).
     inner: std::mem::ManuallyDrop<ComponentSession>,
+    /// The device the session runs on; its CUDA handle adopts the package's streams.
+    machine: ddo_compose::Machine,
 }
 
 impl Drop for Session {
@@ -154,8 +156,14 @@ impl Session {
             }
         };
         let spec = SessionSpec { plan: plan.plan.clone(), weights, tree: Some(tree) };
-        let inner = py.detach(|| ComponentSession::open(spec)).map_err(session_error)?;
-        Ok(Session { inner: std::mem::ManuallyDrop::new(inner) })
+        let (inner, machine) = py
+            .detach(|| {
+                ddo_session::SessionRoute::of(&spec.plan.route)?;
+                let machine = ddo_compose::Machine::for_plan(&spec.plan)?;
+                Ok((ComponentSession::open(spec, machine.target())?, machine))
+            })
+            .map_err(session_error)?;
+        Ok(Session { inner: std::mem::ManuallyDrop::new(inner), machine })
     }
 
     /// `(device type, index)`: `("cuda", n)` or `("cpu", 0)`.
@@ -339,7 +347,7 @@ impl Session {
 
 impl Session {
     fn stream(&self, raw: u64) -> StreamId {
-        match self.inner.cuda() {
+        match self.machine.cuda() {
             // SAFETY: the package passes PyTorch's live current stream of this device, whose
             // primary context the session's device uses.
             Some(cuda) => unsafe { cuda.adopt_stream(raw) },

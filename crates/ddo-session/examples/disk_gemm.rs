@@ -155,10 +155,10 @@ impl Compute {
     }
 
     /// The stream the session's work is ordered by.
-    fn stream(&self, session: &ComponentSession) -> Result<StreamId, Box<dyn Error>> {
+    fn stream(&self, machine: &ddo_compose::Machine) -> Result<StreamId, Box<dyn Error>> {
         match self {
             Compute::Cuda(chain) => {
-                let cuda = session.cuda().ok_or("no CUDA device")?.clone();
+                let cuda = machine.cuda().ok_or("no CUDA device")?.clone();
                 // SAFETY: the chain's stream is a live stream of the primary context, alive
                 // until the end of run().
                 Ok(unsafe { cuda.adopt_stream(chain.stream.cu_stream() as u64) })
@@ -251,6 +251,11 @@ fn run() -> Result<(), Box<dyn Error>> {
     } else {
         Compute::Host
     };
+    // The composition root opens the device once; every session runs on its target.
+    let machine = ddo_compose::Machine::for_plan(&ddo_session::resolve(
+        "transformer",
+        &[("backend", "vmm"), ("execution_device", device)],
+    )?)?;
     let open = |args: &[(&str, &str)]| -> Result<ComponentSession, Box<dyn Error>> {
         let mut all = vec![("backend", "vmm"), ("execution_device", device)];
         all.extend_from_slice(args);
@@ -262,11 +267,11 @@ fn run() -> Result<(), Box<dyn Error>> {
             weights: Weights::Checkpoint { path: path.clone(), mmap },
             tree: None,
         };
-        Ok(ComponentSession::open(spec)?)
+        Ok(ComponentSession::open(spec, machine.target())?)
     };
     // A warm pass, then the steady step: passes back to back, timed as one span.
     let mut measure = |session: &ComponentSession| -> Result<(u64, f64), Box<dyn Error>> {
-        let stream = compute.stream(session)?;
+        let stream = compute.stream(&machine)?;
         compute.reset()?;
         let digest = compute.pass(session, stream)?;
         let timed = a.passes.max(2) - 1;

@@ -139,6 +139,12 @@ fn run() -> Result<(), Box<dyn Error>> {
 
     let ctx = CudaContext::new(0)?;
     let compute = ctx.new_stream()?;
+    // The composition root opens the device once; every session runs on its target, and its
+    // CUDA handle adopts the compute stream.
+    let machine = ddo_compose::Machine::for_plan(&ddo_session::resolve(
+        "transformer",
+        &[("backend", "vmm"), ("execution_device", "cuda:0")],
+    )?)?;
     let open = |budget_gib: f64| -> Result<ComponentSession, Box<dyn Error>> {
         let budget = budget_gib.to_string();
         let plan = ddo_session::resolve(
@@ -156,7 +162,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             weights: Weights::Checkpoint { path: path.clone(), mmap },
             tree: None,
         };
-        Ok(ComponentSession::open(spec)?)
+        Ok(ComponentSession::open(spec, machine.target())?)
     };
     let elements = (a.width * a.tokens) as usize;
     let init: Vec<u16> = (0..elements).map(|i| 0x3c00 + (i % 97) as u16).collect();
@@ -177,7 +183,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     // The output of one pass from the initial activations, and the steady step: passes run back
     // to back (nothing between them, as a sampler's steps), timed as one span after a warm pass.
     let mut measure = |session: &ComponentSession| -> Result<(Vec<u16>, f64), Box<dyn Error>> {
-        let cuda = session.cuda().ok_or("no CUDA device")?.clone();
+        let cuda = machine.cuda().ok_or("no CUDA device")?.clone();
         // SAFETY: `compute` is a live stream of the primary context, alive until the end of run().
         let stream = unsafe { cuda.adopt_stream(compute.cu_stream() as u64) };
         reset(&mut chain)?;

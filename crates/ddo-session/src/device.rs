@@ -1,11 +1,7 @@
-//! Where a component runs: a CUDA device or the host backend, and the platform for it.
+//! Where a component runs: the device a session names, and the target a composition root builds
+//! for it (the device's ports and what was measured of its link).
 
-use std::sync::Arc;
-
-use ddo_core::{AdmissionProbe, Platform};
-use ddo_platform::LinuxAdmissionProbe;
-use ddo_platform::cuda::CudaDevice;
-use ddo_platform::host::HostDevice;
+use ddo_core::{DeviceOrdinal, Platform};
 
 use crate::SessionError;
 
@@ -36,19 +32,6 @@ impl ExecutionDevice {
         }
     }
 
-    /// The device for a setting: as given, except that a default `cuda` on a machine without a
-    /// CUDA driver runs on the host backend (the user asked for nothing in particular).
-    pub fn choose(value: &str, from_default: bool) -> Result<ExecutionDevice, SessionError> {
-        let device = Self::parse(value)?;
-        if from_default
-            && matches!(device, ExecutionDevice::Cuda(_))
-            && !ddo_platform::cuda::driver_present()
-        {
-            return Ok(ExecutionDevice::Host);
-        }
-        Ok(device)
-    }
-
     /// The PyTorch name (`cuda:0`, `cpu`).
     pub fn torch_name(self) -> String {
         match self {
@@ -58,35 +41,30 @@ impl ExecutionDevice {
     }
 }
 
-/// The adapters of one device.
-#[derive(Clone)]
-pub(crate) struct DevicePlatform {
-    pub(crate) platform: Platform,
-    pub(crate) cuda: Option<Arc<CudaDevice>>,
+/// Measures the link from device `own`'s memory to device `peer`'s, bytes per second (`None`
+/// when it cannot be measured).
+pub type PeerLinkProbe = fn(own: DeviceOrdinal, peer: DeviceOrdinal) -> Option<f64>;
+
+/// Where a session runs, as a composition root builds it: the device, its adapters as a
+/// [`Platform`] value, and what the root measured of the device. The session decides nothing
+/// about the hardware beyond what this value says.
+#[derive(Debug, Clone)]
+pub struct ExecutionTarget {
+    /// The device the platform drives.
+    pub device: ExecutionDevice,
+    /// The device's ports: residency, fences, host-memory admission.
+    pub platform: Platform,
+    /// The host-to-device link speed, bytes per second, when measured (a GPU's); the copy
+    /// floor of a pass and `vmm_weight_encoding = auto` weigh against it.
+    pub link_bytes_per_second: Option<f64>,
+    /// Measures a peer weight store's link (two GPUs); `None` where there is no peer link.
+    pub peer_link: Option<PeerLinkProbe>,
 }
 
-impl DevicePlatform {
-    /// Opens `device` with host admission through `probe`, or this host's keeping `ram_margin`
-    /// bytes free.
-    pub(crate) fn open(
-        device: ExecutionDevice,
-        ram_margin: u64,
-        probe: Option<Arc<dyn AdmissionProbe>>,
-    ) -> Result<Self, SessionError> {
-        let admission = probe.unwrap_or_else(|| {
-            Arc::new(LinuxAdmissionProbe::system().with_safety_margin(ram_margin))
-        });
-        Ok(match device {
-            ExecutionDevice::Cuda(ordinal) => {
-                let (platform, cuda) = ddo_platform::cuda_platform(ordinal)?;
-                DevicePlatform { platform: Platform { admission, ..platform }, cuda: Some(cuda) }
-            }
-            ExecutionDevice::Host => {
-                let host = Arc::new(HostDevice::new());
-                let platform = ddo_platform::host_platform(host);
-                DevicePlatform { platform: Platform { admission, ..platform }, cuda: None }
-            }
-        })
+impl ExecutionTarget {
+    /// A target on `platform` with nothing measured: no link speed, no peer link.
+    pub fn unmeasured(device: ExecutionDevice, platform: Platform) -> ExecutionTarget {
+        ExecutionTarget { device, platform, link_bytes_per_second: None, peer_link: None }
     }
 }
 
@@ -102,12 +80,7 @@ mod tests {
         let err = ExecutionDevice::parse("abc").unwrap_err().to_string();
         assert_eq!(err, "execution_device: \"abc\" is not a device; use cuda, cuda:N or cpu");
         assert!(ExecutionDevice::parse("cuda:x").is_err());
-        assert_eq!(ExecutionDevice::choose("cpu", true).unwrap(), ExecutionDevice::Host);
-    }
-
-    #[test]
-    fn an_explicit_cuda_device_is_kept() {
-        // Without a driver the explicit choice fails later, when the device is opened.
-        assert_eq!(ExecutionDevice::choose("cuda:0", false).unwrap(), ExecutionDevice::Cuda(0));
+        assert_eq!(ExecutionDevice::Cuda(2).torch_name(), "cuda:2");
+        assert_eq!(ExecutionDevice::Host.torch_name(), "cpu");
     }
 }

@@ -1,7 +1,9 @@
 //! The use case of ddo: one component of a diffusion pipeline streamed through the GPU weight
 //! arena, for every host alike (the Python package, the demo, Rust programs).
 //!
-//! A [`ComponentSession`] takes the component's resolved [`ddo_policy::Plan`], its [`Weights`]
+//! A [`ComponentSession`] runs on an [`ExecutionTarget`] a composition root built (the device,
+//! its ports as a [`ddo_core::Platform`] value, the link measured to it: `ddo-compose`), and
+//! takes the component's resolved [`ddo_policy::Plan`], its [`Weights`]
 //! (a safetensors checkpoint, or tensors already in host memory) and optionally its
 //! [`ModuleTree`], and owns everything after: the unit rule ([`ModuleTree::assign`]), the source
 //! (mapping, retained windows, reads, or host tensors in place with small ones packed), host
@@ -24,7 +26,9 @@
 //!     ("backend", "vmm"), ("execution_device", "cpu"), ("vmm_resident_weight_budget_gb", "0.01"),
 //! ])?;
 //! let weights = Weights::Checkpoint { path, mmap: ddo_source::MmapChoice::never() };
-//! let session = ComponentSession::open(SessionSpec { plan, weights, tree: None })?;
+//! // The composition root builds the device's platform; the session takes it.
+//! let machine = ddo_compose::Machine::for_plan(&plan)?;
+//! let session = ComponentSession::open(SessionSpec { plan, weights, tree: None }, machine.target())?;
 //! let stream = ddo_core::StreamId(0); // the host backend runs every copy synchronously
 //! for pass in 0..2 {
 //!     // The blocks the plan keeps resident are leased for the whole pass on `stream`.
@@ -49,20 +53,28 @@
 //! ```
 #![forbid(unsafe_code)]
 
+// The crates whose types the session's API speaks of, for hosts that depend on the session
+// alone.
+pub use ddo_arena as arena;
+pub use ddo_core as core;
+pub use ddo_metrics as metrics;
+pub use ddo_policy as policy;
+pub use ddo_source as source;
+
 mod device;
 mod error;
 mod host_files;
 mod link;
-mod metrics;
+mod report;
 mod session;
 pub mod testing;
 
 pub use ddo_arena::{
     Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitKind, UnitRule,
 };
-pub use device::ExecutionDevice;
+pub use device::{ExecutionDevice, ExecutionTarget, PeerLinkProbe};
 pub use error::SessionError;
-pub use metrics::plan_snapshot;
+pub use report::plan_snapshot;
 pub use session::{
     ComponentSession, LeaseId, SessionRoute, SessionSpec, TensorView, UnitInfo, Weights,
 };
@@ -90,17 +102,6 @@ pub fn resolve(
     };
     Ok(ddo_policy::resolve(&request)?)
 }
-
-/// Whether this Linux kernel is WSL's (`/proc/version` names Microsoft or WSL).
-pub fn running_on_wsl() -> bool {
-    std::fs::read_to_string("/proc/version")
-        .map(|v| {
-            let v = v.to_ascii_lowercase();
-            v.contains("microsoft") || v.contains("wsl")
-        })
-        .unwrap_or(false)
-}
-
 /// The README's Rust examples, compiled and run as doc tests.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]

@@ -1,45 +1,10 @@
-//! The host-to-device link speed, measured through the ports at attach: the copy floor of a
-//! pass is the bytes it streams over this speed.
+//! How fast the device decodes entropy-coded weights, measured through the ports: what
+//! `vmm_weight_encoding = auto` weighs against the link's speed.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use ddo_core::{DeviceError, DeviceRange, HostBytes, HostRegion, HostSlice, Platform};
-
-/// Bytes per copy: large enough to reach link speed.
-const PROBE_BYTES: usize = 64 << 20;
-
-/// Best of three registered 64 MiB host-to-device copies, bytes per second.
-pub(crate) fn measure(platform: &Platform) -> Result<f64, DeviceError> {
-    let r = &platform.residency;
-    let granularity = r.granularity()?;
-    let len = (PROBE_BYTES as u64).div_ceil(granularity) * granularity;
-    let host =
-        HostSlice::whole(Arc::new(HostBytes::from(vec![1u8; PROBE_BYTES])) as Arc<dyn HostRegion>);
-    let registration = r.register_host(host.clone(), true)?;
-    let reservation = r.reserve(len)?;
-    let backing = r.create_backing(len)?;
-    let range = DeviceRange { start: reservation.range.start, len: PROBE_BYTES as u64 };
-    let mapped = DeviceRange { start: reservation.range.start, len };
-    let result = (|| {
-        r.map(mapped, backing)?;
-        let stream = r.create_stream()?;
-        let mut best = 0.0f64;
-        for _ in 0..3 {
-            let t = Instant::now();
-            r.copy_to_device(host.clone(), range, stream)?;
-            let f = platform.fences.record(stream)?;
-            platform.fences.wait(f)?;
-            best = best.max(PROBE_BYTES as f64 / t.elapsed().as_secs_f64());
-        }
-        r.unmap(mapped)?;
-        Ok(best)
-    })();
-    r.release_backing(backing)?;
-    r.release_reservation(reservation)?;
-    r.unregister_host(&registration)?;
-    result
-}
 
 /// Tensor sizes the decoding probe times: a launch's latency dominates the first, the rate the
 /// last.

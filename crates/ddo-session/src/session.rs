@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use ddo_arena::{Arena, ArenaError, Budget, Layout, Lease, ReclaimReport, UnitSpec};
 use ddo_core::{
-    Admission, AdmissionProbe, ByteSize, Dtype, GrowthKind, GrowthRequest, HostRegion, HostSlice,
-    RefusalReason, SourceError, StreamId, TensorSlice, UnitId, WeightSource,
+    Admission, ByteSize, Dtype, GrowthKind, GrowthRequest, HostRegion, HostSlice, RefusalReason,
+    SourceError, StreamId, TensorSlice, UnitId, WeightSource,
 };
 use ddo_policy::{ConversionSite, Origin, Plan, ReadBackend, Route, WeightEncoding};
 use ddo_source::{
@@ -19,7 +19,7 @@ use ddo_source::{
 };
 
 use crate::SessionError;
-use crate::device::{DevicePlatform, ExecutionDevice};
+use crate::device::{ExecutionDevice, ExecutionTarget};
 use ddo_arena::{Assignment, ModuleTree, UnitRule};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -328,13 +328,12 @@ pub struct ComponentSession {
     weights: Weights,
     tree: Option<ModuleTree>,
     assignment: Assignment,
-    device: ExecutionDevice,
-    platform: DevicePlatform,
+    /// The device, its ports and its measured link, as the composition root built them.
+    target: ExecutionTarget,
     state: Mutex<Option<Attached>>,
     /// A GPU budget set after opening ([`set_budget`](ComponentSession::set_budget)): the
     /// arena's whole budget, no headroom inside it. Later attaches keep it.
     budget_override: Mutex<Option<u64>>,
-    link_bytes_per_second: Option<f64>,
     /// `vmm_weight_encoding = auto` on a device with a measured link: passes are timed raw
     /// first, then the choice is made.
     auto_encoding: Mutex<Option<AutoEncoding>>,
@@ -348,7 +347,7 @@ impl std::fmt::Debug for ComponentSession {
         f.debug_struct("ComponentSession")
             .field("route", &self.route)
             .field("component", &self.plan.component)
-            .field("device", &self.device)
+            .field("device", &self.target.device)
             .finish_non_exhaustive()
     }
 }
@@ -365,26 +364,12 @@ fn gib(setting: &'static str, value: f64) -> Result<u64, SessionError> {
 }
 
 impl ComponentSession {
-    /// Opens a session: resolves the device, opens the weights, finds the units, plans the
-    /// arena under the budget, registers host bytes and starts the first uploads (`prime`).
-    /// On failure nothing stays allocated.
-    pub fn open(spec: SessionSpec) -> Result<ComponentSession, SessionError> {
-        Self::open_with(spec, None)
-    }
-
-    /// [`open`](Self::open) with host memory observed through `admission` instead of this
-    /// host's `/proc` and cgroups: an embedding program's own policy, or an observation tree
-    /// (`LinuxAdmissionProbe::with_root`). Its safety margin replaces `system_ram_headroom_gb`.
-    pub fn open_with_admission(
+    /// Opens a session on `target` (built by a composition root, such as `ddo-compose`): opens
+    /// the weights, finds the units, plans the arena under the budget, registers host bytes and
+    /// starts the first uploads (`prime`). On failure nothing stays allocated.
+    pub fn open(
         spec: SessionSpec,
-        admission: Arc<dyn AdmissionProbe>,
-    ) -> Result<ComponentSession, SessionError> {
-        Self::open_with(spec, Some(admission))
-    }
-
-    fn open_with(
-        spec: SessionSpec,
-        admission: Option<Arc<dyn AdmissionProbe>>,
+        target: ExecutionTarget,
     ) -> Result<ComponentSession, SessionError> {
         let SessionSpec { plan, weights, tree } = spec;
         let route = SessionRoute::of(&plan.route)?;
@@ -405,11 +390,6 @@ impl ComponentSession {
             }
         }
         let s = &plan.settings;
-        let device_from_default =
-            matches!(plan.origins.get("execution_device"), Some(Origin::Default) | None);
-        let device = ExecutionDevice::choose(&s.execution_device, device_from_default)?;
-        let margin = gib("system_ram_headroom_gb", s.system_ram_headroom_gb)?;
-        let platform = DevicePlatform::open(device, margin, admission)?;
         let mut rule =
             UnitRule::from_patterns(&s.vmm_module_pattern, &s.always_resident_modules_pattern)?;
         if plan.route == Route::LinearConvolution {
@@ -436,12 +416,8 @@ impl ComponentSession {
                 plan.component
             )));
         }
-        let link_bytes_per_second = match &platform.cuda {
-            Some(_) => crate::link::measure(&platform.platform).ok(),
-            None => None,
-        };
         let mut warnings = plan.warnings.clone();
-        if matches!(device, ExecutionDevice::Host) && s.execution_device.starts_with("cuda") {
+        if target.device == ExecutionDevice::Host && s.execution_device.starts_with("cuda") {
             warnings.push(format!(
                 "execution_device {} (default): no CUDA driver here, running on the host backend",
                 s.execution_device
@@ -456,8 +432,8 @@ impl ComponentSession {
         }
         let auto_encoding = (s.vmm_weight_encoding == WeightEncoding::Auto
             && route == SessionRoute::Native
-            && link_bytes_per_second.is_some()
-            && platform.platform.residency.decodes())
+            && target.link_bytes_per_second.is_some()
+            && target.platform.residency.decodes())
         .then(AutoEncoding::timing);
         let session = ComponentSession {
             route,
@@ -465,11 +441,9 @@ impl ComponentSession {
             weights,
             tree,
             assignment,
-            device,
-            platform,
+            target,
             state: Mutex::new(None),
             budget_override: Mutex::new(None),
-            link_bytes_per_second,
             auto_encoding: Mutex::new(auto_encoding),
             decode_speed: Mutex::new(None),
             warnings,
@@ -490,12 +464,7 @@ impl ComponentSession {
 
     /// The device it runs on.
     pub fn device(&self) -> ExecutionDevice {
-        self.device
-    }
-
-    /// The CUDA device, to adopt a host's streams (`None` on the host backend).
-    pub fn cuda(&self) -> Option<&Arc<ddo_platform::cuda::CudaDevice>> {
-        self.platform.cuda.as_ref()
+        self.target.device
     }
 
     /// The resolved plan.
@@ -533,7 +502,7 @@ impl ComponentSession {
     /// tensors were planned for conversion on the device.
     fn attach_with(&self, host_only: bool, on_device: &mut bool) -> Result<Attached, SessionError> {
         let t = Instant::now();
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         let (source, ranges, mut host): (
             Arc<dyn WeightSource>,
             Vec<(HostSlice, bool)>,
@@ -631,7 +600,7 @@ impl ComponentSession {
                 gib("vmm_resident_weight_budget_gb", s.vmm_resident_weight_budget_gb)?
             }
             (None, SessionRoute::Linear) => {
-                let granularity = self.platform.platform.residency.granularity()?;
+                let granularity = self.target.platform.residency.granularity()?;
                 let layout = Layout::build(slices, specs, granularity)?;
                 let largest =
                     layout.units.iter().filter(|u| !u.pinned).map(|u| u.len).max().unwrap_or(0);
@@ -667,7 +636,7 @@ impl ComponentSession {
             let route = self.route.name();
             return Ok((Vec::new(), format!("{mode}: the {route} route streams bytes as read")));
         }
-        let residency = &self.platform.platform.residency;
+        let residency = &self.target.platform.residency;
         if !residency.decodes() {
             return Ok((Vec::new(), format!("{mode}: this device cannot load the decoder")));
         }
@@ -703,12 +672,12 @@ impl ComponentSession {
         // `auto` weighs each tensor on this device: it streams encoded where decoding it takes
         // less time than copying its bf16 bytes over the link (decoding then hides under the
         // copies). Without a measured link (the host backend) it keeps tensors of 1 MiB or more.
-        let weigh = match (mode, self.link_bytes_per_second) {
+        let weigh = match (mode, self.target.link_bytes_per_second) {
             (WeightEncoding::Auto, Some(link)) => {
                 let mut known = self.decode_speed.lock().unwrap_or_else(|p| p.into_inner());
                 let speed = match &*known {
                     Some(speed) => speed.clone(),
-                    None => crate::link::decode_speed(&self.platform.platform).map_err(|e| {
+                    None => crate::link::decode_speed(&self.target.platform).map_err(|e| {
                         SessionError::Capacity {
                             setting: "vmm_weight_encoding",
                             message: format!(
@@ -917,7 +886,7 @@ impl ComponentSession {
         mapped: Option<&CheckpointSource>,
         workers: usize,
     ) -> Result<EncodedSource, SessionError> {
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         let store = RetainedStore::new(u64::MAX, p.admission.clone());
         let drop_pages = |i: usize| {
             if let Some(m) = mapped {
@@ -956,7 +925,7 @@ impl ComponentSession {
         SessionError,
     > {
         let s = &self.plan.settings;
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         let workers = s.pin_cpu_workers.max(1) as usize;
         let slices = checkpoint.slices();
         let device_can = |&(i, to): &(usize, Dtype)| p.residency.converts(slices[i].dtype, to);
@@ -1090,7 +1059,7 @@ impl ComponentSession {
         skip: &HashSet<usize>,
     ) -> Result<CheckpointBytes, SessionError> {
         let s = &self.plan.settings;
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         let workers = s.pin_cpu_workers.max(1) as usize;
         let reads = |backend: ReadBackend| match backend {
             ReadBackend::Direct => ReadOptions { workers, ..ReadOptions::direct() },
@@ -1291,7 +1260,7 @@ impl ComponentSession {
         checkpoint: &Checkpoint,
         skip: &HashSet<usize>,
     ) -> Result<(HostTier, String), SessionError> {
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         let s = &self.plan.settings;
         let bytes: u64 = checkpoint
             .slices()
@@ -1428,7 +1397,7 @@ impl ComponentSession {
 
     /// The largest unit's and the largest extent's (one contiguous file range) bytes.
     fn largest(&self, checkpoint: &Checkpoint) -> Result<(u64, u64), SessionError> {
-        let granularity = self.platform.platform.residency.granularity()?;
+        let granularity = self.target.platform.residency.granularity()?;
         let specs = self.assignment.unit_specs(checkpoint.slices());
         let layout = Layout::build(checkpoint.slices(), &specs, granularity)?;
         let unit = layout.units.iter().map(|u| u.link_bytes()).max().unwrap_or(0);
@@ -1445,7 +1414,7 @@ impl ComponentSession {
         ceiling: u64,
         backend: ReadBackend,
     ) -> Result<Arc<StagingPool>, SessionError> {
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         let (_, extent) = self.largest(checkpoint)?;
         let read = match backend {
             ReadBackend::Direct => ReadOptions::direct(),
@@ -1490,7 +1459,7 @@ impl ComponentSession {
             }
             let groups: Vec<Vec<usize>> =
                 units.iter().map(|u| isolated_small(source.slices(), u, threshold)).collect();
-            let store = RetainedStore::new(u64::MAX, self.platform.platform.admission.clone());
+            let store = RetainedStore::new(u64::MAX, self.target.platform.admission.clone());
             match source.pack(&groups, &store) {
                 Ok(()) => {}
                 // Packing only saves copies: when the host refuses the bytes, serve in place.
@@ -1559,7 +1528,7 @@ impl ComponentSession {
             }
         };
         let limit = gib("vmm_peer_store_gb", s.vmm_peer_store_gb).unwrap_or(0);
-        if self.cuda().is_none() {
+        if self.target.device == ExecutionDevice::Host {
             // The host backend holds a peer's memory in host memory: the host must admit it.
             let plan = arena.plan();
             let mut bytes = 0u64;
@@ -1572,7 +1541,7 @@ impl ComponentSession {
                 bytes += u.len;
             }
             let request = GrowthRequest { kind: GrowthKind::Retained, bytes, registered_bytes: 0 };
-            if let Err(refusal) = self.platform.platform.admission.admit(&request).into_result() {
+            if let Err(refusal) = self.target.platform.admission.admit(&request).into_result() {
                 host.peer_note = Some(format!(
                     "no peer weight store on cuda:{peer}: the host backend holds it in host memory, and {refusal}; the units stream from host memory"
                 ));
@@ -1585,21 +1554,22 @@ impl ComponentSession {
                 host.peer = Some(report);
                 // The fill leaves its last units in the slots: start the first pass warm again.
                 let _ = arena.prime();
-                let own = self.cuda().map(|d| ddo_core::Residency::device(&**d).0);
+                let own = match self.target.device {
+                    ExecutionDevice::Cuda(_) => Some(self.target.platform.residency.device().0),
+                    ExecutionDevice::Host => None,
+                };
                 if own == Some(peer) && report.bytes > 0 {
                     host.peer_note = Some(format!(
                         "the peer weight store is in the computing GPU's own memory ({}), outside the arena's budget: set vmm_peer_store_gb to bound it",
                         ByteSize(report.bytes)
                     ));
                 }
-                if let (Some(dev), None) = (self.cuda(), host.peer_link) {
-                    let own = ddo_core::Residency::device(&**dev).0;
-                    if own != peer {
-                        host.peer_link =
-                            ddo_platform::cuda::measure_peer_link(own, peer, 256 << 20)
-                                .ok()
-                                .map(|m| m.bytes_per_second);
-                    }
+                if let (Some(own), Some(measure), None) =
+                    (own, self.target.peer_link, host.peer_link)
+                    && own != peer
+                {
+                    host.peer_link =
+                        measure(ddo_core::DeviceOrdinal(own), ddo_core::DeviceOrdinal(peer));
                 }
             }
             Err(e) => {
@@ -1721,7 +1691,7 @@ impl ComponentSession {
             }
             SessionRoute::Linear | SessionRoute::Disk => needed,
         };
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         Ok(Registrar::new(ceiling, p.residency.clone(), p.admission.clone()))
     }
 
@@ -1820,7 +1790,7 @@ impl ComponentSession {
         let mut out = vec![0u8; view.len as usize];
         let range =
             ddo_core::DeviceRange { start: ddo_core::DeviceAddress(view.address), len: view.len };
-        self.platform.platform.residency.read_back(range, &mut out)?;
+        self.target.platform.residency.read_back(range, &mut out)?;
         Ok(out)
     }
 
@@ -1859,7 +1829,7 @@ impl ComponentSession {
         // Uploads check the files' status on their open descriptors; a path renamed over is
         // noticed here, once per pass.
         a.memory.arena.check_source()?;
-        if let Some(link) = self.link_bytes_per_second {
+        if let Some(link) = self.target.link_bytes_per_second {
             let streamed = a.memory.arena.plan().streamed_bytes;
             if let Some(auto) =
                 self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()).as_mut()
@@ -1996,7 +1966,7 @@ impl ComponentSession {
         }
         // The attach's counters go on across the new arena.
         attached.earlier = attached.earlier.then(&memory.arena.stats());
-        let p = &self.platform.platform;
+        let p = &self.target.platform;
         let specs = self.unit_specs(&*attached.source);
         let conversions = &attached.host.device_conversions;
         let build = |budget: Budget| -> Result<Arena, SessionError> {
@@ -2136,7 +2106,7 @@ impl ComponentSession {
 
     /// A metrics snapshot; `phase` labels the host-memory observation (`None` skips it).
     pub fn metrics(&self, phase: Option<&str>) -> ddo_metrics::DynamicOffloadMetrics {
-        crate::metrics::snapshot(self, phase)
+        crate::report::snapshot(self, phase)
     }
 
     pub(crate) fn with_attached<R>(&self, f: impl FnOnce(Option<&AttachedView<'_>>) -> R) -> R {
@@ -2186,7 +2156,7 @@ impl ComponentSession {
     }
 
     pub(crate) fn link(&self) -> Option<f64> {
-        self.link_bytes_per_second
+        self.target.link_bytes_per_second
     }
 
     /// Closes the session: unloads (refused while leases are live).
@@ -2509,7 +2479,10 @@ mod auto_encoding_tests {
         ])
         .unwrap();
         let weights = Weights::Checkpoint { path: path.clone(), mmap: MmapChoice::never() };
-        let session = ComponentSession::open(SessionSpec { plan, weights, tree: None }).unwrap();
+        let platform = ddo_platform::host_platform(Arc::new(ddo_platform::host::HostDevice::new()));
+        let target = ExecutionTarget::unmeasured(ExecutionDevice::Host, platform);
+        let session =
+            ComponentSession::open(SessionSpec { plan, weights, tree: None }, target).unwrap();
         // The host backend measures no link: make it time passes as a GPU's session does,
         // attached raw.
         *session.auto_encoding.lock().unwrap() = Some(AutoEncoding::timing());

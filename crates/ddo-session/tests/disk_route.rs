@@ -34,7 +34,7 @@ fn disk(path: &Path, args: &[(&str, &str)]) -> Result<ComponentSession, SessionE
     // SAFETY: the promise is not needed (the disk route never maps), and the tests that change
     // the file expect the change to be refused.
     let mmap = unsafe { MmapChoice::auto() };
-    ComponentSession::open(SessionSpec {
+    ddo_compose::open(SessionSpec {
         plan: request(&all).unwrap(),
         weights: Weights::Checkpoint { path: path.to_owned(), mmap },
         tree: None,
@@ -125,7 +125,7 @@ fn routes_that_do_not_read_the_disk_have_no_disk_counters() {
         ],
     )
     .unwrap();
-    let session = ComponentSession::open(SessionSpec {
+    let session = ddo_compose::open(SessionSpec {
         plan,
         weights: Weights::Checkpoint { path, mmap },
         tree: None,
@@ -173,7 +173,7 @@ fn with_small_default_staging(
     plan.origins.insert("vmm_staging_buffer_gb".into(), ddo_policy::Origin::Default);
     // SAFETY: the test's checkpoint is not modified while the session lives.
     let mmap = unsafe { MmapChoice::auto() };
-    ComponentSession::open(SessionSpec {
+    ddo_compose::open(SessionSpec {
         plan,
         weights: Weights::Checkpoint { path: path.to_owned(), mmap },
         tree: None,
@@ -290,7 +290,7 @@ fn the_native_route_reads_the_unretained_rest_ahead_into_staging() {
         ],
     )
     .unwrap();
-    let session = ComponentSession::open(SessionSpec {
+    let session = ddo_compose::open(SessionSpec {
         plan,
         weights: Weights::Checkpoint { path, mmap },
         tree: None,

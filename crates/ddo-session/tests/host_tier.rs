@@ -79,7 +79,7 @@ fn open_tree(
     all.extend_from_slice(args);
     // SAFETY: the test's checkpoint is not modified while the session lives.
     let mmap = unsafe { MmapChoice::auto() };
-    ComponentSession::open_with_admission(
+    ddo_compose::open_with_admission(
         SessionSpec {
             plan: testing::resolve_plan(&all).unwrap(),
             weights: Weights::Checkpoint { path: path.to_owned(), mmap },

@@ -101,7 +101,7 @@ fn open(extra: &[(&str, &str)]) -> ComponentSession {
     let mut args = vec![("execution_device", "cpu"), ("route", "linear_convolution")];
     args.extend_from_slice(extra);
     let plan = ddo_session::resolve("vae", &args).unwrap();
-    ComponentSession::open(SessionSpec { plan, weights: weights(), tree: Some(tree()) }).unwrap()
+    ddo_compose::open(SessionSpec { plan, weights: weights(), tree: Some(tree()) }).unwrap()
 }
 
 #[test]

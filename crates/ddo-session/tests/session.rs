@@ -38,7 +38,7 @@ fn native_with(
     args.extend_from_slice(extra);
     // SAFETY: the test's checkpoint is not modified while the session lives.
     let mmap = unsafe { MmapChoice::auto() };
-    ComponentSession::open(SessionSpec {
+    ddo_compose::open(SessionSpec {
         plan: resolve(&args),
         weights: Weights::Checkpoint { path: path.to_owned(), mmap },
         tree,
@@ -176,7 +176,7 @@ fn read_backends_and_retained_windows_serve_the_same_bytes() {
         assert_eq!(setup(&session).read_workers, Some(workers));
     }
     // Without the owner's promise nothing is mapped: the bytes are read.
-    let session = ComponentSession::open(SessionSpec {
+    let session = ddo_compose::open(SessionSpec {
         plan: resolve(&[("backend", "vmm"), ("vmm_resident_weight_budget_gb", "0.02")]),
         weights: Weights::Checkpoint { path, mmap: MmapChoice::never() },
         tree: None,
@@ -363,7 +363,7 @@ fn weights_that_do_not_fit_the_module_are_refused_clearly() {
         ddo_session::ModuleTree::from_tensor_names(["blocks.0.attn.weight", "missing.weight"]);
     tree.parameters[0].dtype = Some(Dtype::BF16);
     let open = |tree| {
-        ComponentSession::open(SessionSpec {
+        ddo_compose::open(SessionSpec {
             plan: resolve(&[("backend", "vmm")]),
             weights: Weights::Checkpoint { path: path.clone(), mmap: MmapChoice::never() },
             tree: Some(tree),
@@ -381,7 +381,7 @@ fn weights_that_do_not_fit_the_module_are_refused_clearly() {
     assert!(err.contains("the checkpoint is not this model's"), "{err}");
     let err = open(ddo_session::ModuleTree::default()).unwrap_err().to_string();
     assert!(err.contains("has no parameters"), "{err}");
-    let bad = ComponentSession::open(SessionSpec {
+    let bad = ddo_compose::open(SessionSpec {
         plan: resolve(&[("backend", "linear")]),
         weights: Weights::Checkpoint { path: path.clone(), mmap: MmapChoice::never() },
         tree: None,
@@ -422,11 +422,7 @@ fn host_weights(blocks: usize) -> Weights {
 fn linear(extra: &[(&str, &str)]) -> Result<ComponentSession, SessionError> {
     let mut args = vec![("backend", "linear")];
     args.extend_from_slice(extra);
-    ComponentSession::open(SessionSpec {
-        plan: resolve(&args),
-        weights: host_weights(6),
-        tree: None,
-    })
+    ddo_compose::open(SessionSpec { plan: resolve(&args), weights: host_weights(6), tree: None })
 }
 
 #[test]
@@ -479,7 +475,7 @@ fn pinning_settings_decide_what_is_registered() {
             ("pin_weight_budget_gb", "0.0625"),
         ];
         args.extend_from_slice(extra);
-        ComponentSession::open(SessionSpec {
+        ddo_compose::open(SessionSpec {
             plan: resolve(&args),
             weights: host_weights(40),
             tree: None,
@@ -562,7 +558,7 @@ fn a_block_adjacent_in_its_file_uploads_in_one_copy() {
     let path = checkpoint(dir.path(), 6);
     // Each norm (2 KiB) is small, but it lies next to its block's weight in the file: moving it
     // into a pack would split the block's one copy in two.
-    let session = ComponentSession::open(SessionSpec {
+    let session = ddo_compose::open(SessionSpec {
         plan: resolve(&[("backend", "linear"), ("small_tensor_threshold_kb", "4")]),
         weights: lazily_loaded(&path, false),
         tree: None,
@@ -586,7 +582,7 @@ fn tensors_in_a_private_file_mapping_are_served_from_a_shared_mapping_of_the_fil
     let dir = tempfile::tempdir().unwrap();
     let path = checkpoint(dir.path(), 6);
     let plan = || resolve(&[("backend", "linear"), ("small_tensor_threshold_kb", "0")]);
-    let clean = ComponentSession::open(SessionSpec {
+    let clean = ddo_compose::open(SessionSpec {
         plan: plan(),
         weights: lazily_loaded(&path, false),
         tree: None,
@@ -597,7 +593,7 @@ fn tensors_in_a_private_file_mapping_are_served_from_a_shared_mapping_of_the_fil
     assert!(s.registered_bytes.unwrap() > 0 && s.unregistered_bytes == Some(0), "{s:?}");
     run_and_check(&clean, 2, &checkpoint_bytes(6));
     // A written page stays private: served in place, never page-locked, bytes still right.
-    let written = ComponentSession::open(SessionSpec {
+    let written = ddo_compose::open(SessionSpec {
         plan: plan(),
         weights: lazily_loaded(&path, true),
         tree: None,
@@ -623,8 +619,8 @@ fn execution_device_is_validated() {
     let plan = resolve(&[("backend", "linear")]);
     let mut plan = plan;
     plan.settings.execution_device = "abc".into();
-    let err = ComponentSession::open(SessionSpec { plan, weights: host_weights(2), tree: None })
-        .unwrap_err();
+    let err =
+        ddo_compose::open(SessionSpec { plan, weights: host_weights(2), tree: None }).unwrap_err();
     assert_eq!(
         err.to_string(),
         "execution_device: \"abc\" is not a device; use cuda, cuda:N or cpu"
@@ -966,7 +962,7 @@ fn a_mapped_file_is_registered_only_where_its_served_tensors_lie() {
         t.storage = storages.len() - 1;
         t.offset = 0;
     }
-    let session = ComponentSession::open(SessionSpec {
+    let session = ddo_compose::open(SessionSpec {
         plan: resolve(&[("backend", "linear"), ("small_tensor_threshold_kb", "0")]),
         weights: Weights::Host { storages, tensors, mmap },
         tree: None,
