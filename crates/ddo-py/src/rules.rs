@@ -4,8 +4,8 @@
 
 use std::sync::Mutex;
 
-use ddo_policy::auto_budget::{self, Arena, Refusal, Step};
-use ddo_policy::capacity_profile::{self, Outcome, Recommendation, Target};
+use ddo_session::policy::auto_budget::{self, Arena, Refusal, Step};
+use ddo_session::policy::capacity_profile::{self, Outcome, Recommendation, Target};
 use pyo3::prelude::*;
 
 use crate::errors::config_error;
@@ -134,16 +134,18 @@ pub(crate) fn published_resident_budget_gb(total_gb: f64, peak_gb: f64, headroom
 /// Route `linear_convolution`'s limits: `(resident KiB, streamed dtypes as torch names)`.
 #[pyfunction]
 pub(crate) fn layer_route_limits() -> (u32, Vec<&'static str>) {
-    let dtypes =
-        ddo_policy::LAYER_ROUTE_DTYPES.iter().map(|d| crate::torch_dtype::torch_name(*d)).collect();
-    (ddo_policy::LAYER_ROUTE_RESIDENT_KIB, dtypes)
+    let dtypes = ddo_session::policy::LAYER_ROUTE_DTYPES
+        .iter()
+        .map(|d| crate::torch_dtype::torch_name(*d))
+        .collect();
+    (ddo_session::policy::LAYER_ROUTE_RESIDENT_KIB, dtypes)
 }
 
 /// The facts of the route named `name` as JSON (`name`, `published_name`, `streams`, `native`,
 /// `reads_checkpoint`, `budget_setting`, `takes_auto_budget`); `None` for a name that is no route.
 #[pyfunction]
 pub(crate) fn route_facts(name: &str) -> PyResult<Option<String>> {
-    ddo_policy::RouteFacts::of_name(name)
+    ddo_session::policy::RouteFacts::of_name(name)
         .map(|facts| serde_json::to_string(&facts).map_err(config_error))
         .transpose()
 }

@@ -1,6 +1,6 @@
-//! PyTorch's names of element types, where Python strings meet `ddo_core::Dtype`.
+//! PyTorch's names of element types, where Python strings meet `ddo_session::core::Dtype`.
 
-use ddo_core::Dtype;
+use ddo_session::core::Dtype;
 
 /// The PyTorch name of `dtype` (`bfloat16`, `float8_e4m3fn`), as `torch.<name>` spells it.
 pub(crate) const fn torch_name(dtype: Dtype) -> &'static str {
