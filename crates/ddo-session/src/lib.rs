@@ -61,10 +61,10 @@ pub use ddo_metrics as metrics;
 pub use ddo_policy as policy;
 pub use ddo_source as source;
 
+mod decode_speed;
 mod device;
 mod error;
 mod host_files;
-mod link;
 mod report;
 mod session;
 pub mod testing;

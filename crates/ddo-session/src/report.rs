@@ -1,4 +1,5 @@
-//! The metrics snapshot of a session, assembled in one place.
+//! The metrics snapshot of a session, assembled in one place from a view of the session
+//! ([`SessionView`]): the report reads plain values and knows nothing of the session's state.
 
 use ddo_arena::ArenaStats;
 use ddo_metrics::{
@@ -6,8 +7,7 @@ use ddo_metrics::{
     SetupSection,
 };
 use ddo_policy::{OffloadType, Placement, Plan, Route};
-
-use crate::ComponentSession;
+use ddo_source::{ConversionReport, EncodingReport, PackReport, RetainedReport};
 
 /// The snapshot a plan alone gives: route, configuration, what a route applied by the host
 /// (Diffusers' hooks, none) is set to do, the plan's warnings, and the host-memory observation
@@ -56,16 +56,83 @@ fn observe(phase: &str) -> HostMemorySection {
     }
 }
 
-pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> DynamicOffloadMetrics {
-    let mut m = plan_snapshot(session.plan(), phase);
+/// What the snapshot reads of a session.
+pub(crate) struct SessionView<'a> {
+    /// Modules of the module tree, when one was given.
+    pub(crate) module_count: Option<u64>,
+    /// The measured host-to-device link, bytes per second.
+    pub(crate) link: Option<f64>,
+    /// The device's PyTorch name.
+    pub(crate) execution_device: String,
+    /// Warnings for the host to show.
+    pub(crate) warnings: &'a [String],
+    /// The current attach; `None` while unloaded.
+    pub(crate) attached: Option<AttachedView<'a>>,
+}
+
+/// Seconds the attach's stages took, and the bytes read in.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SetupStages {
+    /// Opening the source: headers, host tier, retained windows or staging, conversions and
+    /// encodings at load.
+    pub(crate) source_seconds: f64,
+    /// Bytes of file mappings read in before registration (a cold file arrives here).
+    pub(crate) read_in_bytes: u64,
+    /// Seconds the read-in of those bytes took (overlapping registration).
+    pub(crate) read_in_seconds: f64,
+    /// Seconds registration took, waits for the read-in included.
+    pub(crate) registration_seconds: f64,
+    /// Seconds the resident units took to upload.
+    pub(crate) resident_seconds: f64,
+}
+
+/// What the snapshot reads of one attach.
+pub(crate) struct AttachedView<'a> {
+    pub(crate) stats: ddo_arena::ArenaStats,
+    pub(crate) plan: &'a ddo_arena::ResidencyPlan,
+    pub(crate) unit_count: u64,
+    pub(crate) registered: u64,
+    pub(crate) unregistered: u64,
+    pub(crate) unregistered_reason: Option<&'a str>,
+    pub(crate) retained: Option<&'a RetainedReport>,
+    pub(crate) packed: PackReport,
+    pub(crate) conversion: Option<ConversionReport>,
+    pub(crate) device_conversions: u64,
+    pub(crate) host_short: bool,
+    pub(crate) staging_short: bool,
+    pub(crate) not_packed: Option<&'a str>,
+    pub(crate) host_kind: &'static str,
+    pub(crate) read_workers: Option<u64>,
+    /// The staging pool's counters and whether it reads with O_DIRECT.
+    pub(crate) staging: Option<(ddo_source::StagingStats, bool)>,
+    pub(crate) staging_note: Option<&'a str>,
+    pub(crate) tier_reason: Option<&'a str>,
+    pub(crate) encoding_note: Option<&'a str>,
+    pub(crate) encoding: Option<&'a EncodingReport>,
+    pub(crate) setup_seconds: f64,
+    pub(crate) stages: SetupStages,
+    pub(crate) peer: Option<ddo_arena::PeerStoreReport>,
+    /// Per unit: held by the peer weight store.
+    pub(crate) peer_stored: Vec<bool>,
+    pub(crate) peer_note: Option<&'a str>,
+    pub(crate) peer_link: Option<f64>,
+    pub(crate) total_bytes: u64,
+    pub(crate) tensor_count: u64,
+}
+
+/// The snapshot of a session: `m` (its plan's, [`plan_snapshot`]) with what `session` shows.
+pub(crate) fn snapshot(
+    mut m: DynamicOffloadMetrics,
+    session: &SessionView<'_>,
+) -> DynamicOffloadMetrics {
     let mut setup = SetupSection {
-        module_count: session.module_count(),
-        link_bytes_per_second: session.link(),
-        execution_device: Some(session.device().torch_name()),
-        warnings: (!session.warnings().is_empty()).then(|| session.warnings().to_vec()),
+        module_count: session.module_count,
+        link_bytes_per_second: session.link,
+        execution_device: Some(session.execution_device.clone()),
+        warnings: (!session.warnings.is_empty()).then(|| session.warnings.to_vec()),
         ..SetupSection::default()
     };
-    session.with_attached(|a| {
+    let mut fill = |a: Option<&AttachedView<'_>>| {
         let Some(a) = a else {
             setup.host_source = Some("unloaded".into());
             return;
@@ -80,7 +147,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.read_in_seconds = (st.read_in_bytes > 0).then_some(st.read_in_seconds);
         setup.registration_seconds = Some(st.registration_seconds);
         setup.resident_upload_seconds = Some(st.resident_seconds);
-        setup.unit_count = Some(a.units.len() as u64);
+        setup.unit_count = Some(a.unit_count);
         setup.resident_units = Some(a.plan.resident.iter().filter(|r| **r).count() as u64);
         setup.streamed_units = Some(a.plan.streamed_units() as u64);
         setup.unit_tiers = Some(unit_tiers(a));
@@ -89,7 +156,7 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
         setup.gpu_budget_bytes = Some(a.plan.budget.total);
         setup.headroom_bytes = Some(a.plan.budget.headroom);
         setup.streamed_bytes_per_pass = Some(streamed_bytes);
-        setup.expected_copy_floor_seconds = session.link().map(|l| streamed_bytes as f64 / l);
+        setup.expected_copy_floor_seconds = session.link.map(|l| streamed_bytes as f64 / l);
         setup.registered_bytes = Some(a.registered);
         setup.unregistered_bytes = Some(a.unregistered);
         setup.unregistered_reason = a.unregistered_reason.map(str::to_owned);
@@ -164,13 +231,14 @@ pub(crate) fn snapshot(session: &ComponentSession, phase: Option<&str>) -> Dynam
             runtime.disk_bytes = Some(staging.disk_bytes);
             runtime.disk_bytes_per_pass = Some(staging.disk_bytes / a.stats.passes.max(1));
             runtime.disk_read_seconds = Some(staging.disk_seconds);
-            runtime.disk_bytes_per_second =
-                (staging.disk_seconds > 0.0).then(|| staging.disk_bytes as f64 / staging.disk_seconds);
+            runtime.disk_bytes_per_second = (staging.disk_seconds > 0.0)
+                .then(|| staging.disk_bytes as f64 / staging.disk_seconds);
             runtime.read_stall_seconds = Some(staging.stall_seconds);
             runtime.disk_reads_on_demand = Some(staging.on_demand + staging.gave_up);
         }
         m.runtime = runtime;
-    });
+    };
+    fill(session.attached.as_ref());
     m.setup = setup;
     m
 }
@@ -206,7 +274,7 @@ fn runtime_section(s: &ArenaStats) -> RuntimeSection {
 /// Where each unit's weights come from, as ranges of unit ids (`session.units()` order) per
 /// tier: `device` (resident), `peer` (streamed from the peer weight store), and the host tier
 /// that feeds the rest (`mapping`, `retained`, `disk`...), e.g. `device=0-3,5 mapping=4,6-9`.
-fn unit_tiers(a: &crate::session::AttachedView<'_>) -> String {
+fn unit_tiers(a: &AttachedView<'_>) -> String {
     let tier = |i: usize| -> &str {
         if a.plan.resident[i] {
             "device"
