@@ -273,8 +273,8 @@ def test_a_corrupt_gguf_is_refused_before_any_module_is_built(tmp_path, monkeypa
     def built(*_a, **_k):
         raise AssertionError("a module was built")
 
-    monkeypatch.setattr(ddo.api, "_meta_module", built)
-    monkeypatch.setattr(ddo.api, "_loader_of", built)
+    monkeypatch.setattr(ddo.loaders.meta, "meta_module", built)
+    monkeypatch.setattr(ddo.loaders.checkpoint, "loader_of", built)
     with pytest.raises(ddo.DynamicOffloadCheckpointError, match=str(f)):
         load(folder)
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from . import _native
 from .api import (
-    DiffusersGroupOffloadResult,
-    DynamicOffloadApplyResult,
-    DynamicOffloadLoadResult,
+    apply_dynamic_offload,
     enable_diffusers_group_offload,
+    enable_dynamic_offload,
     enable_offload,
     enable_pipeline_offload,
     from_pretrained_with_dynamic_offload,
@@ -57,33 +56,37 @@ from .settings import (
     load_dynamic_offload_settings_from_env,
     resolve_dynamic_offload_preset,
 )
+from .loaders.pipeline import DynamicOffloadPipelineResult, from_pretrained_pipeline_with_dynamic_offload
+from .results import DiffusersGroupOffloadResult, DynamicOffloadApplyResult, DynamicOffloadLoadResult
+from .runtime import StreamedWeight, find_execution_units
+
+# The published library's names: the hook, phase helpers, timing, the metrics journal, offload
+# state, layout inspection, events and the refused store types.
 from .compat import (
+    DynamicOffloadExecutionTimer,
     DynamicOffloadHook,
+    DynamicOffloadMetricsJournal,
     DynamicOffloadPlanEntry,
+    DynamicOffloadState,
+    DynamicOffloadUnitState,
     VmmWeightLease,
     VmmWeightStore,
     VmmWeightStoreStats,
-    apply_dynamic_offload,
+    add_dynamic_offload_lifecycle_arguments,
     build_dynamic_offload_event_payload,
     clear_dynamic_offload_pinned_tensor_cache,
     clear_dynamic_offload_plan_cache,
     detect_quantized_backend_modules,
-    enable_dynamic_offload,
+    get_dynamic_offload_state,
     inspect_vmm_component,
-)
-from .pipeline import DynamicOffloadPipelineResult, from_pretrained_pipeline_with_dynamic_offload
-from .runtime import StreamedWeight, find_execution_units
-
-# Phase helpers, timing, the metrics journal, offload state and capacity profiles.
-from .journal import DynamicOffloadMetricsJournal
-from .phases import (
-    add_dynamic_offload_lifecycle_arguments,
     maybe_purge_windows_standby_cache,
     purge_windows_standby_cache,
     purge_windows_standby_cache_event,
     release_native_vmm_idle_cache,
     release_pytorch_host_cache,
 )
+
+# Capacity profiles.
 from .profiles import (
     DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION,
     DynamicOffloadProfileSession,
@@ -96,8 +99,6 @@ from .profiles import (
     normalize_dynamic_offload_profile_context,
     record_dynamic_offload_profile,
 )
-from .state import DynamicOffloadState, DynamicOffloadUnitState, get_dynamic_offload_state
-from .timing import DynamicOffloadExecutionTimer
 
 _LIFECYCLE_EXPORTS = [
     "DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION",

@@ -228,14 +228,14 @@ def _is_out_of_memory(error: BaseException) -> bool:
 
 def _model_folder(folder: str) -> Tuple[Any, Dict[str, Any]]:
     """The class ``folder``'s config.json names (it must have an input builder) and the config."""
-    from .api import _loader_of
+    from .loaders.checkpoint import loader_of
 
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise DynamicOffloadError(
             f"{folder} has no config.json: pass a Diffusers model folder (config.json and its safetensors), such as a "
             "pipeline's transformer/ or vae/"
         )
-    loader = _loader_of(folder)
+    loader = loader_of(folder)
     if loader.__name__ not in BUILDERS:
         raise DynamicOffloadError(
             f"{folder}/config.json names {loader.__name__}; ddo bench builds inputs for {', '.join(sorted(BUILDERS))}: "

@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Tuple
 
 import torch
 
 from .. import _native
 
-if TYPE_CHECKING:
-    from .session_runtime import SessionRuntime
+__all__ = ["AutoBudget", "BudgetedRuntime", "auto_budget_of", "check_auto_budget_route", "device_free_bytes"]
 
-__all__ = ["AutoBudget", "auto_budget_of", "check_auto_budget_route", "device_free_bytes"]
+
+class BudgetedRuntime(Protocol):
+    """What the automatic budget reads and drives: the execution device, the leases blocks hold
+    now, the session, its metrics, and a re-plan under a new budget."""
+
+    device: torch.device
+    leases: Dict[Any, Any]
+    session: Any
+
+    def metrics(self, phase: Optional[str] = None) -> Dict[str, Any]: ...
+
+    def set_budget(self, total: int) -> bool: ...
 
 # The headroom when ``auto_vram_headroom_gb`` is 0 (or unset).
 _AUTO_HEADROOM_BYTES = 1 << 30
@@ -42,7 +52,7 @@ class AutoBudget:
     (activations, its cache) is never counted as free. Planned again after the first pass, and
     after any pass that leaves less than half the headroom free (the working set grew)."""
 
-    def __init__(self, runtime: "SessionRuntime", headroom: int, free: Callable[[torch.device], int]) -> None:
+    def __init__(self, runtime: BudgetedRuntime, headroom: int, free: Callable[[torch.device], int]) -> None:
         self.runtime = runtime
         self.headroom = headroom
         self.free = free
@@ -135,7 +145,7 @@ def check_auto_budget_route(settings: Mapping[str, Any], route: str) -> None:
         )
 
 
-def auto_budget_of(runtime: "SessionRuntime", settings: Mapping[str, Any]) -> Optional[AutoBudget]:
+def auto_budget_of(runtime: BudgetedRuntime, settings: Mapping[str, Any]) -> Optional[AutoBudget]:
     """The automatic budget the resolved ``settings`` ask for, or ``None``: the headroom is
     ``auto_vram_headroom_gb``, 1 GiB when 0."""
     if settings.get("auto_budget_policy") != "balanced":

@@ -8,15 +8,12 @@ import functools
 import importlib.util
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, List
+from typing import Any, List
 
 import torch
 
 from .. import _native
 from .module_tree import LAYER_DTYPES
-
-if TYPE_CHECKING:
-    from .session_runtime import SessionRuntime
 
 __all__ = [
     "ATTACHED",
@@ -32,8 +29,8 @@ __all__ = [
 # Diffusers model methods that hook weight placement or casting, refused while ddo offloads.
 PLACEMENT_METHODS = ("enable_group_offload", "enable_layerwise_casting")
 
-# Attached runtimes, for the adapter-merge guard.
-ATTACHED: "weakref.WeakSet[SessionRuntime]" = weakref.WeakSet()
+# Attached runtimes (``SessionRuntime``), for the adapter-merge guard and the idle-cache release.
+ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def refuse_write(name: str) -> Exception:

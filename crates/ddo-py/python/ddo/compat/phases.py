@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
-from . import _native
-from .metrics import DynamicOffloadMetrics
+from .. import _native
+from ..metrics import DynamicOffloadMetrics
 
 __all__ = [
     "DEFAULT_LIFECYCLE_PHASES",
@@ -114,7 +114,7 @@ def release_pytorch_host_cache(
 
 
 def _live_runtimes() -> List[Any]:
-    from .runtime.guards import ATTACHED
+    from ..runtime.guards import ATTACHED
 
     return [r for r in list(ATTACHED) if not r.detached and r.session is not None]
 
@@ -212,7 +212,7 @@ def _file_mappings(files: Iterable[str]) -> Optional[List[Tuple[int, int, bool, 
 
 
 def _in(mappings: List[Tuple[int, int, bool, str]], t: torch.Tensor) -> bool:
-    from .runtime import StreamedWeight
+    from ..runtime import StreamedWeight
 
     # A streamed weight's placeholder has no memory of its own.
     if t.device.type != "cpu" or t.is_meta or isinstance(t, StreamedWeight) or not torch._C._has_storage(t):

@@ -14,19 +14,15 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
-from . import _native
-from .api import (
-    DynamicOffloadApplyResult,
-    _local_path,
-    _variant_checkpoint,
-    enable_offload,
-    from_pretrained_with_dynamic_offload,
-)
-from .config import DynamicOffloadConfig
-from .errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
-from .metrics import DynamicOffloadMetrics
-from .progress import bar
-from .settings import resolve_settings
+from .. import _native
+from ..api import enable_offload, from_pretrained_with_dynamic_offload
+from ..config import DynamicOffloadConfig
+from ..errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
+from ..metrics import DynamicOffloadMetrics
+from ..progress import bar
+from ..results import DynamicOffloadApplyResult
+from ..settings import resolve_settings
+from .checkpoint import local_path, variant_checkpoint
 
 __all__ = ["DynamicOffloadPipelineResult", "from_pretrained_pipeline_with_dynamic_offload"]
 
@@ -187,7 +183,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
     ``torch_dtype`` and ``variant`` (``fp16``: the ``*.fp16.safetensors`` files) go to every model
     component, whatever its route.
     If any component fails, the ones already offloaded are removed and the error re-raised."""
-    root = _local_path(path, revision)
+    root = local_path(path, revision)
     index_path = os.path.join(root, "model_index.json")
     try:
         with open(index_path, encoding="utf-8") as f:
@@ -246,7 +242,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 f"({', '.join(f'{n}: {r}' for n, r in routes.items()) or 'no safetensors model components'}); "
                 "use backend='vmm', or leave gpu_budget_gb unset"
             )
-        sizes = {n: _weight_bytes(_variant_checkpoint(os.path.join(root, n), variant), torch_dtype) for n in arena}
+        sizes = {n: _weight_bytes(variant_checkpoint(os.path.join(root, n), variant), torch_dtype) for n in arena}
         budgets = _split_budgets(gpu_budget_gb, arena, sizes, {n: device_of(n) for n in arena})
     components: Dict[str, Any] = dict(pipeline_kwargs)
     offload: Dict[str, DynamicOffloadApplyResult] = {}

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from . import _native
-from .metrics import DynamicOffloadMetrics
+from .. import _native
+from ..metrics import DynamicOffloadMetrics
 
 __all__ = ["DYNAMIC_OFFLOAD_TIMING_SCHEMA_VERSION", "DynamicOffloadExecutionTimer", "execution_timer"]
 

@@ -13,8 +13,8 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Optional, Union
 
-from . import _native
-from .metrics import DynamicOffloadMetrics
+from .. import _native
+from ..metrics import DynamicOffloadMetrics
 
 __all__ = ["DYNAMIC_OFFLOAD_JOURNAL_SCHEMA_VERSION", "DynamicOffloadMetricsJournal", "publish_json_no_replace"]
 

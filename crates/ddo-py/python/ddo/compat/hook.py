@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, TextIO
 
 import torch
 
-from .errors import DynamicOffloadError
+from ..errors import DynamicOffloadError
 
 __all__ = ["DynamicOffloadHook"]
 
