@@ -24,7 +24,7 @@ pub struct Recommendation {
 }
 
 /// Where the recommendation would apply.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Target {
     /// The component's route.
     pub route: Route,
@@ -34,6 +34,8 @@ pub struct Target {
     pub device_total_bytes: u64,
     /// Whether the execution device is a GPU (a host-backend run records no GPU size).
     pub device_is_gpu: bool,
+    /// The execution device's name (`cuda:0`, `cpu`), for messages.
+    pub device: String,
 }
 
 /// Why a recommendation is not applied.
@@ -120,7 +122,8 @@ pub fn decide(recommendation: &Recommendation, target: &Target) -> Outcome {
         return refused(
             Refusal::Invalid,
             format!(
-                "it recommends {budget} GiB, more than the device's {:.1} GiB: build it again",
+                "it recommends {budget} GiB, more than {}'s {:.1} GiB: build it again",
+                target.device,
                 total as f64 / GIB
             ),
         );
@@ -167,6 +170,7 @@ mod tests {
             explicit_budget: false,
             device_total_bytes: 80 * GIB_U,
             device_is_gpu: true,
+            device: "cuda:0".into(),
         }
     }
 
@@ -219,9 +223,9 @@ mod tests {
         let moved = Recommendation { device_total_bytes: Some(24.0 * GIB), ..recommending(1.0) };
         assert_eq!(why(&moved, &native).0, Refusal::DeviceChanged);
         // On the host backend the recorded GPU size does not matter.
-        let host = Target { device_is_gpu: false, ..native };
+        let host = Target { device_is_gpu: false, ..native.clone() };
         assert!(matches!(decide(&moved, &host), Outcome::Apply { .. }));
-        assert!(why(&recommending(1e300), &native).1.contains("more than the device's 80.0 GiB"));
+        assert!(why(&recommending(1e300), &native).1.contains("more than cuda:0's 80.0 GiB"));
         assert!(why(&recommending(0.0), &native).1.contains("no GPU memory for weights"));
         // The linear route's resident budget may be 0 (every block streamed).
         assert!(matches!(

@@ -84,24 +84,31 @@ impl AutoBudget {
     }
 }
 
-/// Whether a capacity profile's recommendation sizes the budget of `plan`'s component, as
+/// Whether a capacity profile's recommendation sizes the budget of `plan`'s component on
+/// `device` (a torch device name) of `device_total_bytes`, as
 /// `(outcome, setting, budget GiB, why)`: outcome `not_applicable`, `explicit_budget` (budget:
 /// the recommendation), `apply`, or a refusal's status (`invalid`, `device_changed`) with `why`.
 #[pyfunction]
-#[pyo3(signature = (plan, explicit_budget, device_total_bytes, device_is_gpu, setting=None, budget_gb=None, recorded_total_bytes=None))]
+#[pyo3(signature = (plan, explicit_budget, device, device_total_bytes, setting=None, budget_gb=None, recorded_total_bytes=None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn capacity_profile_outcome(
     plan: &ResolvedPlan,
     explicit_budget: bool,
+    device: &str,
     device_total_bytes: u64,
-    device_is_gpu: bool,
     setting: Option<String>,
     budget_gb: Option<f64>,
     recorded_total_bytes: Option<f64>,
 ) -> (&'static str, Option<&'static str>, Option<f64>, Option<String>) {
     let recommendation =
         Recommendation { setting, budget_gb, device_total_bytes: recorded_total_bytes };
-    let target =
-        Target { route: plan.plan.route, explicit_budget, device_total_bytes, device_is_gpu };
+    let target = Target {
+        route: plan.plan.route,
+        explicit_budget,
+        device_total_bytes,
+        device_is_gpu: device.starts_with("cuda"),
+        device: device.to_owned(),
+    };
     match capacity_profile::decide(&recommendation, &target) {
         Outcome::NotApplicable => ("not_applicable", None, None, None),
         Outcome::ExplicitBudget { recommended_gb } => {
