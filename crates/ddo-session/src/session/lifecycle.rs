@@ -15,8 +15,9 @@ impl ComponentSession {
     }
 
     /// Frees the weights' device memory and host registrations once every fence completed.
-    /// Refused while a lease is live. Views handed out ([`TensorView::owner`]) keep the memory
-    /// until they are dropped; it is freed then. Returns whether the memory was freed now
+    /// Refused while a lease is live. Views handed out
+    /// ([`TensorView::owner`](crate::TensorView::owner)) keep the memory until they are dropped;
+    /// it is freed then. Returns whether the memory was freed now
     /// (`false`: views still hold it).
     pub fn unload(&self) -> Result<bool, SessionError> {
         let mut g = self.lock();

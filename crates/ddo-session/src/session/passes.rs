@@ -72,9 +72,9 @@ impl ComponentSession {
     /// Starts a forward pass on `stream`: the pass leases of a pass that never ended are given
     /// back (after the work already enqueued on `stream`), the order of the first pass is
     /// learned, and the pinned units and the units the plan keeps resident are leased for the
-    /// pass. Returns the latter: the pass calls [`reached`](Session::reached) for them instead of
+    /// pass. Returns the latter: the pass calls [`reached`](Self::reached) for them instead of
     /// acquiring them (work on `stream` only; other streams acquire as usual). Leases taken with
-    /// [`acquire`](Session::acquire) belong to whoever took them, on whatever stream or thread:
+    /// [`acquire`](Self::acquire) belong to whoever took them, on whatever stream or thread:
     /// no pass gives them back, so another stream's work never loses its memory at a pass
     /// boundary.
     pub fn begin_pass(&self, stream: StreamId) -> Result<Vec<UnitId>, SessionError> {
@@ -111,7 +111,7 @@ impl ComponentSession {
         Ok(resident)
     }
 
-    /// The pass reached `unit`, which [`begin_pass`](Session::begin_pass) leased for it: the
+    /// The pass reached `unit`, which [`begin_pass`](Self::begin_pass) leased for it: the
     /// order is tracked and what comes next prefetched.
     pub fn reached(&self, unit: UnitId) -> Result<(), SessionError> {
         let mut g = self.lock();
@@ -139,7 +139,7 @@ impl ComponentSession {
     }
 
     /// Ends a forward pass: gives back the pinned and plan-resident units after the work
-    /// enqueued on `stream`. Leases taken with [`acquire`](Session::acquire) stay live until
+    /// enqueued on `stream`. Leases taken with [`acquire`](Self::acquire) stay live until
     /// released.
     pub fn end_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
@@ -147,9 +147,9 @@ impl ComponentSession {
         Self::release_pass(a, stream)
     }
 
-    /// Gives back every live lease, the pass's and every [`acquire`](Session::acquire)'s, after
+    /// Gives back every live lease, the pass's and every [`acquire`](Self::acquire)'s, after
     /// one fence on `stream`: for a teardown once the device's work is complete and nothing
-    /// enqueues more with them (before [`unload`](Session::unload), which refuses live leases).
+    /// enqueues more with them (before [`unload`](Self::unload), which refuses live leases).
     pub fn release_leases(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;

@@ -14,7 +14,8 @@ impl ComponentSession {
     /// units, slots and staging; no headroom inside it), keeping the source and the host
     /// registrations: the old arena is closed first, so the two never hold device memory
     /// together. Later reloads keep this budget. Refused during a pass. Returns `false`, changing
-    /// nothing, while views handed out ([`TensorView::owner`]) still hold the arena's memory.
+    /// nothing, while views handed out ([`TensorView::owner`](crate::TensorView::owner)) still
+    /// hold the arena's memory.
     /// When the new budget cannot be planned the arena is planned again under its old budget and
     /// the error returned; if even that fails the component is left unloaded.
     pub fn set_budget(&self, total: u64) -> Result<bool, SessionError> {
