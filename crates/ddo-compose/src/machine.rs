@@ -111,7 +111,7 @@ pub fn open_with_admission(
 }
 
 /// Bytes of `value` GiB; the error names `setting`.
-fn gib(setting: &'static str, value: f64) -> Result<u64, SessionError> {
+pub(crate) fn gib(setting: &'static str, value: f64) -> Result<u64, SessionError> {
     let bytes = value * GIB as f64;
     if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 {
         return Err(SessionError::Config {

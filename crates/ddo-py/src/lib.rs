@@ -173,30 +173,20 @@ impl ReadAhead {
     }
 }
 
-/// Starts reading `files` into the page cache with `workers` threads while the caller builds
-/// the module that will map them, when the host can hold them beside what it holds now (the
-/// mapping tier's own test); `None` when it cannot (a short host reads them as its tier does).
+/// Starts reading `files` into the page cache while the caller builds the module that will map
+/// them, when `plan`'s route maps them whole and the host can hold them (`ddo_compose::read_ahead`);
+/// `None` otherwise.
 #[pyfunction]
-fn read_ahead(files: Vec<std::path::PathBuf>, workers: usize) -> PyResult<Option<ReadAhead>> {
-    let mut total = 0u64;
-    for f in &files {
-        total += std::fs::metadata(f)
-            .map_err(|e| {
-                errors::DynamicOffloadCheckpointError::new_err(format!("{}: {e}", f.display()))
-            })?
-            .len();
-    }
-    let request = ddo_session::core::GrowthRequest {
-        kind: ddo_session::core::GrowthKind::Retained,
-        bytes: total,
-        registered_bytes: 0,
-    };
-    let probe = ddo_compose::host_admission(None);
-    if !matches!(probe.admit(&request), ddo_session::core::Admission::Granted { .. }) {
+fn read_ahead(
+    py: Python<'_>,
+    plan: &plan::ResolvedPlan,
+    files: Vec<std::path::PathBuf>,
+) -> PyResult<Option<ReadAhead>> {
+    let started = py.detach(|| ddo_compose::read_ahead(&plan.plan, &files));
+    let Some(inner) = started.map_err(errors::session_error)? else {
         return Ok(None);
-    }
-    let inner = ddo_session::source::ReadAhead::start(&files, workers)
-        .map_err(|e| errors::DynamicOffloadCheckpointError::new_err(e.to_string()))?;
+    };
+    let total = inner.total();
     Ok(Some(ReadAhead { inner: std::sync::Mutex::new(Some(inner)), total }))
 }
 

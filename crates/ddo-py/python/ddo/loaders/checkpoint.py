@@ -21,19 +21,10 @@ def association(path: str) -> Dict[str, Any]:
 
 
 def read_ahead(settings: Any, files: Sequence[str]) -> Any:
-    """Starts reading ``files`` into the page cache when the native route will map them (no
-    host-tier setting) and the host can hold them; ``None`` otherwise."""
-    v = settings.values
-    if (
-        settings.route_name != "vmm_fast_runtime"
-        or v.get("vmm_source_cache_gb")
-        or v.get("vmm_source_registered_gb")
-        or v.get("load_safetensors_backend") not in ("auto", "mmap")
-        or v.get("vmm_weight_encoding", "off") != "off"
-    ):
-        return None
+    """Starts reading ``files`` into the page cache when the native route will map them whole
+    and the host can hold them (ddo-compose decides); ``None`` otherwise."""
     try:
-        return _native.read_ahead(list(files), min(16, os.cpu_count() or 1))
+        return _native.read_ahead(settings.native, list(files))
     except _native.DynamicOffloadCheckpointError:
         # Only a head start: a file it cannot open is opened (and named) by the load itself.
         return None
