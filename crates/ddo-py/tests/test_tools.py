@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import ddo
-from ddo import doctor, progress
+from ddo import progress
+from ddo.tools import doctor
 from ddo.__main__ import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))

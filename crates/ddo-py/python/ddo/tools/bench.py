@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _native
-from .errors import DynamicOffloadError
+from .. import _native
+from ..errors import DynamicOffloadError
 
 __all__ = ["ROUTES", "BUILDERS", "RouteRow", "run_bench", "format_table"]
 
@@ -159,8 +159,8 @@ def _runtime_route(offload: Any) -> str:
 def _load(route: str, folder: str, loader: Any, device: torch.device, dtype: torch.dtype, budget_gb: float) -> Tuple[torch.nn.Module, Any, str]:
     """The module of ``route`` ready to run on ``device``, its ddo offload (or ``None``) and the
     runtime it ended up on."""
-    from .api import enable_offload, from_pretrained_with_dynamic_offload
-    from .config import DynamicOffloadConfig
+    from ..api import enable_offload, from_pretrained_with_dynamic_offload
+    from ..config import DynamicOffloadConfig
 
     component = _component(loader.__name__)
     if route == "vmm":
@@ -228,7 +228,7 @@ def _is_out_of_memory(error: BaseException) -> bool:
 
 def _model_folder(folder: str) -> Tuple[Any, Dict[str, Any]]:
     """The class ``folder``'s config.json names (it must have an input builder) and the config."""
-    from .loaders.checkpoint import loader_of
+    from ..loaders.checkpoint import loader_of
 
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise DynamicOffloadError(
@@ -357,7 +357,7 @@ def _run_bench(
     dtype: torch.dtype,
     resolution: int,
 ) -> Dict[str, Any]:
-    from .progress import bar
+    from ..progress import bar
 
     unknown = [r for r in routes if r not in ROUTES]
     if unknown or not routes:

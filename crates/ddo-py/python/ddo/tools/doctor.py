@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _native
+from .. import _native
 
 __all__ = ["diagnose", "format_report"]
 
@@ -297,8 +297,8 @@ def recommend(model: Dict[str, Any], gpu: Dict[str, Any], host: Dict[str, Any], 
     """One recommendation per decision (``setting``, ``value``, ``why``) and the configuration
     they make, from the measurements. Headrooms and the prefetch depth are the native route's as
     this process resolves them (preset, ``DDO_*`` variables)."""
-    from .config import DynamicOffloadConfig
-    from .settings import resolve_settings
+    from ..config import DynamicOffloadConfig
+    from ..settings import resolve_settings
 
     values = resolve_settings("transformer", config=DynamicOffloadConfig(backend="vmm")).values
     size = model["bytes"]
