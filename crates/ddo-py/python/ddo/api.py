@@ -230,7 +230,7 @@ def enable_offload(
     for w in settings.warnings:
         warnings.warn(f"ddo: {w}", stacklevel=2)
     result = DynamicOffloadApplyResult(
-        module=module, route=_published_route(name), settings=settings, execution_device=device, runtime_route=name
+        module=module, route=settings.route_facts["published_name"], settings=settings, execution_device=device, runtime_route=name
     )
     result.capacity_profile = capacity_profile
     if not apply_hook:
@@ -271,7 +271,7 @@ def _attach(
         _refuse_training(module)
         source = getattr(module, "_ddo_source", None)
         checkpoint = None
-        if name in ("vmm_fast_runtime", "vmm_runtime"):
+        if settings.route_facts["reads_checkpoint"]:
             if source is None:
                 raise DynamicOffloadError(
                     f"route {name} streams weights from the checkpoint: load the component with "
@@ -332,12 +332,6 @@ def _check_types(**values: Any) -> None:
             continue
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be {text}, not {type(value).__name__}")
-
-
-def _published_route(runtime_route: str) -> str:
-    """The published library's name of one of ddo's routes."""
-    arena = ("linear_runtime", "linear_convolution", "vmm_fast_runtime", "vmm_runtime")
-    return "dynamic_offload" if runtime_route in arena else runtime_route
 
 
 def _record(

@@ -14,8 +14,12 @@ __all__ = ["DynamicOffloadMetrics", "DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION"]
 DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION = _native.metrics_schema_version()
 
 
-# ddo's routes that stream through the arena: the published library calls each `dynamic_offload`.
-_ARENA_ROUTES = ("linear_runtime", "vmm_fast_runtime", "vmm_runtime")
+
+def _published_name(route: str) -> str:
+    """The published library's name of a route (``dynamic_offload`` for each of ddo's arena
+    routes), as ddo-policy states it; a name that is no route stays as it is."""
+    facts = _native.route_facts(route)
+    return str(json.loads(facts)["published_name"]) if facts is not None else route
 
 
 def _present(section: Mapping[str, Any]) -> dict[str, Any]:
@@ -43,7 +47,7 @@ class DynamicOffloadMetrics:
             # Schema version 1 carried ddo's route as a mapping: read it as version 2 does.
             detail = dict(self.route)
             name = str(detail.pop("name", ""))
-            published = "dynamic_offload" if name in _ARENA_ROUTES else name
+            published = _published_name(name)
             object.__setattr__(self, "route", published)
             if detail and self.execution is None:
                 object.__setattr__(self, "execution", {"route": name, **detail})

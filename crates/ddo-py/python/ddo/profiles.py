@@ -59,8 +59,6 @@ MAX_PROFILE_OBSERVATIONS = 20
 _KEY_PREFIX = "ddo-capacity-v1-"
 _THREAD_LOCK = threading.Lock()
 _GIB = float(1 << 30)
-# The budget a recommendation sets, per route.
-_BUDGET_SETTING = {"vmm_fast_runtime": "vmm_resident_weight_budget_gb", "linear_runtime": "resident_module_budget_gb"}
 
 PathLike = Union[str, os.PathLike]
 
@@ -348,8 +346,8 @@ def profile_context(module: torch.nn.Module, component: str, route: str, device:
 def recommend_budget_gb(build_budget_gb: float, total: int, peak: int, headroom: int) -> Tuple[float, int]:
     """``(budget GiB, free margin bytes)``: the margin is ``max(0, total - peak - headroom)``
     bytes, the budget the build's budget plus the margin, rounded down to 1/10000 GiB."""
-    margin = max(0, int(total) - int(peak) - int(headroom))
-    return math.floor((float(build_budget_gb) + margin / _GIB) * 1e4) / 1e4, margin
+    budget, margin = _native.recommend_budget_gb(float(build_budget_gb), int(total), int(peak), int(headroom))
+    return float(budget), int(margin)
 
 
 def _recommended_budget(recommendation: Mapping[str, Any]) -> Optional[float]:
@@ -405,29 +403,18 @@ class DynamicOffloadProfileSession:
         recommendation = get_dynamic_offload_profile_recommendation(self.execution_profile or {})
         if not allow_recommendation or not recommendation:
             return settings, recommendation
-        setting = _BUDGET_SETTING.get(settings.route_name)
-        values, origins = settings.values, settings.origins
-        if float(values.get("resident_module_budget_gb") or 0) > 0 or (
-            setting is not None and _explicit(str(origins.get(setting, "default")))
-        ):
-            return settings, None
 
         def refused(why: str) -> Tuple[Any, None]:
             warnings.warn(f"ddo: capacity profile {self.path}: {why}; the settings are not changed", stacklevel=3)
             return settings, None
 
-        if setting is None:
+        outcome, setting, budget, why = _profile_outcome(settings, recommendation)
+        if outcome == "explicit_budget":
+            return settings, None
+        if outcome == "not_applicable":
             return refused(f"route {settings.route_name} has no GPU weight budget to size")
-        budget = _recommended_budget(recommendation)
-        if budget is None:
-            return refused("its recommendation names no finite budget >= 0 (delete it or record it again)")
-        if recommendation.get("setting", setting) != setting:
-            return refused(f"it recommends {recommendation.get('setting')!r}, and route {settings.route_name} sizes {setting}")
-        if setting == "vmm_resident_weight_budget_gb" and budget <= 0:
-            return refused("it recommends no GPU memory for weights (0 GiB)")
-        total = _device_total_bytes(torch.device(settings.device))
-        if budget * _GIB > total:
-            return refused(f"it recommends {budget} GiB, more than {settings.device}'s {total / _GIB:.1f} GiB")
+        if outcome != "apply":
+            return refused(str(why))
         try:
             return _resolve_with(settings, {setting: budget, "profile_resident_module_budget_gb": budget}), recommendation
         except _native.DynamicOffloadConfigError as e:
@@ -436,7 +423,7 @@ class DynamicOffloadProfileSession:
     @staticmethod
     def recommend_resident_budget(total_vram_gb: float, peak_vram_gb: float, headroom_gb: float) -> float:
         """The published rule: ``max(0, total - peak - headroom)``, rounded to 4 digits."""
-        return round(max(0.0, float(total_vram_gb) - float(peak_vram_gb) - float(headroom_gb)), 4)
+        return float(_native.published_resident_budget_gb(float(total_vram_gb), float(peak_vram_gb), float(headroom_gb)))
 
     def recommendation(self) -> Optional[Dict[str, Any]]:
         """The execution profile's recommendation, or ``None``."""
@@ -458,6 +445,27 @@ class DynamicOffloadProfileSession:
             capacity_path = record_dynamic_offload_profile(self.capacity_context, observation, self.profile_dir)
         self._reload()
         return execution_path, capacity_path
+
+
+def _profile_outcome(settings: Any, recommendation: Mapping[str, Any]) -> Tuple[str, Any, Any, Any]:
+    """Whether ``recommendation`` sizes ``settings``' budget, by ddo-policy's capacity-profile rule:
+    ``(outcome, setting, budget GiB, why)`` with outcome ``not_applicable``, ``explicit_budget``,
+    ``apply``, ``invalid`` or ``device_changed``."""
+    setting = settings.route_facts.get("budget_setting")
+    explicit = setting is not None and _explicit(str(settings.origins.get(setting, "default")))
+    device = torch.device(settings.device)
+    recorded = recommendation.get("setting")
+    return tuple(  # type: ignore[return-value]
+        _native.capacity_profile_outcome(
+            settings.native,
+            explicit,
+            str(device),
+            _device_total_bytes(device),
+            setting=None if recorded is None else str(recorded),
+            budget_gb=_recommended_budget(recommendation),
+            recorded_total_bytes=_number(recommendation.get("device_total_bytes")),
+        )
+    )
 
 
 def _explicit(origin: str) -> bool:
@@ -493,14 +501,14 @@ def apply_capacity_profile(module: torch.nn.Module, settings: Any) -> Tuple[Any,
                 "build_profile = true records a capacity profile under profile_name, which is empty: set profile_name"
             )
         return settings, None
-    if route not in _BUDGET_SETTING:
+    setting = settings.route_facts.get("budget_setting")
+    if setting is None:
         if build:
             raise _native.DynamicOffloadConfigError(
                 f"build_profile = true measures ddo's GPU weight budget, and component {settings.component} takes route "
                 f"{route}, which has none: use route linear_runtime or vmm_fast_runtime, or leave build_profile off"
             )
         return settings, {"name": name, "status": "not_applicable"}
-    setting = _BUDGET_SETTING[route]
     device = torch.device(settings.device)
     context = profile_context(module, settings.component, route, str(device), name)
     path = dynamic_offload_profile_path(context)
@@ -533,35 +541,13 @@ def apply_capacity_profile(module: torch.nn.Module, settings: Any) -> Tuple[Any,
         return not_applied(
             "not_found", f"no recording at {path} (build one with build_profile=True and result.profile_run())"
         )
-    budget = _recommended_budget(recommendation)
-    if budget is None:
-        return not_applied("invalid", f"{path} recommends no finite budget >= 0: delete it or build it again")
-    if recommendation.get("setting", setting) != setting:
-        return not_applied(
-            "invalid",
-            f"{path} recommends {recommendation.get('setting')!r}, and route {route} sizes {setting}: delete it or "
-            "build it again",
-        )
-    info["recommended_budget_gb"] = budget
-    if _explicit(str(settings.origins.get(setting, "default"))):
-        info.update(status="explicit_budget", budget_gb=float(values[setting]))
+    outcome, _, budget, why = _profile_outcome(settings, recommendation)
+    if outcome == "explicit_budget":
+        info.update(status="explicit_budget", budget_gb=float(values[setting]), recommended_budget_gb=budget)
         return settings, info
-    total = _device_total_bytes(device)
-    recorded_total = recommendation.get("device_total_bytes")
-    if recorded_total is not None and device.type == "cuda" and _number(recorded_total) != float(total):
-        return not_applied(
-            "device_changed",
-            f"measured on a GPU of {recorded_total} bytes, {device} has {total}: build it again on this GPU",
-        )
-    if budget * _GIB > total:
-        return not_applied(
-            "invalid", f"{path} recommends {budget} GiB, more than {device}'s {total / _GIB:.1f} GiB: build it again"
-        )
-    if setting == "vmm_resident_weight_budget_gb" and budget <= 0:
-        raise _native.DynamicOffloadCapacityError(
-            f"capacity profile {name!r} ({path}) leaves no GPU memory for weights (recommended {budget} GiB): "
-            "build it again with a lighter run or a lower profile_vram_headroom_gb, or set vmm_resident_weight_budget_gb"
-        )
+    if outcome != "apply":
+        return not_applied(str(outcome), f"{path}: {why}")
+    info["recommended_budget_gb"] = budget
     try:
         settings = _resolve_with(settings, {setting: budget, "profile_resident_module_budget_gb": budget})
     except _native.DynamicOffloadConfigError as e:

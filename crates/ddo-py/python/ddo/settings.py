@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from . import _native
 from .config import DynamicOffloadConfig, _finite_or_text, component_policy_dict
@@ -67,6 +67,11 @@ class DynamicOffloadSettings:
     session_route: bool
     native: Any = field(repr=False, compare=False, default=None)
     explicit: Mapping[str, Any] = field(default_factory=dict)
+    # The route's predicates as ddo-policy states them (``published_name``, ``streams``,
+    # ``native``, ``reads_checkpoint``, ``budget_setting``, ``takes_auto_budget``).
+    route_facts: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    # Whether reading the checkpoint into the page cache while the module is built pays.
+    reads_ahead: bool = field(repr=False, compare=False, default=False)
     # What it was resolved from, to resolve another component the same way.
     inputs: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
@@ -126,10 +131,16 @@ class DynamicOffloadSettings:
             return str(env[key])
         return get_dynamic_offload_presets().get(self.effective_preset, {}).get(key, default)
 
-    def preset_bool(self, name: str, default: bool = False, environ: Optional[Mapping[str, str]] = None) -> bool:
-        """:meth:`preset_value` read as a boolean (``1``, ``true``, ``yes``, ``on``)."""
+    def preset_bool(
+        self, name: str, default: Union[str, bool] = "0", environ: Optional[Mapping[str, str]] = None
+    ) -> bool:
+        """:meth:`preset_value` read as a boolean (``1``, ``true``, ``yes``, ``on``). ``default``
+        applies when neither the environment nor the preset has ``name``: a text read the same
+        way (the published default ``"0"``), or a boolean."""
         value = self.preset_value(name, "", environ)
-        return default if value == "" else value.strip().lower() in _TRUE
+        if value == "":
+            return default if isinstance(default, bool) else str(default).strip().lower() in _TRUE
+        return value.strip().lower() in _TRUE
 
     def as_metrics(self) -> dict[str, Any]:
         """The configuration section of metrics."""
@@ -246,6 +257,8 @@ def resolve_settings(
         warnings=tuple(plan.get("warnings", ())),
         native=native,
         explicit=dict(arguments or {}),
+        route_facts=plan["route_facts"],
+        reads_ahead=plan["reads_ahead"],
         inputs=inputs,
     )
 
@@ -312,12 +325,12 @@ def dynamic_offload_env_value(name: str, default: str = "", environ: Optional[Ma
     return str(source.get(name, default))
 
 
-def resolve_dynamic_offload_preset(requested: str, *, running_on_wsl: Optional[bool] = None) -> str:
+def resolve_dynamic_offload_preset(requested_preset: str, *, running_on_wsl: Optional[bool] = None) -> str:
     """A linear preset's effective name (``auto`` -> ``one_shot_fast``); empty stays empty; an
     unknown name raises :class:`DynamicOffloadConfigError` (a ``ValueError``) listing the valid
     ones. Native presets resolve through :func:`resolve_dynamic_offload_backend` with
     ``backend="vmm"``."""
-    name = (requested or "").strip().lower()
+    name = (requested_preset or "").strip().lower()
     if not name:
         return ""
     effective, _mode = _native.resolve_backend("linear", name)

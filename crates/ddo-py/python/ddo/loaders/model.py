@@ -32,7 +32,7 @@ def build_module(
         # The native and disk routes stream every weight from the checkpoint (its mapping, or
         # reads into staging): build the module without weights (meta) so host memory holds the
         # model at most once.
-        if settings.route_name in ("vmm_fast_runtime", "vmm_runtime"):
+        if settings.route_facts["reads_checkpoint"]:
             if gguf_tensors is not None:
                 module = gguf.meta_gguf_module(model_loader, folder, gguf_path, gguf_tensors, from_pretrained_kwargs)
             elif checkpoint.is_transformers(model_loader):

@@ -213,6 +213,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
     devices = {n: _device_name(d, f"device_map[{n!r}]") for n, d in (device_map or {}).items()}
     modules: Dict[str, Any] = {}
     routes: Dict[str, str] = {}
+    budget_settings: Dict[str, Optional[str]] = {}
     for name, spec in specs.items():
         if name in pipeline_kwargs or not _is_component(spec):
             continue
@@ -220,7 +221,9 @@ def from_pretrained_pipeline_with_dynamic_offload(
         if isinstance(loader, type) and issubclass(loader, torch.nn.Module):
             modules[name] = loader
             if _has_safetensors(os.path.join(root, name)):
-                routes[name] = resolve_settings(name, config=config).route_name
+                resolved = resolve_settings(name, config=config)
+                routes[name] = resolved.route_name
+                budget_settings[name] = resolved.route_facts["budget_setting"]
     unknown = sorted(n for n in devices if n not in modules)
     if unknown:
         raise DynamicOffloadConfigError(
@@ -235,7 +238,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
 
     budgets: Dict[str, float] = {}
     if gpu_budget_gb is not None:
-        arena = [n for n, r in routes.items() if r == "vmm_fast_runtime"]
+        arena = [n for n, s in budget_settings.items() if s == "vmm_resident_weight_budget_gb"]
         if not arena:
             raise DynamicOffloadConfigError(
                 f"gpu_budget_gb={gpu_budget_gb} is split among components on vmm_fast_runtime, and none resolved to it "
@@ -273,7 +276,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
             dtype_kwargs: Dict[str, Any] = {"variant": variant} if variant else {}
             if torch_dtype is not None:
                 dtype_kwargs["dtype" if spec[0] == "transformers" else "torch_dtype"] = torch_dtype
-            if routes.get(name) in ("vmm_fast_runtime", "linear_runtime"):
+            if budget_settings.get(name) is not None:
                 own = (
                     (config_here or DynamicOffloadConfig()).replace(vmm_resident_weight_budget_gb=budgets[name])
                     if name in budgets

@@ -14,10 +14,11 @@ __all__ = ["describe_module", "find_execution_units", "host_tensors", "layer_pat
 
 # Leaf layers route ``linear_convolution`` streams one by one.
 LAYER_CLASSES = (CONVOLUTION, torch.nn.Linear)
-# Parameter dtypes that route streams (the published route's plain float weights).
-LAYER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# The small-tensor threshold that route brings (KiB): parameters up to it stay resident.
-LAYER_RESIDENT_KB = 16
+# The small-tensor threshold that route brings (KiB: parameters up to it stay resident) and the
+# parameter dtypes it streams (plain float weights), as ddo-policy states them.
+_LAYER_RESIDENT_KIB, _LAYER_DTYPE_NAMES = _native.layer_route_limits()
+LAYER_RESIDENT_KB: int = _LAYER_RESIDENT_KIB
+LAYER_DTYPES = tuple(getattr(torch, name) for name in _LAYER_DTYPE_NAMES)
 
 
 def describe_module(module: torch.nn.Module) -> Tuple[list, list]:

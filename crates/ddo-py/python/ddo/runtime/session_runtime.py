@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _native
-from .auto_budget import AutoBudget, auto_budget_of, check_auto_budget_route
+from .auto_budget import AutoBudget, auto_budget_of
 from .checks import Checks, SourceTensor, watch_structure
 from .guards import ATTACHED, Guards, check_layer_route, guard_adapter_merges
 from .hooks import Hooks, current_stream, stream_reader
@@ -58,8 +58,6 @@ class SessionRuntime(Hooks, Publishing, Checks, Guards):
 
     def attach(self) -> None:
         """Opens the session and publishes the views. On any error the module is left as it was."""
-        settings = json.loads(self.plan.json())["settings"]
-        check_auto_budget_route(settings, self.route)
         report_drop_failures()
         modules, params = describe_module(self.module)
         layers = layer_paths(self.module)
@@ -72,7 +70,7 @@ class SessionRuntime(Hooks, Publishing, Checks, Guards):
             self.session = _native.Session(
                 self.plan, modules, params, storages=storages, tensors=rows, layers=layers
             )
-        self.auto_budget = auto_budget_of(self, settings)
+        self.auto_budget = auto_budget_of(self, self.plan)
         try:
             self._attach_module()
         except BaseException:
