@@ -10,8 +10,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
@@ -22,6 +21,7 @@ use ddo_core::{
 use serde::{Deserialize, Serialize};
 
 use crate::Checkpoint;
+use crate::encoded_mapping::MappedEncodings;
 use crate::encoded_source::{ENCODING_ALIGN, EncodedSource, EncodingReport};
 use crate::mapping::MappedFile;
 
@@ -156,40 +156,6 @@ impl EncodedFileIdentity {
         }
         format!("{hash:016x}.ddoenc")
     }
-}
-
-/// An encoded file mapped by an [`EncodedSource`]: the file stays open so a change in place (a
-/// write or a truncation, not a replacement by rename) is noticed.
-pub(crate) struct MappedEncodings {
-    file: File,
-    path: PathBuf,
-    size: u64,
-    mtime_ns: i128,
-    ctime_ns: i128,
-    map: Arc<MappedFile>,
-}
-
-impl MappedEncodings {
-    pub(crate) fn check_unchanged(&self) -> Result<(), SourceError> {
-        let changed =
-            |what: String| SourceError::CheckpointChanged { file: self.path.clone(), what };
-        let m = self.file.metadata().map_err(|e| changed(format!("it cannot be read: {e}")))?;
-        if m.len() != self.size || mtime_ns(&m) != self.mtime_ns || ctime_ns(&m) != self.ctime_ns {
-            return Err(changed("the encoded file was written while mapped".into()));
-        }
-        if self.map.faulted() {
-            return Err(changed("the encoded file shrank while mapped".into()));
-        }
-        Ok(())
-    }
-}
-
-fn mtime_ns(m: &std::fs::Metadata) -> i128 {
-    i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec())
-}
-
-fn ctime_ns(m: &std::fs::Metadata) -> i128 {
-    i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec())
 }
 
 impl EncodedSource {
@@ -386,14 +352,7 @@ impl EncodedSource {
             }
         }
         report.file_seconds = t.elapsed().as_secs_f64();
-        let mapped = MappedEncodings {
-            file,
-            path: path.to_owned(),
-            size: meta.len(),
-            mtime_ns: mtime_ns(&meta),
-            ctime_ns: ctime_ns(&meta),
-            map,
-        };
+        let mapped = MappedEncodings::new(file, path.to_owned(), &meta, map);
         Ok(EncodedSource { inner, file: file_id, buffer, ranges, report, mapped: Some(mapped) })
     }
 }
@@ -504,6 +463,9 @@ fn check_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
+
+    use crate::encoded_mapping::mtime_ns;
     use crate::{CheckpointSource, ReadOptions, RetainedStore};
     use ddo_core::{Admission, AdmissionProbe, GrowthRequest, HostMemoryObservation};
 

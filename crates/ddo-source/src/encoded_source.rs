@@ -12,6 +12,7 @@ use ddo_core::{
 };
 
 use crate::RetainedStore;
+use crate::encoded_mapping::MappedEncodings;
 
 /// Encodings start at multiples of this within their buffer (the decoder needs 4).
 pub(crate) const ENCODING_ALIGN: usize = 256;
@@ -56,7 +57,7 @@ pub struct EncodedSource {
     pub(crate) ranges: Vec<Option<FileRange>>,
     pub(crate) report: EncodingReport,
     /// The encoded file the buffer maps, when read from one.
-    pub(crate) mapped: Option<crate::encoded_file::MappedEncodings>,
+    pub(crate) mapped: Option<MappedEncodings>,
 }
 
 impl std::fmt::Debug for EncodedSource {

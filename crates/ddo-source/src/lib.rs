@@ -32,6 +32,7 @@
 mod checkpoint;
 mod convert;
 mod encoded_file;
+mod encoded_mapping;
 mod encoded_source;
 mod fault;
 mod gguf;
