@@ -2,13 +2,14 @@
 //! (one tensor each, up to 2^64), granularity, budget, headroom and prefetch depth are laid out
 //! and planned; an error is fine, a panic or a wrapped size is a finding.
 
-use ddo_arena::{Budget, Layout, MAX_LAYOUT, ResidencyPlan, UnitSpec};
+use ddo_arena::{ArenaError, Budget, Layout, MAX_LAYOUT, ResidencyPlan, UnitSpec};
 use ddo_core::{CheckpointFileId, Dtype, TensorSlice};
 
-/// Lays out and plans the units `data` describes.
-pub(crate) fn plan(data: &[u8]) {
+/// Lays out and plans the units `data` describes: `None` when `data` is too short to describe
+/// any, else the bytes the placed layout reserves, or the layout's or the plan's refusal.
+pub(crate) fn plan(data: &[u8]) -> Option<Result<u64, ArenaError>> {
     if data.len() < 26 {
-        return;
+        return None;
     }
     let word = |i: usize| u64::from_le_bytes(data[i..i + 8].try_into().expect("8 bytes"));
     let granularity = 1u64 << (data[0] % 24);
@@ -36,11 +37,12 @@ pub(crate) fn plan(data: &[u8]) {
             pinned: pinned_mask >> (i % 8) & 1 == 1,
         })
         .collect();
-    if let Ok(mut layout) = Layout::build(&slices, &units, granularity)
-        && let Ok(plan) = ResidencyPlan::new(&layout, budget)
-    {
+    let planned = Layout::build(&slices, &units, granularity).and_then(|mut layout| {
+        let plan = ResidencyPlan::new(&layout, budget)?;
         let streamed: Vec<bool> = plan.resident.iter().map(|r| !r).collect();
         layout.place(plan.slot_len, &streamed);
         assert!(layout.reserved <= MAX_LAYOUT);
-    }
+        Ok(layout.reserved)
+    });
+    Some(planned)
 }
