@@ -1,7 +1,13 @@
 """The published library's public surface (diffusers-dynamic-offloader 0.1.0rc2), written down as
 stubs: every public name with its parameters and defaults, the attributes of its result and
 settings types, its config fields and its CLI flags. ``test_peer_api.py`` compares ddo against
-this description mechanically. The stubs hold no behaviour; only their signatures matter."""
+this description mechanically. The stubs hold no behaviour; only their signatures matter.
+
+Signatures follow the published 0.1.0rc2 package where the reference description
+(``peer-api.md``) leaves parameters out or names them differently: the hook's Diffusers
+lifecycle, the legacy weight store, ``resolve_dynamic_offload_preset(requested_preset)``,
+``maybe_purge_windows_standby_cache``'s keywords, the state's ``byte_count``,
+``preset_bool``'s default and the constructors' defaults."""
 
 # ruff: noqa: ARG001
 from __future__ import annotations
@@ -44,7 +50,9 @@ def clear_dynamic_offload_plan_cache(): ...
 def clear_dynamic_offload_pinned_tensor_cache(): ...
 
 
-# Settings and the environment.
+# Settings and the environment. The four device and module keywords are required, as the reference
+# description lists them (the 0.1.0rc2 package gives them the defaults "cuda:0", "cpu",
+# (Linear, Embedding) and ()).
 def load_dynamic_offload_settings_from_env(*, execution_device, offload_device, target_module_classes,
                                            skip_modules_pattern, always_resident_modules_pattern=None,
                                            running_on_wsl=None, environ=None, default_preset="",
@@ -52,13 +60,17 @@ def load_dynamic_offload_settings_from_env(*, execution_device, offload_device, 
 def dynamic_offload_env_value(name, default="", environ=None): ...
 def dynamic_offload_preset_env_value(name, default="", *, requested_preset="", effective_preset=None,
                                      running_on_wsl=None, environ=None): ...
-def resolve_dynamic_offload_preset(requested, *, running_on_wsl=None): ...
+def resolve_dynamic_offload_preset(requested_preset, *, running_on_wsl=None): ...
 def get_dynamic_offload_presets(): ...
 def format_dynamic_offload_presets(*, default_preset="auto", running_on_wsl=None): ...
 def is_wsl_environment(): ...
 def get_available_system_ram_gb(): ...
 def purge_windows_standby_cache(): ...
 def purge_windows_standby_cache_event(record_event, name, print_message=True): ...
+def maybe_purge_windows_standby_cache(settings_or_phase=None, phase=None, *, settings=None, preset="auto",
+                                      execution_device="cuda:0", offload_device="cpu", running_on_wsl=None,
+                                      record_event=None, event_name=None, default="0", print_message=True,
+                                      ignore_errors=True, environ=None, enabled=None): ...
 
 
 # Backend and CLI.
@@ -87,8 +99,8 @@ FUNCTIONS = [
 # Names that are values, not callables.
 CONSTANTS = ["DDO_PRESETS", "DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION"]
 
-# Public callables whose full parameter lists the published description does not give: they must
-# exist and accept these leading parameters.
+# Public callables that must exist and accept these leading parameters (their full parameter lists
+# are compared above too).
 PARTLY_DESCRIBED = {
     "maybe_purge_windows_standby_cache": ("settings_or_phase", "phase"),
 }
@@ -130,10 +142,22 @@ class constructors:  # noqa: N801 - a namespace
     def DynamicOffloadMetrics(route, configuration, setup, runtime): ...
     def DynamicOffloadPlanEntry(module_name, module_type, tensor_name, shape, dtype, device, bytes, placement): ...
     def VmmWeightStore(device_id, max_resident_bytes): ...
+    def VmmWeightLease(store, slot, tensor): ...
     def VmmWeightStoreStats(reserved_bytes, resident_bytes, materializations, evictions, copied_bytes): ...
 
 
 CONSTRUCTORS = [name for name in vars(constructors) if not name.startswith("_")]
+
+# The published defaults of constructor parameters (the published timer takes its parameters by
+# keyword only; ddo's also takes them by position).
+CONSTRUCTOR_DEFAULTS = {
+    "DynamicOffloadExecutionTimer": {"enabled": False, "device": "cuda", "native_factory": None,
+                                     "diagnostic_step_wait": False},
+    "DynamicOffloadProfileSession": {"profile_dir": None},
+    "VmmWeightStore": {"device_id": 0, "max_resident_bytes": 0},
+    "VmmWeightStoreStats": {"reserved_bytes": 0, "resident_bytes": 0, "materializations": 0, "evictions": 0,
+                            "copied_bytes": 0},
+}
 
 # Types and what hosts read from them: (attributes, {method: stub}).
 class DynamicOffloadApplyResult:
@@ -166,7 +190,7 @@ class DynamicOffloadSettings:
                   "effective_pin_cpu_memory", "disable_pin_on_wsl", "running_on_wsl", "component_policies",
                   "execution_mode")
     def preset_value(self, name, default="", environ=None): ...
-    def preset_bool(self, name, default=False, environ=None): ...
+    def preset_bool(self, name, default="0", environ=None): ...
     def as_metrics(self): ...
 
 
@@ -194,30 +218,53 @@ class DynamicOffloadExecutionTimer:
     def attach(self, report): ...
 
 
-# The state get_dynamic_offload_state returns (and the hook's ``state``). The parameters of
-# add_setup / add_copy are not published: they must exist.
+# The state get_dynamic_offload_state returns (and the hook's ``state``).
 class DynamicOffloadState:
     ATTRIBUTES = ("entries", "module_count", "total_bytes", "bytes_by_placement", "setup_seconds_by_action",
                   "setup_bytes_by_action", "copy_seconds_by_name", "copy_bytes_by_name", "copy_calls_by_name",
                   "patched_module_count", "selected_resident_modules", "selected_resident_linear_weights",
                   "selected_pinned_linear_weights", "resolved_resident_module_patterns", "sdnq_pinned_parameter_bytes",
                   "sdnq_pinned_parameter_count", "sdnq_unpinned_parameter_bytes", "sdnq_unpinned_parameter_count",
-                  "planner_decisions", "add_setup", "add_copy")
+                  "planner_decisions")
+    def add_setup(self, action, seconds, byte_count=0): ...
+    def add_copy(self, name, seconds, byte_count): ...
     def clone_for_runtime(self): ...
     def as_dict(self): ...
 
 
-# The hook (``result.hook``), a Diffusers ModelHook in the published library.
+# The hook (``result.hook``), a Diffusers ModelHook in the published library: its lifecycle
+# (``post_forward`` and ``reset_state`` as ModelHook defines them; ``deinitalize_hook`` is the
+# published spelling).
 class DynamicOffloadHook:
     ATTRIBUTES = ("config", "state", "execution_device", "offload_device", "execution_mode")
+    def initialize_hook(self, module): ...
+    def pre_forward(self, module, *args, **kwargs): ...
+    def post_forward(self, module, output): ...
+    def detach_hook(self, module): ...
+    def deinitalize_hook(self, module): ...
+    def reset_state(self, module): ...
     def vmm_runtime_stats(self): ...
     def collect_completed_runtime_resources(self): ...
     def print_profile_summary(self, top_n=8): ...
 
 
+# The legacy cuda-python weight store (ddo refuses each member with what it does instead).
+class VmmWeightStore:
+    ATTRIBUTES = ("stats",)
+    def reserve(self, key, size_bytes): ...
+    def acquire(self, key, source, *, stream=None): ...
+    def release(self, key): ...
+    def evict(self, key): ...
+    def close(self): ...
+
+
+class VmmWeightStoreStats:
+    ATTRIBUTES = ("reserved_bytes", "resident_bytes", "materializations", "evictions", "copied_bytes")
+
+
 CLASSES = [DynamicOffloadApplyResult, DynamicOffloadLoadResult, DiffusersGroupOffloadResult, DynamicOffloadSettings,
            DynamicOffloadBackend, DynamicOffloadMetrics, DynamicOffloadPlanEntry, DynamicOffloadExecutionTimer,
-           DynamicOffloadState, DynamicOffloadHook]
+           DynamicOffloadState, DynamicOffloadHook, VmmWeightStore, VmmWeightStoreStats]
 
 # Other public types: constructible, or refused with what ddo does instead.
 OTHER_TYPES = ["DynamicOffloadConfig", "DynamicOffloadState", "DynamicOffloadHook", "DynamicOffloadExecutionTimer",

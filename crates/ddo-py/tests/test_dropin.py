@@ -374,3 +374,144 @@ def test_the_metrics_json_schema_covers_both_layouts(flux):
     assert set(d) <= set(v2["properties"]), set(d) - set(v2["properties"])
     assert set(v2["required"]) <= set(d)
     result.remove()
+
+
+def test_the_hook_lifecycle_acts_on_the_attached_offload(flux):
+    model, inputs = flux
+    reference = run(copy.deepcopy(model), inputs)
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    hook = result.hook
+    other = torch.nn.Linear(2, 2)
+    # ddo initialized the hook when it attached: on its own module it returns the module.
+    assert hook.initialize_hook(model) is model
+    with pytest.raises(ddo.DynamicOffloadUnsupportedError, match=r"initialize_hook\(\) on another module .*enable_offload"):
+        hook.initialize_hook(other)
+    out = run(model, inputs)
+    assert hook.post_forward(model, out) is out
+    assert hook.reset_state(model) is model and hook._is_stateful is False
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match=r"reset_state\(\) was given a Linear"):
+        hook.reset_state(other)
+    assert torch.equal(run(model, inputs), reference)
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match=r"detach_hook\(\) was given a Linear"):
+        hook.detach_hook(other)
+    assert getattr(model, "_ddo_offload", None) is result
+    # Detaching removes the offload: the module has its own tensors and forward back.
+    assert hook.detach_hook(model) is model
+    assert getattr(model, "_ddo_offload", None) is None and hook.state is None
+    assert "forward" not in model.__dict__
+    assert torch.equal(run(model, inputs), reference)
+    assert hook.deinitalize_hook(model) is model  # already removed: nothing left to detach
+    with pytest.raises(ddo.DynamicOffloadLifecycleError, match="removed.*enable_offload"):
+        hook.initialize_hook(model)
+    again = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    assert again.hook.deinitalize_hook(model) is model and getattr(model, "_ddo_offload", None) is None
+    assert torch.equal(run(model, inputs), reference)
+
+
+def test_pre_forward_moves_inputs_to_the_execution_device_and_counts_them(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)
+    hook = result.hook
+    x, y = torch.randn(2, 3), torch.randn(4, dtype=torch.float16)
+    here, meta = torch.randn(3), torch.empty(5, device="meta")
+    # On the execution device already (and meta tensors): the same objects, nothing counted.
+    args, kwargs = hook.pre_forward(model, here, meta, scale=2.0)
+    assert args[0] is here and args[1] is meta and kwargs == {"scale": 2.0}
+    assert "forward_input" not in hook.state.copy_calls_by_name
+    # The meta device stands in for an execution device the inputs are not on.
+    result.execution_device = torch.device("meta")
+    try:
+        args, kwargs = hook.pre_forward(model, x, [y, 1], (here,), scale=2.0, cond={"a": y})
+    finally:
+        result.execution_device = torch.device("cpu")
+    assert args[0].is_meta and args[0].shape == x.shape and args[0].dtype == x.dtype
+    assert isinstance(args[1], list) and args[1][0].is_meta and args[1][1] == 1
+    assert isinstance(args[2], tuple) and args[2][0].is_meta
+    assert kwargs["scale"] == 2.0 and kwargs["cond"]["a"].is_meta and kwargs["cond"]["a"].dtype == torch.float16
+    state = hook.state
+    assert state.copy_calls_by_name["forward_input"] == 3
+    assert state.copy_bytes_by_name["forward_input"] == x.nbytes + y.nbytes + here.nbytes
+    assert state.copy_calls_by_name["forward_input:cond:a"] == 1 and state.copy_bytes_by_name["forward_input:cond:a"] == y.nbytes
+    assert "forward_input:scale" not in state.copy_calls_by_name
+    assert state.copy_seconds_by_name["forward_input"] > 0
+    assert ddo.get_dynamic_offload_state(model).copy_calls_by_name == state.copy_calls_by_name
+    assert state.as_dict()["copy_runtime"]["forward_input"]["calls"] == 3
+    result.remove()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pre_forward_moves_host_inputs_to_the_gpu(flux):
+    model, inputs = flux
+    result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cuda", use_environment=False)
+    args, kwargs = result.hook.pre_forward(model, inputs["hidden_states"], timestep=inputs["timestep"])
+    assert args[0].device == result.execution_device and kwargs["timestep"].device == result.execution_device
+    assert torch.equal(args[0].cpu(), inputs["hidden_states"])
+    calls = result.hook.state.copy_calls_by_name
+    assert (calls["forward_input"], calls["forward_input:timestep"]) == (1, 1)
+    result.remove()
+
+
+def test_the_legacy_weight_store_refuses_each_member_with_the_ddo_call():
+    store, stats = ddo.VmmWeightStore, ddo.VmmWeightStoreStats
+    for call, match in (
+        (lambda: store(0, 1 << 30), r"VmmWeightStore is not part of ddo: .*enable_offload"),
+        (lambda: store.reserve(None, "w", 1024), r"reserve\(\) is not part of ddo: .*when it attaches"),
+        (lambda: store.acquire(None, "w", torch.zeros(4), stream=None), r"acquire\(\) .*arbitrary CPU tensor.*enable_offload"),
+        (lambda: store.release(None, "w"), r"release\(\) .*lease back when the block's forward ends"),
+        (lambda: store.evict(None, "w"), r"evict\(\) .*result\.unload\(\)"),
+        (lambda: store.close(None), r"close\(\) .*remove_dynamic_offload\(module\)"),
+        (lambda: store.stats.fget(None), r"stats .*vmm_runtime_stats\(\)"),
+        (lambda: ddo.VmmWeightLease(None, None, None), r"VmmWeightLease is not part of ddo: .*enable_offload"),
+        (lambda: stats(copied_bytes=1), r"VmmWeightStoreStats is not part of ddo: .*vmm_runtime_stats\(\)"),
+        (lambda: stats.copied_bytes.fget(None), r"copied_bytes .*vmm_runtime_stats\(\)"),
+        (lambda: ddo.DynamicOffloadHook(ddo.DynamicOffloadConfig()), r"not built by hosts in ddo: .*result\.hook"),
+    ):
+        with pytest.raises(ddo.DynamicOffloadUnsupportedError, match=match):
+            call()
+    assert issubclass(ddo.DynamicOffloadUnsupportedError, ddo.DynamicOffloadError)
+    assert not issubclass(ddo.DynamicOffloadUnsupportedError, ValueError)
+
+
+def test_published_keywords_and_defaults_of_the_helpers():
+    s = ddo.load_dynamic_offload_settings_from_env(**HOST, environ={"DDO_PRESET": "warm_process"})
+    # preset_bool's default is text read like a value (published "0"); a boolean still works.
+    assert s.preset_bool("DDO_NOT_A_KEY") is False
+    assert s.preset_bool("DDO_NOT_A_KEY", "1") is True and s.preset_bool("DDO_NOT_A_KEY", " On ") is True
+    assert s.preset_bool("DDO_NOT_A_KEY", "0") is False and s.preset_bool("DDO_NOT_A_KEY", True) is True
+    assert s.preset_bool("DDO_PIN_CPU_MEMORY", "0") is True  # the preset's value beats the default
+    assert ddo.resolve_dynamic_offload_preset(requested_preset="Warm_Process") == "warm_process"
+    state = ddo.DynamicOffloadState("model", "none", "cpu", 1, 0, 0, 0, {})
+    state.add_copy("host", 0.5, byte_count=1 << 20)
+    state.add_setup("load", 0.25, byte_count=1 << 30)
+    state.add_setup("plan", 0.125)
+    assert (state.copy_bytes_by_name, state.copy_calls_by_name) == ({"host": 1 << 20}, {"host": 1})
+    assert state.setup_bytes_by_action == {"load": 1 << 30, "plan": 0}
+    with pytest.raises(TypeError):
+        state.add_copy("host", 0.5)  # byte_count is required, as published
+    timer = ddo.DynamicOffloadExecutionTimer()
+    assert timer.device == torch.device("cuda") and timer.snapshot()["status"] == "disabled"
+    if not torch.cuda.is_available():
+        with pytest.raises(ddo.DynamicOffloadConfigError, match="device='cpu'"):
+            ddo.DynamicOffloadExecutionTimer(enabled=True)
+
+
+def test_the_standby_purge_reads_the_phase_switch_as_published():
+    disabled = {"purged": False, "reason": "disabled", "phase": "after_run"}
+    on_linux = {"purged": False, "reason": "non_windows", "phase": "before_run"}
+    # one_shot_fast (auto) switches the purge on before the run, not after it.
+    assert ddo.maybe_purge_windows_standby_cache("before_run", environ={}) == on_linux
+    assert ddo.maybe_purge_windows_standby_cache("after_run", environ={}) == disabled
+    assert ddo.maybe_purge_windows_standby_cache("before_run", preset="low_ram_safe", environ={})["reason"] == "disabled"
+    assert ddo.maybe_purge_windows_standby_cache(
+        "after_run", environ={"DDO_PURGE_WINDOWS_STANDBY_AFTER_RUN": "1"}
+    )["reason"] == "non_windows"
+    assert ddo.maybe_purge_windows_standby_cache("after_run", environ={}, default="1")["reason"] == "non_windows"
+    assert ddo.maybe_purge_windows_standby_cache("before_run", environ={}, enabled=False)["reason"] == "disabled"
+    settings = ddo.load_dynamic_offload_settings_from_env(**HOST, environ={"DDO_PRESET": "warm_process"})
+    assert ddo.maybe_purge_windows_standby_cache(settings, "before_run")["reason"] == "disabled"
+    assert ddo.maybe_purge_windows_standby_cache(phase="before_run", settings=settings, enabled=True) == on_linux
+    events = []
+    got = ddo.maybe_purge_windows_standby_cache(
+        "before_run", environ={}, record_event=lambda *a, **k: events.append(a), event_name="purge", print_message=False
+    )
+    assert got == on_linux and events == []  # nothing was purged, so nothing is recorded

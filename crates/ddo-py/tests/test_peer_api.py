@@ -214,6 +214,17 @@ def test_published_constructors_take_the_published_parameters(name):
     _same_signature(getattr(peer_api.constructors, name), mine, f"ddo.{name}()", defaults=False)
 
 
+@pytest.mark.parametrize("name", sorted(peer_api.CONSTRUCTOR_DEFAULTS))
+def test_published_constructors_have_the_published_defaults(name):
+    mine = getattr(ddo, name, None) or getattr(importlib.import_module("ddo.profiles"), name)
+    params = inspect.signature(mine).parameters
+    for param, published in peer_api.CONSTRUCTOR_DEFAULTS[name].items():
+        assert param in params, f"ddo.{name}() has no parameter {param}"
+        assert _same_value(params[param].default, published), (
+            f"ddo.{name}({param}=...) defaults to {params[param].default!r}, published {published!r}"
+        )
+
+
 def test_diagnostics_are_null_when_disabled_and_say_what_instead_when_enabled(flux):
     model, _ = flux
     result = ddo.enable_offload(model, route="dynamic_offload", execution_device="cpu", use_environment=False)

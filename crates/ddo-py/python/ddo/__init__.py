@@ -42,6 +42,7 @@ from .errors import (
     DynamicOffloadError,
     DynamicOffloadLifecycleError,
     DynamicOffloadSourceChangedError,
+    DynamicOffloadUnsupportedError,
 )
 from .metrics import DYNAMIC_OFFLOAD_METRICS_SCHEMA_VERSION, DynamicOffloadMetrics
 from .settings import (
@@ -157,6 +158,7 @@ __all__ = [
     "DynamicOffloadError",
     "DynamicOffloadLifecycleError",
     "DynamicOffloadSourceChangedError",
+    "DynamicOffloadUnsupportedError",
     "DynamicOffloadLoadResult",
     "DynamicOffloadMetrics",
     "DynamicOffloadSettings",

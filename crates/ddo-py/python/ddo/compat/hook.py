@@ -1,16 +1,21 @@
 """The hook an offload result exposes (``result.hook``): the published hook's attributes, read from
-ddo's session runtime. Hosts of the published library read ``result.hook.config``,
-``result.hook.state`` and ``result.hook.vmm_runtime_stats()``; here each comes from what ddo
-resolved and measured, never from invented figures."""
+ddo's session runtime, and its Diffusers hook lifecycle. Hosts of the published library read
+``result.hook.config``, ``result.hook.state`` and ``result.hook.vmm_runtime_stats()``; here each
+comes from what ddo resolved and measured, never from invented figures. The lifecycle methods
+(``initialize_hook``, ``pre_forward``, ``post_forward``, ``detach_hook`` / ``deinitalize_hook``,
+``reset_state``) act on ddo's attached offload: ddo initializes the hook when it attaches, and
+detaching removes the offload."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional, TextIO
+import time
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
-from ..errors import DynamicOffloadError
+from .. import _native
+from ..errors import DynamicOffloadError, DynamicOffloadUnsupportedError
 
 __all__ = ["DynamicOffloadHook"]
 
@@ -43,13 +48,19 @@ class DynamicOffloadHook:
 
     Hosts do not construct it: ``DynamicOffloadHook(config)`` is refused with what to call."""
 
+    # Diffusers' hook registry resets only stateful hooks; like the published hook, this one keeps
+    # no state a new generation must reset.
+    _is_stateful = False
+
     def __init__(self, config: Any = None) -> None:  # noqa: ARG002 - the published signature
-        raise DynamicOffloadError(_REFUSED)
+        raise DynamicOffloadUnsupportedError(_REFUSED)
 
     @classmethod
     def _of(cls, result: Any) -> "DynamicOffloadHook":
         hook = object.__new__(cls)
         hook.__dict__["_result"] = result
+        # Inputs moved by pre_forward, by copy name: [host seconds, bytes, calls].
+        hook.__dict__["_input_copies"] = {}
         return hook
 
     # ---- the published hook's attributes ------------------------------------------------
@@ -128,6 +139,98 @@ class DynamicOffloadHook:
         from .state import print_profile_summary
 
         print_profile_summary(self.result, top_n, file=file if file is not None else sys.stdout)
+
+    # ---- the published hook lifecycle (Diffusers' ModelHook) -------------------------------
+
+    def _own(self, module: Any, what: str) -> None:
+        if module is not self.module:
+            raise _native.DynamicOffloadLifecycleError(
+                f"DynamicOffloadHook.{what}() was given a {type(module).__name__}, but this hook offloads the "
+                f"{type(self.module).__name__} it was attached to; call remove_dynamic_offload(module) or "
+                "enable_offload(module) on the module itself"
+            )
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        """ddo initializes the hook when it attaches (:func:`ddo.enable_offload`,
+        :func:`ddo.apply_dynamic_offload`), so on the module it offloads this returns ``module``
+        as it is. Another module, or a removed offload, is refused with what to call instead."""
+        if self.result._removed:
+            raise _native.DynamicOffloadLifecycleError(
+                "DynamicOffloadHook.initialize_hook(): this offload was removed, and a removed hook is not "
+                "initialized again; offload the module again with enable_offload(module)"
+            )
+        if module is not self.module:
+            raise DynamicOffloadUnsupportedError(
+                f"DynamicOffloadHook.initialize_hook() on another module is not part of ddo: a hook is initialized "
+                f"once, on the module it offloads (here a {type(self.module).__name__}), when enable_offload(module) "
+                f"or apply_dynamic_offload(module, config) attaches it; offload the {type(module).__name__} with its "
+                "own enable_offload call"
+            )
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Tuple[tuple, dict]:
+        """``(args, kwargs)`` with every tensor inside them (tuples, lists, dicts) moved to the
+        execution device without blocking; meta tensors and tensors already there are kept.
+        Each copy is counted in ``state`` under ``forward_input`` (``forward_input:<key>`` for a
+        keyword and for a dict entry): host seconds to enqueue it, bytes, calls. ddo's own
+        forward moves its inputs the same way without counting them."""
+        del module  # the published hook moves the inputs whatever module it is given
+        moved_args = tuple(self._to_execution_device(value, "forward_input") for value in args)
+        moved_kwargs = {k: self._to_execution_device(v, f"forward_input:{k}") for k, v in kwargs.items()}
+        return moved_args, moved_kwargs
+
+    def _to_execution_device(self, value: Any, name: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            device = self.execution_device
+            if value.device == device or value.is_meta:
+                return value
+            start = time.perf_counter()
+            moved = value.to(device, non_blocking=True)
+            copies: Dict[str, List[Any]] = self.__dict__["_input_copies"]
+            entry = copies.setdefault(name, [0.0, 0, 0])
+            entry[0] += time.perf_counter() - start
+            entry[1] += moved.numel() * moved.element_size()
+            entry[2] += 1
+            return moved
+        if isinstance(value, tuple):
+            return tuple(self._to_execution_device(v, name) for v in value)
+        if isinstance(value, list):
+            return [self._to_execution_device(v, name) for v in value]
+        if isinstance(value, dict):
+            return {k: self._to_execution_device(v, f"{name}:{k}") for k, v in value.items()}
+        return value
+
+    def input_copies(self) -> Dict[str, Tuple[float, int, int]]:
+        """What :meth:`pre_forward` moved so far, by copy name: ``(host seconds, bytes, calls)``."""
+        return {name: (float(s), int(b), int(c)) for name, (s, b, c) in self.__dict__["_input_copies"].items()}
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        """``output`` unchanged, as published: each block's lease is given back by that block's
+        own post-forward hook, and the component's output is never touched."""
+        del module
+        return output
+
+    def detach_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Removes the offload from ``module`` (:meth:`ddo.DynamicOffloadApplyResult.remove`: the
+        linear route gives the module its host tensors back, the native route leaves meta
+        placeholders) and returns it. Refused inside the module's forward; once removed, a
+        second call returns ``module``."""
+        self._own(module, "detach_hook")
+        self.result.remove()
+        return module
+
+    def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        """:meth:`detach_hook`, under the published (and Diffusers') spelling."""
+        self._own(module, "deinitalize_hook")
+        self.result.remove()
+        return module
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module``, as published: the hook is not stateful. The execution order ddo learned
+        stays valid across generations (every pass checks it, and a changed order falls back to
+        on-demand uploads), so there is nothing a new generation must reset."""
+        self._own(module, "reset_state")
+        return module
 
     # ---- the rest is the session runtime's ----------------------------------------------
 

@@ -20,6 +20,7 @@ import torch
 
 from .. import _native
 from ..metrics import DynamicOffloadMetrics
+from ..settings import load_dynamic_offload_settings_from_env
 
 __all__ = [
     "DEFAULT_LIFECYCLE_PHASES",
@@ -436,20 +437,47 @@ def purge_windows_standby_cache_event(
 
 
 def maybe_purge_windows_standby_cache(
-    settings_or_phase: Any,
+    settings_or_phase: Any = None,
     phase: Optional[str] = None,
     *,
     settings: Any = None,
     preset: str = "auto",
+    execution_device: Union[str, torch.device] = "cuda:0",
+    offload_device: Union[str, torch.device] = "cpu",
+    running_on_wsl: Optional[bool] = None,
+    record_event: Optional[Callable[..., Any]] = None,
+    event_name: Optional[str] = None,
+    default: str = "0",
+    print_message: bool = True,
+    ignore_errors: bool = True,
     environ: Optional[Mapping[str, str]] = None,
     enabled: Optional[bool] = None,
-    ignore_errors: bool = True,
 ) -> Dict[str, Any]:
-    """The published phase purge (``DDO_PURGE_WINDOWS_STANDBY_<PHASE>``, ``--purge-<phase>``):
-    the first argument is the phase, or settings followed by the phase. On Linux nothing is read
-    or done: ``{"purged": False, "reason": "non_windows", "phase": phase}``."""
-    del settings, preset, environ, enabled, ignore_errors  # what a Windows purge would consult
+    """The published phase purge: the first argument is the phase, or settings followed by the
+    phase. ``enabled`` (else ``DDO_PURGE_WINDOWS_STANDBY_<PHASE>`` from ``environ`` or the
+    settings' preset, else ``default``; settings not given are read from the environment with
+    ``preset``) decides whether the phase purges: ``{"purged": False, "reason": "disabled",
+    "phase": phase}`` when it does not. On Linux there is no standby list, so an enabled phase
+    returns ``reason`` ``non_windows`` (``record_event``, ``event_name``, ``print_message`` and
+    ``ignore_errors`` serve the Windows purge and are not used)."""
+    del record_event, event_name, print_message, ignore_errors  # what a Windows purge would use
     name = settings_or_phase if isinstance(settings_or_phase, str) else phase
+    if settings_or_phase is not None and not isinstance(settings_or_phase, str) and settings is None:
+        settings = settings_or_phase
     if not name:
         raise ValueError("maybe_purge_windows_standby_cache needs a phase: pass it first, or after the settings")
+    if enabled is None:
+        if settings is None:
+            settings = load_dynamic_offload_settings_from_env(
+                execution_device=execution_device,
+                offload_device=offload_device,
+                target_module_classes=(torch.nn.Linear, torch.nn.Embedding),
+                skip_modules_pattern=(),
+                running_on_wsl=running_on_wsl,
+                environ=environ,
+                default_preset=preset,
+            )
+        enabled = settings.preset_bool("DDO_PURGE_WINDOWS_STANDBY_" + name.strip().upper(), default, environ)
+    if not enabled:
+        return _standby_result(name, "disabled")
     return purge_windows_standby_cache(phase=name)

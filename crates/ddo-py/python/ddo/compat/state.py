@@ -63,8 +63,9 @@ class DynamicOffloadState:
     units: Tuple[DynamicOffloadUnitState, ...] = field(default_factory=tuple)
     # The published state's accounting, filled from ddo's own figures (``state_of``): setup by
     # action (``attach``: the native attach, its seconds and the bytes it placed) and copies by
-    # name (``unit_upload``: the arena's uploads, their seconds, bytes and count). A host may add
-    # its own with :meth:`add_setup` / :meth:`add_copy`.
+    # name (``unit_upload``: the arena's uploads, their seconds, bytes and count; ``forward_input``:
+    # inputs moved by the hook's ``pre_forward``). A host may add its own with :meth:`add_setup` /
+    # :meth:`add_copy`.
     setup_seconds_by_action: Dict[str, float] = field(default_factory=dict)
     setup_bytes_by_action: Dict[str, int] = field(default_factory=dict)
     copy_seconds_by_name: Dict[str, float] = field(default_factory=dict)
@@ -90,15 +91,17 @@ class DynamicOffloadState:
         pinned weights: ``None``."""
         return None
 
-    def add_setup(self, action: str, seconds: float, bytes: int = 0) -> None:  # noqa: A002 - the published name
-        """Adds ``seconds`` and ``bytes`` to setup action ``action`` (the published accounting)."""
+    def add_setup(self, action: str, seconds: float, byte_count: int = 0) -> None:
+        """Adds ``seconds`` and ``byte_count`` bytes to setup action ``action`` (the published
+        accounting)."""
         self.setup_seconds_by_action[action] = self.setup_seconds_by_action.get(action, 0.0) + float(seconds)
-        self.setup_bytes_by_action[action] = self.setup_bytes_by_action.get(action, 0) + int(bytes)
+        self.setup_bytes_by_action[action] = self.setup_bytes_by_action.get(action, 0) + int(byte_count)
 
-    def add_copy(self, name: str, seconds: float, bytes: int = 0, calls: int = 1) -> None:  # noqa: A002
-        """Adds one copy (``calls`` of them) of ``bytes`` taking ``seconds`` under ``name``."""
+    def add_copy(self, name: str, seconds: float, byte_count: int, calls: int = 1) -> None:
+        """Adds one copy (``calls`` of them) of ``byte_count`` bytes taking ``seconds`` under
+        ``name``."""
         self.copy_seconds_by_name[name] = self.copy_seconds_by_name.get(name, 0.0) + float(seconds)
-        self.copy_bytes_by_name[name] = self.copy_bytes_by_name.get(name, 0) + int(bytes)
+        self.copy_bytes_by_name[name] = self.copy_bytes_by_name.get(name, 0) + int(byte_count)
         self.copy_calls_by_name[name] = self.copy_calls_by_name.get(name, 0) + int(calls)
 
     def clone_for_runtime(self) -> "DynamicOffloadState":
@@ -261,6 +264,10 @@ def _with_accounting(
         state.add_setup("attach", setup["setup_seconds"], state.total_bytes)
     if all(k in runtime for k in ("upload_seconds", "upload_bytes", "uploads")):
         state.add_copy("unit_upload", runtime["upload_seconds"], runtime["upload_bytes"], runtime["uploads"])
+    # Inputs the host moved through the hook's pre_forward (ddo's forward does not count its own).
+    hook = getattr(result, "_hook", None)
+    for name, (seconds, byte_count, calls) in (hook.input_copies() if hook is not None else {}).items():
+        state.add_copy(name, seconds, byte_count, calls)
     state.planner_decisions.update({k: setup[k] for k in _PLANNER_KEYS if k in setup})
     # Units ddo hooks are "resident" or "streamed"; the rest of the module ("pinned") stays on
     # the device.

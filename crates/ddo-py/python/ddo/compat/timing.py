@@ -40,6 +40,8 @@ class DynamicOffloadExecutionTimer:
     after the last one. Single use: enter it once (``with result.execution_timer(enabled=True) as
     t:``), call ``t.mark_step()`` at the end of every denoise step, read :meth:`snapshot` after.
 
+    ``device`` is where the run's work is timed: a CUDA device (``"cuda"``, the published
+    default: CUDA events on its current stream) or ``"cpu"`` (``None`` too: the host clock).
     ``diagnostic_step_wait`` makes every mark wait on the host until the step's work completed
     and records that wait; it changes the run's overlap, so the snapshot says
     ``benchmark_eligible: false``."""
@@ -47,7 +49,7 @@ class DynamicOffloadExecutionTimer:
     def __init__(
         self,
         enabled: bool = False,
-        device: Union[str, torch.device, None] = None,
+        device: Union[str, torch.device, None] = "cuda",
         native_factory: Any = None,
         diagnostic_step_wait: bool = False,
     ) -> None:
