@@ -291,6 +291,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
             "gguf",
         ],
     )?;
+    // The benchmarks, and the fixtures of the examples they share, side by side in one folder.
     for script in [
         "bench_gpu.py",
         "gpu_native.py",
@@ -307,10 +308,11 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_interleaved.py",
         "gpu_arena_memory.py",
         "host_costs.py",
-        "host.py",
-        "tiny_pipelines.py",
     ] {
-        copy(&Path::new("crates/ddo-py/examples").join(script), &dir.join(script))?;
+        copy(&Path::new("crates/ddo-py/benches").join(script), &dir.join(script))?;
+    }
+    for fixture in ["host.py", "tiny_pipelines.py"] {
+        copy(&Path::new("crates/ddo-py/examples").join(fixture), &dir.join(fixture))?;
     }
     build_device_examples(&dir)?;
     let run_sh = BENCH_RUN_SH.replace("@CONFIGS@", &configs);

@@ -317,6 +317,7 @@ def test_bench_takes_one_checkpoint_file_with_the_config_beside_it_or_given(flux
 
 
 def test_host_costs_measures_each_part_of_ddos_host_work(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benches"))
     import host_costs
 
     assert host_costs.main(["--device", "cpu", "--blocks", "4", "--rounds", "2", "--dir", str(tmp_path)]) == 0

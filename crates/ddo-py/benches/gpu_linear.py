@@ -5,7 +5,7 @@ linear route's first and steady steps, checks that the linear route's output equ
 output bit for bit, and prints a table with the ratio to the floor
 max(resident step, streamed bytes / measured copy speed).
 
-    python crates/ddo-py/examples/gpu_linear.py [--resolution 1024] [--steps 5]
+    python crates/ddo-py/benches/gpu_linear.py [--resolution 1024] [--steps 5]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ outputs are compared bit for bit, with step times against the floor
 max(resident step, streamed bytes / pinned copy speed measured in the same run). Tiny SD3 and
 AutoencoderKL models are checked the same way.
 
-    python crates/ddo-py/examples/gpu_native.py [--resolutions 512,1024,2048] [--budget-gb 3]
+    python crates/ddo-py/benches/gpu_native.py [--resolutions 512,1024,2048] [--budget-gb 3]
 """
 
 from __future__ import annotations

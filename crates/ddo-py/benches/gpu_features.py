@@ -15,7 +15,10 @@ import torch
 
 import ddo
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The shared fixtures (tiny_pipelines, host) are in examples/ in the repository, beside this file in
+# the GPU bundle.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "examples")]
 from tiny_pipelines import PIPELINES, clip, flux_transformer_inputs, generate, own_memory, report, t5  # noqa: E402
 
 DEVICE = os.environ.get("DDO_FEATURES_DEVICE", "cuda:0")

@@ -23,7 +23,10 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The shared fixtures (tiny_pipelines, host) are in examples/ in the repository, beside this file in
+# the GPU bundle.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "examples")]
 from bench_gpu import GpuSampler, peak_rss, rss_now, rss_parts  # noqa: E402
 from flux_workload import random_model  # noqa: E402
 from tiny_pipelines import tokenizer  # noqa: E402
