@@ -72,6 +72,9 @@ impl Residency for Holding {
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         self.spy.create_stream()
     }
+    fn release_stream(&self, s: StreamId) -> Result<(), DeviceError> {
+        self.spy.release_stream(s)
+    }
     fn copy_to_device(
         &self,
         src: HostSlice,

@@ -25,14 +25,22 @@ pub fn measure_host_link(platform: &Platform) -> Result<f64, DeviceError> {
     let result = (|| {
         r.map(mapped, backing)?;
         let stream = r.create_stream()?;
-        let mut best = 0.0f64;
-        for _ in 0..3 {
-            let t = Instant::now();
-            r.copy_to_device(host.clone(), range, stream)?;
-            let f = platform.fences.record(stream)?;
-            platform.fences.wait(f)?;
-            best = best.max(PROBE_BYTES as f64 / t.elapsed().as_secs_f64());
-        }
+        let timed = (|| -> Result<f64, DeviceError> {
+            let mut best = 0.0f64;
+            for _ in 0..3 {
+                let t = Instant::now();
+                r.copy_to_device(host.clone(), range, stream)?;
+                let f = platform.fences.record(stream)?;
+                platform.fences.wait(f)?;
+                best = best.max(PROBE_BYTES as f64 / t.elapsed().as_secs_f64());
+            }
+            Ok(best)
+        })();
+        // Work still queued on the stream reads the range: wait before unmapping.
+        let _ = platform.fences.record(stream).and_then(|f| platform.fences.wait(f));
+        let released = r.release_stream(stream);
+        let best = timed?;
+        released?;
         r.unmap(mapped)?;
         Ok(best)
     })();
@@ -47,9 +55,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_host_backend_copies_at_a_finite_positive_speed() {
-        let platform = ddo_platform::host_platform(Arc::new(ddo_platform::host::HostDevice::new()));
+    fn the_host_backend_copies_at_a_finite_positive_speed_and_keeps_no_stream() {
+        let device = Arc::new(ddo_platform::host::HostDevice::new());
+        let platform = ddo_platform::host_platform(device.clone());
         let speed = measure_host_link(&platform).unwrap();
         assert!(speed > 0.0 && speed.is_finite(), "{speed}");
+        assert_eq!(device.live_streams(), 0, "the probe releases the stream it made");
     }
 }

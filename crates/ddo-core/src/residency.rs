@@ -45,6 +45,13 @@ pub trait Residency: Send + Sync {
     /// Creates a non-blocking stream for copies (and the conversions that follow them), at the
     /// device's highest priority where streams have priorities.
     fn create_stream(&self) -> Result<StreamId, DeviceError>;
+    /// Gives back a stream [`create_stream`](Residency::create_stream) made, once no more work
+    /// will be enqueued on it. Work already enqueued completes first and fences recorded on it
+    /// stay valid; copies not yet covered by a recorded fence refuse the release
+    /// ([`DeviceError::InvalidUse`]), as does a stream this adapter did not create (an adopted
+    /// one belongs to its owner). Whoever creates a stream releases it: a stream is never
+    /// reclaimed before the device is dropped otherwise.
+    fn release_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
     /// Enqueues a host-to-device copy of `src` into `dst` (same length) on `stream`.
     fn copy_to_device(
         &self,

@@ -56,6 +56,23 @@ pub(crate) fn decode_speed(platform: &Platform) -> Result<DecodeSpeed, DeviceErr
     let largest = DECODE_PROBE_BYTES[DECODE_PROBE_BYTES.len() - 1];
     let weights = ddo_platform::samples::weight_like_bf16(largest, threads);
     let stream = r.create_stream()?;
+    let measured = time_decodes(platform, &weights, granularity, threads, stream);
+    // Every probe waited for its work: the stream is idle.
+    let released = r.release_stream(stream);
+    let speed = measured?;
+    released?;
+    Ok(speed)
+}
+
+/// The decoding probe's timings on `stream`, one point per probe size.
+fn time_decodes(
+    platform: &Platform,
+    weights: &[u8],
+    granularity: u64,
+    threads: usize,
+    stream: ddo_core::StreamId,
+) -> Result<DecodeSpeed, DeviceError> {
+    let r = &platform.residency;
     let mut points = Vec::new();
     for bytes in DECODE_PROBE_BYTES {
         let encoding = ddo_codec::encode_bf16(&weights[..bytes], threads)
@@ -132,9 +149,10 @@ mod tests {
     #[test]
     fn the_host_backend_is_timed_at_every_probe_size() {
         let device = Arc::new(ddo_platform::host::HostDevice::new());
-        let platform = ddo_platform::host_platform(device);
+        let platform = ddo_platform::host_platform(device.clone());
         let speed = decode_speed(&platform).unwrap();
         assert_eq!(speed.points.len(), DECODE_PROBE_BYTES.len());
         assert!(speed.points.iter().all(|&(_, s)| s > 0.0 && s.is_finite()));
+        assert_eq!(device.live_streams(), 0, "the probe releases the stream it made");
     }
 }

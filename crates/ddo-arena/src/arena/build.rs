@@ -144,7 +144,14 @@ impl Arena {
         let copy = residency.create_stream().map_err(device("create the copy stream"))?;
         let convert = match layout.staging_len {
             0 => None,
-            _ => Some(residency.create_stream().map_err(device("create the conversion stream"))?),
+            _ => match residency.create_stream() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    // Nothing was enqueued on the copy stream yet.
+                    let _ = residency.release_stream(copy);
+                    return Err(device("create the conversion stream")(e));
+                }
+            },
         };
         Ok((copy, convert))
     }

@@ -172,6 +172,13 @@ impl Arena {
                 state.closed = true;
                 state.stats.resident_bytes = 0;
                 state.stats.slot_bytes = 0;
+                // Every fence was waited for: no work is left on the arena's own streams.
+                for stream in std::iter::once(self.copy_stream).chain(self.convert_stream) {
+                    self.platform
+                        .residency
+                        .release_stream(stream)
+                        .map_err(device("release the arena's stream"))?;
+                }
                 Ok(())
             }
             Err(e) => {

@@ -208,6 +208,9 @@ impl Residency for Spy {
         self.push(Call::CreateStream(s));
         Ok(s)
     }
+    fn release_stream(&self, s: StreamId) -> Result<(), DeviceError> {
+        self.inner.release_stream(s)
+    }
     fn copy_to_device(
         &self,
         src: HostSlice,

@@ -450,6 +450,39 @@ impl Residency for CudaDevice {
         Ok(StreamId(s))
     }
 
+    fn release_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match state.streams.get(&stream.0) {
+            Some(true) => {}
+            Some(false) => {
+                return Err(DeviceError::InvalidUse(format!(
+                    "stream {:#x} was adopted, not created by this device: its owner destroys it",
+                    stream.0
+                )));
+            }
+            None => {
+                return Err(DeviceError::InvalidUse(format!(
+                    "stream {:#x} is not known to this device (released already?)",
+                    stream.0
+                )));
+            }
+        }
+        // A copy's host slice is held until a fence covers it: the stream must have one.
+        if state.pending.iter().any(|(s, _)| *s == stream.0) {
+            return Err(DeviceError::InvalidUse(format!(
+                "stream {:#x} has copies no recorded fence covers yet: record one before releasing it",
+                stream.0
+            )));
+        }
+        self.bind()?;
+        // SAFETY: a live stream this device created (checked above), on which its owner enqueues
+        // nothing more; cuStreamDestroy returns at once and the driver frees the stream once the
+        // work already enqueued completes, and events recorded on it stay valid.
+        unsafe { driver::stream::destroy(stream.0 as sys::CUstream) }.named("cuStreamDestroy")?;
+        state.streams.remove(&stream.0);
+        Ok(())
+    }
+
     fn copy_to_device(
         &self,
         src: HostSlice,

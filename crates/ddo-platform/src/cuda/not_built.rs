@@ -121,6 +121,10 @@ impl Residency for CudaDevice {
         match self.never {}
     }
 
+    fn release_stream(&self, _stream: StreamId) -> Result<(), DeviceError> {
+        match self.never {}
+    }
+
     fn copy_to_device(
         &self,
         _src: HostSlice,

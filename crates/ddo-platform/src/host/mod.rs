@@ -9,7 +9,7 @@
 
 mod vm;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -39,6 +39,8 @@ struct State {
     decoded: HashMap<u64, (u64, f64)>,
     /// Live peer buffers (another device's memory, modelled in host memory) by start address.
     peers: HashMap<u64, Box<[u8]>>,
+    /// Streams created and not yet released.
+    streams: HashSet<u64>,
 }
 
 impl State {
@@ -148,6 +150,12 @@ impl HostDevice {
         *self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Streams [`create_stream`](Residency::create_stream) made that were not released: what a
+    /// test counts to prove that nothing leaks streams.
+    pub fn live_streams(&self) -> usize {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).streams.len()
+    }
+
     fn invalid(message: String) -> DeviceError {
         DeviceError::InvalidUse(message)
     }
@@ -224,7 +232,21 @@ impl Residency for HostDevice {
     }
 
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
-        Ok(StreamId(self.next_stream.fetch_add(1, Ordering::Relaxed)))
+        let stream = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).streams.insert(stream);
+        Ok(StreamId(stream))
+    }
+
+    fn release_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Copies run synchronously: nothing is in flight on the stream.
+        if !state.streams.remove(&stream.0) {
+            return Err(Self::invalid(format!(
+                "stream {} was not created by this device or was released already",
+                stream.0
+            )));
+        }
+        Ok(())
     }
 
     fn copy_to_device(

@@ -143,10 +143,13 @@ mod tests {
     use crate::session::{SessionSpec, Weights};
     use crate::{ExecutionDevice, ExecutionTarget};
 
-    #[test]
-    fn a_switch_to_encoded_streaming_serves_the_same_bytes_and_keeps_the_counters() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("model.safetensors");
+    /// A session on the host backend `device` over a checkpoint of eight weight-like bf16
+    /// blocks of 4 MiB, `vmm_weight_encoding = auto`, in `dir`.
+    fn encodable_session(
+        dir: &std::path::Path,
+        device: Arc<ddo_platform::host::HostDevice>,
+    ) -> ComponentSession {
+        let path = dir.join("model.safetensors");
         let mut names = vec![("embed.weight".to_owned(), vec![1024, 8])];
         for b in 0..8 {
             names.push((format!("blocks.{b}.attn.weight"), vec![2048, 1024]));
@@ -164,11 +167,17 @@ mod tests {
             ("vmm_weight_encoding", "auto"),
         ])
         .unwrap();
-        let weights = Weights::Checkpoint { path: path.clone(), mmap: MmapChoice::never() };
-        let platform = ddo_platform::host_platform(Arc::new(ddo_platform::host::HostDevice::new()));
+        let weights = Weights::Checkpoint { path, mmap: MmapChoice::never() };
+        let platform = ddo_platform::host_platform(device);
         let target = ExecutionTarget::unmeasured(ExecutionDevice::Host, platform);
-        let session =
-            ComponentSession::open(SessionSpec { plan, weights, tree: None }, target).unwrap();
+        ComponentSession::open(SessionSpec { plan, weights, tree: None }, target).unwrap()
+    }
+
+    #[test]
+    fn a_switch_to_encoded_streaming_serves_the_same_bytes_and_keeps_the_counters() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = Arc::new(ddo_platform::host::HostDevice::new());
+        let session = encodable_session(dir.path(), device);
         // The host backend measures no link: make it time passes as a GPU's session does,
         // attached raw.
         *session.auto_encoding.lock().unwrap() = Some(AutoEncoding::timing());
@@ -207,5 +216,37 @@ mod tests {
         assert!(rt.passes.unwrap() >= 3, "the counters go on: {rt:?}");
         // Applied: a second call changes nothing.
         assert!(!session.switch_encoding().unwrap());
+    }
+
+    #[test]
+    fn re_plans_encoding_switches_and_reloads_release_the_streams_they_create() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = Arc::new(ddo_platform::host::HostDevice::new());
+        let session = encodable_session(dir.path(), device.clone());
+        let live = || device.live_streams();
+        // The streams of one arena; a closed arena leaves none.
+        let one_arena = live();
+        assert!(one_arena >= 1, "an arena uploads on a stream of its own");
+        let cycle = |session: &ComponentSession, streams: usize| {
+            for _ in 0..3 {
+                assert!(session.set_budget(24 << 20).unwrap());
+                assert!(session.set_budget(20 << 20).unwrap());
+                assert_eq!(live(), streams, "a re-plan keeps one arena's streams");
+                assert!(session.unload().unwrap());
+                assert_eq!(live(), 0, "an unloaded component holds no stream");
+                session.reload().unwrap();
+                assert_eq!(live(), streams, "a reload holds one arena's streams");
+            }
+        };
+        cycle(&session, one_arena);
+        *session.auto_encoding.lock().unwrap() =
+            Some(AutoEncoding::Encode { applied: false, why: "passes at the floor".into() });
+        assert!(session.switch_encoding().unwrap());
+        assert!(session.metrics(None).setup.encoded_tensors.is_some_and(|n| n > 0));
+        let encoded = live();
+        assert!((1..=2).contains(&encoded), "one arena's streams after the switch: {encoded}");
+        cycle(&session, encoded);
+        session.close().unwrap();
+        assert_eq!(live(), 0);
     }
 }
