@@ -53,8 +53,9 @@ def clear_dynamic_offload_pinned_tensor_cache(): ...
 # Settings and the environment. The four device and module keywords are required, as the reference
 # description lists them (the 0.1.0rc2 package gives them the defaults "cuda:0", "cpu",
 # (Linear, Embedding) and ()).
-def load_dynamic_offload_settings_from_env(*, execution_device, offload_device, target_module_classes,
-                                           skip_modules_pattern, always_resident_modules_pattern=None,
+def load_dynamic_offload_settings_from_env(*, execution_device="cuda:0", offload_device="cpu",
+                                           target_module_classes=LINEAR_EMBEDDING, skip_modules_pattern=(),
+                                           always_resident_modules_pattern=None,
                                            running_on_wsl=None, environ=None, default_preset="",
                                            component_policies=None): ...
 def dynamic_offload_env_value(name, default="", environ=None): ...

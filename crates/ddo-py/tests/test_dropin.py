@@ -36,8 +36,11 @@ def test_settings_read_as_published():
     assert s.config.resident_module_budget_gb == 6.0 and s.config.preset == "warm_process"
     off = ddo.DynamicOffloadSettings.from_env(**HOST, environ={"DDO_PRESET": "off"})
     assert not off.enabled
-    with pytest.raises(TypeError):
-        ddo.load_dynamic_offload_settings_from_env(environ={})  # the published keywords are required
+    # The published defaults: cuda:0 from the host's memory, every Linear and Embedding weight.
+    defaults = ddo.load_dynamic_offload_settings_from_env(environ={})
+    assert defaults.values["execution_device"] == "cuda:0" and defaults.values["offload_device"] == "cpu"
+    explicit = dict(HOST, execution_device="cuda:0")
+    assert defaults.values == ddo.load_dynamic_offload_settings_from_env(**explicit, environ={}).values
 
 
 def test_refused_host_keywords_say_what_instead():

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
+import torch
+
 from . import _native
 from .config import DynamicOffloadConfig, _finite_or_text, component_policy_dict
 from .errors import DynamicOffloadConfigError
@@ -267,12 +269,17 @@ def _class_names(classes: Any) -> list:
     return [c if isinstance(c, str) else c.__name__ for c in classes]
 
 
+# The published default of ``target_module_classes``: ddo streams every parameter, and these are
+# the classes the published library streams by default.
+_LINEAR_EMBEDDING = (torch.nn.Linear, torch.nn.Embedding)
+
+
 def load_dynamic_offload_settings_from_env(
     *,
-    execution_device: Any,
-    offload_device: Any,
-    target_module_classes: Any,
-    skip_modules_pattern: Any,
+    execution_device: Any = "cuda:0",
+    offload_device: Any = "cpu",
+    target_module_classes: Any = _LINEAR_EMBEDDING,
+    skip_modules_pattern: Any = (),
     always_resident_modules_pattern: Any = None,
     running_on_wsl: Optional[bool] = None,
     environ: Optional[Mapping[str, str]] = None,
