@@ -8,14 +8,6 @@ use ddo_core::UnitId;
 use super::Arena;
 use super::state::State;
 
-#[derive(Debug, Default)]
-pub(super) struct Order {
-    pub(super) learned: Option<Arc<[UnitId]>>,
-    pub(super) current: Vec<UnitId>,
-    pub(super) position: usize,
-    pub(super) lookahead: bool,
-}
-
 impl Arena {
     /// Marks a pass boundary (the component's forward starts): the first pass's order becomes
     /// the learned order, and look-ahead is enabled again.

@@ -4,19 +4,10 @@
 use ddo_core::{DeviceOrdinal, PeerBuffer, UnitId};
 
 use super::Arena;
-use super::state::{Locked, State};
+use super::state::{Locked, PeerStore, State};
 use super::upload::Need;
 use crate::ArenaError;
 use crate::error::device;
-
-/// A weight store in a peer device's memory: each stored unit's bytes as its range holds them
-/// once uploaded (conversions and decodes done), at an offset of one buffer.
-#[derive(Debug)]
-pub(super) struct PeerStore {
-    pub(super) buffer: PeerBuffer,
-    /// Per unit: its offset in the buffer, when stored.
-    pub(super) offsets: Vec<Option<u64>>,
-}
 
 /// What [`Arena::fill_peer_store`] placed in the peer's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,14 +1,15 @@
-//! What the arena's one lock guards: per unit or slot who holds the bytes and which fences gate
-//! their reuse, the staging cursor, the learned order, the counters, and the copy lane an
-//! upload holds while it reads the source with the lock released.
+//! What the arena's one lock guards, as data (the modules beside it act on it): per unit or
+//! slot who holds the bytes and which fences gate their reuse, the staging cursor, the learned
+//! order, the peer store, the counters, and the copy lane an upload holds while it reads the
+//! source with the lock released.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-use ddo_core::{BackingId, FenceValue, FileRange, StreamId, UnitId};
+use std::sync::Arc;
 
-use super::order::Order;
-use super::peer::PeerStore;
+use ddo_core::{BackingId, FenceValue, FileRange, PeerBuffer, StreamId, UnitId};
+
 use crate::ArenaStats;
 
 /// Who holds a resident unit's or a slot's bytes, and the fences that gate their reuse.
@@ -68,6 +69,25 @@ pub(super) struct Resident {
     pub(super) holder: Holder,
     pub(super) backing: Option<BackingId>,
     pub(super) mapped: bool,
+}
+
+/// The execution order: the one learned from the first complete pass, and where the current
+/// pass stands.
+#[derive(Debug, Default)]
+pub(super) struct Order {
+    pub(super) learned: Option<Arc<[UnitId]>>,
+    pub(super) current: Vec<UnitId>,
+    pub(super) position: usize,
+    pub(super) lookahead: bool,
+}
+
+/// A weight store in a peer device's memory: each stored unit's bytes as its range holds them
+/// once uploaded (conversions and decodes done), at an offset of one buffer.
+#[derive(Debug)]
+pub(super) struct PeerStore {
+    pub(super) buffer: PeerBuffer,
+    /// Per unit: its offset in the buffer, when stored.
+    pub(super) offsets: Vec<Option<u64>>,
 }
 
 /// Which of the two staging buffers of device conversions the next upload fills, and per
