@@ -80,6 +80,28 @@ impl Dtype {
         }
     }
 
+    /// PyTorch's name of the element type (`bfloat16`, `float8_e4m3fn`), as `torch.<name>`
+    /// spells it: the inverse of [`from_torch`](Dtype::from_torch).
+    pub const fn torch_name(self) -> &'static str {
+        match self {
+            Dtype::Bool => "bool",
+            Dtype::U8 => "uint8",
+            Dtype::I8 => "int8",
+            Dtype::I16 => "int16",
+            Dtype::U16 => "uint16",
+            Dtype::I32 => "int32",
+            Dtype::U32 => "uint32",
+            Dtype::I64 => "int64",
+            Dtype::U64 => "uint64",
+            Dtype::F16 => "float16",
+            Dtype::BF16 => "bfloat16",
+            Dtype::F32 => "float32",
+            Dtype::F64 => "float64",
+            Dtype::F8E4M3 => "float8_e4m3fn",
+            Dtype::F8E5M2 => "float8_e5m2",
+        }
+    }
+
     /// The element type PyTorch names `name` (`torch.bfloat16`, `bfloat16`, `half`, ...), where
     /// ddo has one; `None` for a dtype ddo does not hold (complex, quantized, ...).
     pub fn from_torch(name: &str) -> Option<Dtype> {
@@ -148,6 +170,25 @@ mod tests {
     #[test]
     fn torch_dtype_names() {
         assert_eq!(Dtype::from_torch("torch.bfloat16"), Some(Dtype::BF16));
+        for dtype in [
+            Dtype::Bool,
+            Dtype::U8,
+            Dtype::I8,
+            Dtype::I16,
+            Dtype::U16,
+            Dtype::I32,
+            Dtype::U32,
+            Dtype::I64,
+            Dtype::U64,
+            Dtype::F16,
+            Dtype::BF16,
+            Dtype::F32,
+            Dtype::F64,
+            Dtype::F8E4M3,
+            Dtype::F8E5M2,
+        ] {
+            assert_eq!(Dtype::from_torch(dtype.torch_name()), Some(dtype), "{dtype}");
+        }
         assert_eq!(Dtype::from_torch("float32"), Some(Dtype::F32));
         assert_eq!(Dtype::from_torch("torch.complex64"), None);
     }

@@ -43,7 +43,7 @@ pub enum Decision {
 }
 
 /// What the arena looked like after a pass: read only when the free memory alone does not
-/// settle the decision.
+/// settle the decision (`None` when it could not be read; the pass is then decided again later).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Arena {
     /// The arena's budget now.
@@ -154,14 +154,18 @@ impl AutoBudget {
     /// Decides after a pass that left `free_bytes` free; `arena` is read only when that alone
     /// does not settle it (a steady pass costs the host nothing more). A [`Step::Replan`] must be
     /// followed by one of the three reports.
-    pub fn after_pass(&mut self, free_bytes: u64, arena: impl FnOnce() -> Arena) -> Step {
+    pub fn after_pass(&mut self, free_bytes: u64, arena: impl FnOnce() -> Option<Arena>) -> Step {
         self.passes += 1;
         self.free_bytes = Some(free_bytes);
         if self.passes > 1 && free_bytes >= self.headroom_bytes / 2 {
             return Step::Keep;
         }
         debug_assert!(self.passes == 1 || free_bytes < self.headroom_bytes / 2);
-        let sample = arena();
+        let Some(sample) = arena() else {
+            // The arena could not be read (another pass ended meanwhile): decided again later.
+            self.passes -= 1;
+            return Step::Keep;
+        };
         let budget = sample.budget_bytes;
         let target =
             (free_bytes.saturating_add(sample.held_bytes)).saturating_sub(self.headroom_bytes);
@@ -265,10 +269,8 @@ mod tests {
 
     /// After a pass that left `free` free, with the arena at `budget` holding `held`.
     fn pass(auto: &mut AutoBudget, free: u64, budget: u64, held: u64) -> Step {
-        auto.after_pass(free, || Arena {
-            budget_bytes: budget,
-            held_bytes: held,
-            blocks_running: false,
+        auto.after_pass(free, || {
+            Some(Arena { budget_bytes: budget, held_bytes: held, blocks_running: false })
         })
     }
 
@@ -339,7 +341,7 @@ mod tests {
     #[test]
     fn running_blocks_and_interrupts_leave_the_pass_to_be_decided_again() {
         let mut auto = AutoBudget::with_headroom(GIB);
-        let running = || Arena { budget_bytes: GIB, held_bytes: GIB, blocks_running: true };
+        let running = || Some(Arena { budget_bytes: GIB, held_bytes: GIB, blocks_running: true });
         assert_eq!(auto.after_pass(10 * GIB, running), Step::Keep);
         assert_eq!(auto.decision(), Some(Decision::KeptBlocksRunning));
         // Still the first pass: a re-plan follows whatever is free.
@@ -359,6 +361,11 @@ mod tests {
         assert!(!auto.reads_arena(GIB) && auto.reads_arena(GIB / 4));
         let step = auto.after_pass(GIB, || panic!("the arena was read on a steady pass"));
         assert_eq!(step, Step::Keep);
+        // An arena that could not be read publishes no budget and leaves the pass to a later one.
+        let mut auto = AutoBudget::with_headroom(GIB);
+        assert_eq!(auto.after_pass(10 * GIB, || None), Step::Keep);
+        assert_eq!(auto.report().budget_bytes, None);
+        assert!(auto.reads_arena(10 * GIB), "still the first pass");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! recommendation applies, and both record with [`recommend_budget_gb`]. The profile files
 //! themselves (paths, locking, JSON) are the host's.
 
-use crate::Route;
+use crate::{Origin, Plan, Route};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -38,6 +38,32 @@ pub struct Target {
     pub device: String,
 }
 
+impl Target {
+    /// Where a recommendation would apply to `plan`'s component on `device` (a torch device
+    /// name: `cuda:0`, `cpu`) of `device_total_bytes`. The budget counts as the user's when its
+    /// setting came from anything but a default or a preset; `keep_resident_budget` (a host's own
+    /// profile session, as the published `apply_settings`) also keeps any
+    /// `resident_module_budget_gb` above 0 the settings already carry.
+    pub fn for_plan(
+        plan: &Plan,
+        device: &str,
+        device_total_bytes: u64,
+        keep_resident_budget: bool,
+    ) -> Target {
+        let users = plan.route.budget_setting().is_some_and(|setting| {
+            !matches!(plan.origins.get(setting), None | Some(Origin::Default | Origin::Preset(_)))
+        });
+        let kept = keep_resident_budget && plan.settings.resident_module_budget_gb > 0.0;
+        Target {
+            route: plan.route,
+            explicit_budget: users || kept,
+            device_total_bytes,
+            device_is_gpu: device.starts_with("cuda"),
+            device: device.to_owned(),
+        }
+    }
+}
+
 /// Why a recommendation is not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
@@ -62,10 +88,10 @@ impl Refusal {
 pub enum Outcome {
     /// The route has no GPU weight budget to size.
     NotApplicable,
-    /// The user set the budget: it stays.
+    /// The user set the budget: it stays, whatever the profile holds.
     ExplicitBudget {
-        /// The budget the profile would have set.
-        recommended_gb: f64,
+        /// The budget the profile would have set, where it names a usable one.
+        recommended_gb: Option<f64>,
     },
     /// Set `setting` (and the published `profile_resident_module_budget_gb`) to `budget_gb`.
     Apply {
@@ -89,8 +115,12 @@ pub fn decide(recommendation: &Recommendation, target: &Target) -> Outcome {
         return Outcome::NotApplicable;
     };
     let route = target.route.name();
+    let usable = recommendation.budget_gb.filter(|b| b.is_finite() && *b >= 0.0);
+    if target.explicit_budget {
+        return Outcome::ExplicitBudget { recommended_gb: usable };
+    }
     let refused = |refusal, why: String| Outcome::Refused { refusal, why };
-    let Some(budget) = recommendation.budget_gb.filter(|b| b.is_finite() && *b >= 0.0) else {
+    let Some(budget) = usable else {
         return refused(
             Refusal::Invalid,
             "it recommends no finite budget >= 0: delete it or build it again".into(),
@@ -103,9 +133,6 @@ pub fn decide(recommendation: &Recommendation, target: &Target) -> Outcome {
                 "it recommends {recorded:?}, and route {route} sizes {setting}: delete it or build it again"
             ),
         );
-    }
-    if target.explicit_budget {
-        return Outcome::ExplicitBudget { recommended_gb: budget };
     }
     let total = target.device_total_bytes;
     if let Some(recorded) =
@@ -196,7 +223,12 @@ mod tests {
         let explicit = Target { explicit_budget: true, ..target(Route::LinearRuntime) };
         assert_eq!(
             decide(&recommending(0.25), &explicit),
-            Outcome::ExplicitBudget { recommended_gb: 0.25 }
+            Outcome::ExplicitBudget { recommended_gb: Some(0.25) }
+        );
+        // Whatever the profile holds: the user's budget stays, silently.
+        assert_eq!(
+            decide(&Recommendation::default(), &explicit),
+            Outcome::ExplicitBudget { recommended_gb: None }
         );
     }
 
@@ -232,6 +264,38 @@ mod tests {
             decide(&recommending(0.0), &target(Route::LinearRuntime)),
             Outcome::Apply { .. }
         ));
+    }
+
+    #[test]
+    fn a_budget_is_the_users_unless_a_default_or_preset_set_it() {
+        let plan = |pairs: &[(&str, &str)], env: &[(&str, &str)]| {
+            let arguments = serde_json::Value::Object(
+                pairs.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect(),
+            );
+            let request = crate::Request {
+                component: "transformer",
+                arguments: crate::DynamicOffloadConfig::from_json_value(
+                    &arguments,
+                    Origin::Argument,
+                )
+                .unwrap(),
+                environment: crate::Environment::from_pairs(env.iter().copied()),
+                ..crate::Request::default()
+            };
+            crate::resolve(&request).unwrap()
+        };
+        let target =
+            |p: &Plan, keep| Target::for_plan(p, "cuda:0", 80 * GIB_U, keep).explicit_budget;
+        // warm_process sets resident_module_budget_gb = 6 from its preset.
+        let warm = plan(&[("preset", "warm_process")], &[]);
+        assert!(!target(&warm, false));
+        assert!(target(&warm, true), "a host's session keeps a resident budget already set");
+        let env = plan(&[], &[("DDO_RESIDENT_MODULE_BUDGET_GB", "0.5")]);
+        assert!(target(&env, false));
+        let native = plan(&[("backend", "vmm")], &[]);
+        assert!(!target(&native, false) && !target(&native, true));
+        let t = Target::for_plan(&native, "cpu", GIB_U, false);
+        assert!(!t.device_is_gpu && t.device == "cpu");
     }
 
     #[test]

@@ -167,6 +167,7 @@ impl Route {
             reads_checkpoint: self.reads_checkpoint(),
             budget_setting: self.budget_setting(),
             takes_auto_budget: self.takes_auto_budget(),
+            layer_units: matches!(self, Route::LinearConvolution),
         }
     }
 }
@@ -189,6 +190,9 @@ pub struct RouteFacts {
     pub budget_setting: Option<&'static str>,
     /// [`Route::takes_auto_budget`].
     pub takes_auto_budget: bool,
+    /// Whether each convolution and linear layer is its own unit (route `linear_convolution`),
+    /// not each repeated block.
+    pub layer_units: bool,
 }
 
 impl RouteFacts {

@@ -11,7 +11,6 @@ mod errors;
 mod plan;
 mod rules;
 mod session;
-mod torch_dtype;
 
 use std::collections::BTreeMap;
 
@@ -61,14 +60,23 @@ fn preset_values() -> String {
     serde_json::to_string(&map).expect("serializes")
 }
 
-/// `(effective preset, execution mode)` for a backend and preset.
+/// `(effective preset, execution mode)` for a backend and preset; without a backend, the one
+/// the preset selects by itself (`vmm` for the native presets).
 #[pyfunction]
-fn resolve_backend(backend: &str, preset: &str) -> PyResult<(String, String)> {
+#[pyo3(signature = (backend, preset))]
+fn resolve_backend(backend: Option<&str>, preset: &str) -> PyResult<(String, String)> {
     use ddo_session::policy::{Backend, Origin, Preset, SettingValue};
-    let b = Backend::parse_text(backend).ok_or_else(|| {
-        config_error(format!("backend = {backend:?} is not valid; allowed: {}", Backend::allowed()))
-    })?;
     let p = Preset::parse(preset, Origin::Argument).map_err(value_error)?;
+    let b = match backend {
+        None if p.is_native() => Backend::Vmm,
+        None => Backend::Linear,
+        Some(backend) => Backend::parse_text(backend).ok_or_else(|| {
+            config_error(format!(
+                "backend = {backend:?} is not valid; allowed: {}",
+                Backend::allowed()
+            ))
+        })?,
+    };
     let effective = ddo_session::policy::resolve_backend(b, p).map_err(value_error)?;
     Ok((effective.as_str().to_owned(), effective.execution_mode().as_str().to_owned()))
 }

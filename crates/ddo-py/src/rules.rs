@@ -52,9 +52,8 @@ impl AutoBudget {
         } else {
             None
         };
-        // Another pass may have ended in between: an arena not read is taken as busy (kept).
-        let busy = Arena { budget_bytes: 0, held_bytes: 0, blocks_running: true };
-        Ok(match self.rule().after_pass(free_bytes, || read.unwrap_or(busy)) {
+        // Another pass may have ended in between: an arena not read is decided again later.
+        Ok(match self.rule().after_pass(free_bytes, || read) {
             Step::Keep => None,
             Step::Replan { target_bytes } => Some(target_bytes),
         })
@@ -85,38 +84,34 @@ impl AutoBudget {
 }
 
 /// Whether a capacity profile's recommendation sizes the budget of `plan`'s component on
-/// `device` (a torch device name) of `device_total_bytes`, as
-/// `(outcome, setting, budget GiB, why)`: outcome `not_applicable`, `explicit_budget` (budget:
-/// the recommendation), `apply`, or a refusal's status (`invalid`, `device_changed`) with `why`.
+/// `device` (a torch device name) of `device_total_bytes`, as `(outcome, setting, budget GiB,
+/// why)`: outcome `not_applicable`, `explicit_budget` (budget: the recommendation where usable),
+/// `apply`, or a refusal's status (`invalid`, `device_changed`) with `why`. `keep_resident_budget`:
+/// a host's own profile session, which also keeps a resident budget the settings already carry.
 #[pyfunction]
-#[pyo3(signature = (plan, explicit_budget, device, device_total_bytes, setting=None, budget_gb=None, recorded_total_bytes=None))]
+#[pyo3(signature = (plan, device, device_total_bytes, keep_resident_budget, setting=None, budget_gb=None, recorded_total_bytes=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn capacity_profile_outcome(
     plan: &ResolvedPlan,
-    explicit_budget: bool,
     device: &str,
     device_total_bytes: u64,
+    keep_resident_budget: bool,
     setting: Option<String>,
     budget_gb: Option<f64>,
     recorded_total_bytes: Option<f64>,
 ) -> (&'static str, Option<&'static str>, Option<f64>, Option<String>) {
     let recommendation =
         Recommendation { setting, budget_gb, device_total_bytes: recorded_total_bytes };
-    let target = Target {
-        route: plan.plan.route,
-        explicit_budget,
-        device_total_bytes,
-        device_is_gpu: device.starts_with("cuda"),
-        device: device.to_owned(),
-    };
+    let target = Target::for_plan(&plan.plan, device, device_total_bytes, keep_resident_budget);
+    let budget_setting = plan.plan.route.budget_setting();
     match capacity_profile::decide(&recommendation, &target) {
         Outcome::NotApplicable => ("not_applicable", None, None, None),
         Outcome::ExplicitBudget { recommended_gb } => {
-            ("explicit_budget", plan.plan.route.budget_setting(), Some(recommended_gb), None)
+            ("explicit_budget", budget_setting, recommended_gb, None)
         }
         Outcome::Apply { setting, budget_gb } => ("apply", Some(setting), Some(budget_gb), None),
         Outcome::Refused { refusal, why } => {
-            (refusal.status(), plan.plan.route.budget_setting(), budget_gb, Some(why))
+            (refusal.status(), budget_setting, budget_gb, Some(why))
         }
     }
 }
@@ -141,10 +136,7 @@ pub(crate) fn published_resident_budget_gb(total_gb: f64, peak_gb: f64, headroom
 /// Route `linear_convolution`'s limits: `(resident KiB, streamed dtypes as torch names)`.
 #[pyfunction]
 pub(crate) fn layer_route_limits() -> (u32, Vec<&'static str>) {
-    let dtypes = ddo_session::policy::LAYER_ROUTE_DTYPES
-        .iter()
-        .map(|d| crate::torch_dtype::torch_name(*d))
-        .collect();
+    let dtypes = ddo_session::policy::LAYER_ROUTE_DTYPES.iter().map(|d| d.torch_name()).collect();
     (ddo_session::policy::LAYER_ROUTE_RESIDENT_KIB, dtypes)
 }
 

@@ -682,3 +682,35 @@ def test_published_shapes_of_state_timer_and_phase_helpers(flux):
     with pytest.raises(ddo.DynamicOffloadConfigError, match="True or False"):
         ddo.DynamicOffloadExecutionTimer(True, "cpu", None, "no")
     assert ddo.DynamicOffloadExecutionTimer(True, "cpu", False, False).enabled
+
+
+def test_attach_and_a_hosts_profile_session_refuse_a_profile_the_same_way(profile_dir, flux):
+    model, _ = flux
+    write_profile(model, "linear_runtime", 1e300)
+    with pytest.warns(UserWarning, match="more than cpu's"):
+        result = ddo.enable_offload(model, route="dynamic_offload", profile_name="flux", use_environment=False)
+    assert result.capacity_profile["status"] == "invalid"
+    result.remove()
+    host = dict(execution_device="cpu", offload_device="cpu", target_module_classes=(torch.nn.Linear, torch.nn.Embedding),
+                skip_modules_pattern=None)
+    same = {"model": "same"}
+    session = ddo.DynamicOffloadProfileSession(same, same)
+    session.record_success({"run": 1}, {"budget_gb": 1e300})
+    settings = ddo.load_dynamic_offload_settings_from_env(**host, environ={})
+    with pytest.warns(UserWarning, match="more than cpu's"):
+        assert session.apply_settings(settings) == (settings, None)
+    # The native route needs GPU memory for weights: a profile recommending none is refused.
+    session.record_success({"run": 2}, {"setting": "vmm_resident_weight_budget_gb", "budget_gb": 0.0})
+    native = ddo.load_dynamic_offload_settings_from_env(**host, environ={"DDO_BACKEND": "vmm"})
+    assert native.route_name == "vmm_fast_runtime"
+    with pytest.warns(UserWarning, match="no GPU memory for weights"):
+        assert session.apply_settings(native) == (native, None)
+    # A host's settings that already carry a resident budget (the warm_process preset's 6 GiB) keep it.
+    session.record_success({"run": 3}, {"budget_gb": 0.25})
+    warm = ddo.load_dynamic_offload_settings_from_env(**host, environ={"DDO_PRESET": "warm_process"})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert session.apply_settings(warm) == (warm, None)
+    assert session.apply_settings(settings)[0].values["resident_module_budget_gb"] == 0.25

@@ -408,7 +408,7 @@ class DynamicOffloadProfileSession:
             warnings.warn(f"ddo: capacity profile {self.path}: {why}; the settings are not changed", stacklevel=3)
             return settings, None
 
-        outcome, setting, budget, why = _profile_outcome(settings, recommendation)
+        outcome, setting, budget, why = _profile_outcome(settings, recommendation, keep_resident_budget=True)
         if outcome == "explicit_budget":
             return settings, None
         if outcome == "not_applicable":
@@ -447,30 +447,26 @@ class DynamicOffloadProfileSession:
         return execution_path, capacity_path
 
 
-def _profile_outcome(settings: Any, recommendation: Mapping[str, Any]) -> Tuple[str, Any, Any, Any]:
+def _profile_outcome(
+    settings: Any, recommendation: Mapping[str, Any], *, keep_resident_budget: bool = False
+) -> Tuple[str, Any, Any, Any]:
     """Whether ``recommendation`` sizes ``settings``' budget, by ddo-policy's capacity-profile rule:
     ``(outcome, setting, budget GiB, why)`` with outcome ``not_applicable``, ``explicit_budget``,
-    ``apply``, ``invalid`` or ``device_changed``."""
-    setting = settings.route_facts.get("budget_setting")
-    explicit = setting is not None and _explicit(str(settings.origins.get(setting, "default")))
+    ``apply``, ``invalid`` or ``device_changed``. ``keep_resident_budget``: a host's own profile
+    session, which keeps a resident budget the settings already carry."""
     device = torch.device(settings.device)
     recorded = recommendation.get("setting")
-    return tuple(  # type: ignore[return-value]
+    return tuple(
         _native.capacity_profile_outcome(
             settings.native,
-            explicit,
             str(device),
             _device_total_bytes(device),
+            keep_resident_budget,
             setting=None if recorded is None else str(recorded),
             budget_gb=_recommended_budget(recommendation),
             recorded_total_bytes=_number(recommendation.get("device_total_bytes")),
         )
     )
-
-
-def _explicit(origin: str) -> bool:
-    """Whether a setting's origin is the user's (not a default or a preset)."""
-    return origin != "default" and not origin.startswith("preset")
 
 
 def _resolve_with(settings: Any, extra: Dict[str, Any]) -> Any:
@@ -543,7 +539,9 @@ def apply_capacity_profile(module: torch.nn.Module, settings: Any) -> Tuple[Any,
         )
     outcome, _, budget, why = _profile_outcome(settings, recommendation)
     if outcome == "explicit_budget":
-        info.update(status="explicit_budget", budget_gb=float(values[setting]), recommended_budget_gb=budget)
+        info.update(status="explicit_budget", budget_gb=float(values[setting]))
+        if budget is not None:
+            info["recommended_budget_gb"] = budget
         return settings, info
     if outcome != "apply":
         return not_applied(str(outcome), f"{path}: {why}")

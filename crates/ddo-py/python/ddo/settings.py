@@ -321,7 +321,9 @@ def _policies(policies: Mapping[str, Mapping[str, Any]]) -> dict:
             raise TypeError(f"component_policies[{component!r}] must be a mapping of policy fields, not {type(values).__name__}")
         fields = {str(k).strip().lower().replace("-", "_"): v for k, v in values.items()}
         if name in out and out[name] != fields:
-            raise DynamicOffloadConfigError(f"component_policies has two different entries for {name}: {component!r} and another form of it")
+            raise DynamicOffloadConfigError(
+                f"component_policies has two different entries for {name}: {component!r} and another form of it"
+            )
         out[name] = fields
     return out
 

@@ -33,7 +33,14 @@ def device_free_bytes(device: torch.device) -> int:
     host's available memory as the platform's admission probe reads it."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    return int(json.loads(_native.observe_host_memory()).get("mem_available_bytes") or 0)
+    available = json.loads(_native.observe_host_memory()).get("mem_available_bytes")
+    if available is None:
+        raise _native.DynamicOffloadError(
+            "the automatic GPU budget sizes the host backend's arena from the host's available memory, which this "
+            "kernel does not report (MemAvailable in /proc/meminfo): set auto_budget_policy off and a fixed "
+            "vmm_resident_weight_budget_gb"
+        )
+    return int(available)
 
 
 class AutoBudget:

@@ -3,6 +3,7 @@ session's unit rule, and (linear route) its host tensors served in place."""
 
 from __future__ import annotations
 
+import json
 from typing import Dict, List, Tuple
 
 import torch
@@ -50,7 +51,8 @@ def find_execution_units(
     each convolution and linear layer holding a parameter over ``small_tensor_threshold_kb``
     (that route's own threshold by default)."""
     modules, params = describe_module(module)
-    if route == "linear_convolution":
+    facts = _native.route_facts(route)
+    if facts is not None and json.loads(facts)["layer_units"]:
         paths = _native.unit_paths(
             modules, params, layers=layer_paths(module), resident_bytes=small_tensor_threshold_kb * 1024
         )

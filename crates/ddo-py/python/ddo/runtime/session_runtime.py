@@ -61,7 +61,7 @@ class SessionRuntime(Hooks, Publishing, Checks, Guards):
         report_drop_failures()
         modules, params = describe_module(self.module)
         layers = layer_paths(self.module)
-        if self.route == "linear_convolution":
+        if json.loads(self.plan.json())["route_facts"]["layer_units"]:
             check_layer_route(self.module, layers)
         if self.checkpoint is not None:
             self.session = _native.Session(self.plan, modules, params, path=self.checkpoint, layers=layers)
@@ -97,7 +97,7 @@ class SessionRuntime(Hooks, Publishing, Checks, Guards):
             self.buffer_places.append(Place(owner, attr, name))
             setattr(owner, attr, b.to(self.device))
         if "fuse_lora" not in self.module.__dict__ and hasattr(self.module, "fuse_lora"):
-            self.module.fuse_lora = self._refuse_fuse
+            setattr(self.module, "fuse_lora", self._refuse_fuse)
         guard_adapter_merges()
         watch_structure()
         ATTACHED.add(self)
