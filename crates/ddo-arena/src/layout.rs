@@ -87,7 +87,7 @@ pub struct Extent {
 /// What a kernel makes of a tensor's staged bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceWork {
-    /// Converts the stored `from` elements into `to` elements ([`ddo_core::Residency::convert`]).
+    /// Converts the stored `from` elements into `to` elements ([`ddo_core::Transforms::convert`]).
     Convert {
         /// The stored dtype.
         from: Dtype,
@@ -95,7 +95,7 @@ pub enum DeviceWork {
         to: Dtype,
     },
     /// Decodes the source's entropy-coded form of a bf16 or fp16 tensor into its elements
-    /// ([`ddo_core::Residency::decode`]).
+    /// ([`ddo_core::Transforms::decode`]).
     Decode,
 }
 

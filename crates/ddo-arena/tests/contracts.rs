@@ -34,7 +34,7 @@ fn spy_arena(blocks: usize, slots: u64) -> (tempfile::TempDir, Arc<Spy>, Arena, 
     let spy = Spy::new();
     let units = UnitSpec::by_block(source.slices());
     let arena = Arena::new(&spy.platform(), source, &units, budget(slots)).unwrap();
-    let stream = ddo_core::Residency::create_stream(&*spy).unwrap();
+    let stream = ddo_core::Streams::create_stream(&*spy).unwrap();
     (dir, spy, arena, stream)
 }
 
@@ -81,7 +81,7 @@ fn slot_reuse_waits_for_every_consumer_fence() {
 #[test]
 fn release_fences_are_kept_per_consumer_stream() {
     let (_d, spy, arena, stream) = spy_arena(4, 2);
-    let other = ddo_core::Residency::create_stream(&*spy).unwrap();
+    let other = ddo_core::Streams::create_stream(&*spy).unwrap();
     let copy = arena.copy_stream();
     let record = |s: StreamId| last_record(&spy, s);
     for _ in 0..3 {
@@ -391,7 +391,7 @@ fn any_single_port_failure_is_an_error_and_loses_nothing() {
                         for t in &layout.tensors {
                             let (_, r) = arena.tensor_range(t.slice).unwrap();
                             let mut got = vec![0u8; r.len as usize];
-                            ddo_core::Residency::read_back(&*spy, r, &mut got).unwrap();
+                            ddo_core::DeviceMemory::read_back(&*spy, r, &mut got).unwrap();
                             let s = &source.slices()[t.slice];
                             assert_eq!(
                                 got,
@@ -466,7 +466,7 @@ fn a_lease_from_another_arena_is_refused_and_returned() {
 #[test]
 fn a_failed_wait_during_reuse_keeps_every_consumer_fence() {
     let (_d, spy, arena, a) = spy_arena(4, 2);
-    let b = ddo_core::Residency::create_stream(&*spy).unwrap();
+    let b = ddo_core::Streams::create_stream(&*spy).unwrap();
     let copy = arena.copy_stream();
     // Unit 1 (slot 0) read on two streams.
     let la = arena.acquire(UnitId(1), a).unwrap();

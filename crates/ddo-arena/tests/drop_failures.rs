@@ -6,7 +6,8 @@ mod common;
 
 use common::*;
 use ddo_arena::{Arena, Budget, UnitSpec};
-use ddo_core::{Residency, UnitId};
+use ddo_core::Streams;
+use ddo_core::UnitId;
 
 fn arena(spy: &std::sync::Arc<Spy>, dir: &std::path::Path) -> Arena {
     let source = checkpoint(dir, 4, 128);

@@ -85,7 +85,7 @@ fn a_read_of_the_source_does_not_hold_the_arena() {
     // Two slots, no look-ahead: each streamed unit uploads when acquired.
     let budget = Budget { total: GRANULARITY + 2 * slot, headroom: 0, prefetch_depth: 0 };
     let arena = Arena::new(&platform, source.clone(), &units, budget).unwrap();
-    let stream = ddo_core::Residency::create_stream(&*device).unwrap();
+    let stream = ddo_core::Streams::create_stream(&*device).unwrap();
     // Unit 1 streams through slot 0, unit 2 through slot 1.
     let held = arena.acquire(UnitId(1), stream).unwrap();
     source.closed.store(true, Ordering::SeqCst);

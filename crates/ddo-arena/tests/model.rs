@@ -5,11 +5,12 @@
 
 mod common;
 
+use ddo_core::{DeviceMemory, Streams};
 use std::collections::VecDeque;
 
 use common::*;
 use ddo_arena::{Arena, ArenaError, Budget, Lease, UnitSpec};
-use ddo_core::{Residency, UnitId};
+use ddo_core::UnitId;
 use proptest::prelude::*;
 
 const WIDTH: usize = 64;

@@ -3,6 +3,7 @@
 
 mod common;
 
+use ddo_core::{Copies, DeviceMemory, HostRegistration, PeerStore, Streams, Transforms};
 use std::sync::{Arc, Mutex};
 
 use common::*;
@@ -44,37 +45,55 @@ impl Holding {
     }
 }
 
-impl Residency for Holding {
+impl DeviceMemory for Holding {
     fn device(&self) -> DeviceOrdinal {
         self.spy.device()
     }
+
     fn granularity(&self) -> Result<u64, DeviceError> {
         self.spy.granularity()
     }
+
     fn reserve(&self, len: u64) -> Result<Reservation, DeviceError> {
         self.spy.reserve(len)
     }
+
     fn release_reservation(&self, r: Reservation) -> Result<(), DeviceError> {
         self.spy.release_reservation(r)
     }
+
     fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
         self.spy.create_backing(len)
     }
+
     fn map(&self, range: DeviceRange, b: BackingId) -> Result<(), DeviceError> {
         self.spy.map(range, b)
     }
+
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
         self.spy.unmap(range)
     }
+
     fn release_backing(&self, b: BackingId) -> Result<(), DeviceError> {
         self.spy.release_backing(b)
     }
+
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.spy.read_back(src, dst)
+    }
+}
+
+impl Streams for Holding {
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         self.spy.create_stream()
     }
+
     fn release_stream(&self, s: StreamId) -> Result<(), DeviceError> {
         self.spy.release_stream(s)
     }
+}
+
+impl Copies for Holding {
     fn copy_to_device(
         &self,
         src: HostSlice,
@@ -86,15 +105,7 @@ impl Residency for Holding {
         self.held.lock().unwrap().push((src, bytes, None));
         Ok(())
     }
-    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.spy.read_back(src, dst)
-    }
-    fn register_host(&self, s: HostSlice, read_only: bool) -> Result<Registration, DeviceError> {
-        self.spy.register_host(s, read_only)
-    }
-    fn unregister_host(&self, r: &Registration) -> Result<(), DeviceError> {
-        self.spy.unregister_host(r)
-    }
+
     fn retire_completed_copies(&self) -> Result<(), DeviceError> {
         *self.retired.lock().unwrap() += 1;
         // As the contract asks, copies no fence covers yet get one (the spy's copies complete
@@ -107,6 +118,20 @@ impl Residency for Holding {
         Ok(())
     }
 }
+
+impl HostRegistration for Holding {
+    fn register_host(&self, s: HostSlice, read_only: bool) -> Result<Registration, DeviceError> {
+        self.spy.register_host(s, read_only)
+    }
+
+    fn unregister_host(&self, r: &Registration) -> Result<(), DeviceError> {
+        self.spy.unregister_host(r)
+    }
+}
+
+impl PeerStore for Holding {}
+
+impl Transforms for Holding {}
 
 impl Fence for Holding {
     fn record(&self, stream: StreamId) -> Result<FenceValue, DeviceError> {

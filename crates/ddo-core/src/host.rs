@@ -110,7 +110,7 @@ impl HostSlice {
 }
 
 /// Proof that a host range is registered (page-locked) for device DMA. Returned by
-/// [`crate::Residency::register_host`] and consumed by [`crate::Residency::unregister_host`].
+/// [`crate::HostRegistration::register_host`] and consumed by [`crate::HostRegistration::unregister_host`].
 /// It holds the region, and so does the device until the registration is undone (or for good
 /// when undoing it fails): registered memory is never freed while registered, whatever happens
 /// to this value.

@@ -7,8 +7,10 @@
 //! contracts. Four small `Send + Sync` ports describe the outside world:
 //!
 //! - [`WeightSource`]: immutable tensor slices of a checkpoint and their bytes;
-//! - [`Residency`]: device memory (address reservations, physical backing, mappings, copies, dtype
-//!   conversions on the device, host registration);
+//! - [`Residency`]: one device's ports together, each a trait of a few methods:
+//!   [`DeviceMemory`] (address reservations, physical backing, mappings), [`Streams`],
+//!   [`Copies`], [`HostRegistration`], [`PeerStore`] and [`Transforms`] (dtype conversion and
+//!   decoding on the device);
 //! - [`Fence`]: monotonic completion values recorded on streams;
 //! - [`AdmissionProbe`]: whether the host can take more retained, staged or registered bytes.
 //!
@@ -50,7 +52,9 @@ pub use error::{DeviceError, PlatformError, SourceError};
 pub use fence::{Fence, FenceValue};
 pub use host::{HostBytes, HostRegion, HostSlice, Registration};
 pub use platform::Platform;
-pub use residency::Residency;
+pub use residency::{
+    Copies, DeviceMemory, HostRegistration, PeerStore, Residency, Streams, Transforms,
+};
 pub use source::{FileRange, ReadRequest, WeightSource};
 pub use tensor::{CheckpointFileId, FileIdentity, TensorSlice};
 pub use topology::{DeviceInfo, DeviceTopology, LinkMeasurement, PeerAccess};

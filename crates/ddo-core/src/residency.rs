@@ -1,31 +1,26 @@
-//! The residency port: device memory, copies into it, and host registration.
+//! The residency ports: device memory, streams, copies into the device, host registration, a
+//! peer weight store and on-device transforms, each a small trait of its own; [`Residency`] is
+//! all of them, what a [`crate::Platform`] holds.
 
 use crate::{
     BackingId, DeviceError, DeviceOrdinal, DeviceRange, Dtype, HostSlice, PeerBuffer, Registration,
     Reservation, StreamId,
 };
 
-/// Device memory management for one device, in the shape of CUDA's virtual memory management:
-/// reserve addresses once, then map and unmap physical backing inside them, so the addresses a
-/// tensor view points at never change while the reservation lives.
+/// Device memory of one device, in the shape of CUDA's virtual memory management: reserve
+/// addresses once, then map and unmap physical backing inside them, so the addresses a tensor
+/// view points at never change while the reservation lives.
 ///
 /// Contract (the adapter validates what it cheaply can and reports [`DeviceError::InvalidUse`]):
 /// - Sizes and offsets passed to `reserve`, `create_backing`, `map` and `unmap` are multiples of
-///   [`granularity`](Residency::granularity).
+///   [`granularity`](DeviceMemory::granularity).
 /// - `map` places the whole backing at `range` (same length) inside a live reservation, with
 ///   read/write access for this device; the range must not be mapped already.
-/// - `copy_to_device` enqueues an asynchronous copy on `stream` into a mapped range. The adapter
-///   keeps `src` (and so its region) alive until the copy has completed; completion is observed
-///   through a [`crate::Fence`] value recorded on `stream` after the call.
 /// - `read_back` copies device bytes to the host synchronously (waits for all work on the
 ///   device first). It exists for verification and tests, never for the hot path.
-/// - `register_host` page-locks host memory for fast DMA; `unregister_host` undoes it and never
-///   frees or changes the bytes. On CUDA, unregistering waits for all device work: call it only at
-///   phase boundaries.
-/// - A failing `unmap`, `release_backing`, `release_reservation` or `unregister_host` leaves the
-///   resource in place: the caller keeps ownership and must not reuse it.
-#[cfg_attr(feature = "mocks", mockall::automock)]
-pub trait Residency: Send + Sync {
+/// - A failing `unmap`, `release_backing` or `release_reservation` leaves the resource in place:
+///   the caller keeps ownership and must not reuse it.
+pub trait DeviceMemory: Send + Sync {
     /// The device this adapter manages.
     fn device(&self) -> DeviceOrdinal;
     /// The mapping granularity in bytes (a power of two).
@@ -42,16 +37,30 @@ pub trait Residency: Send + Sync {
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError>;
     /// Frees physical memory; it must not be mapped anywhere.
     fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError>;
+    /// Copies `src` back to `dst` synchronously (verification only).
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError>;
+}
+
+/// The device's streams: the queues work is ordered on. Whoever creates a stream releases it.
+pub trait Streams: Send + Sync {
     /// Creates a non-blocking stream for copies (and the conversions that follow them), at the
     /// device's highest priority where streams have priorities.
     fn create_stream(&self) -> Result<StreamId, DeviceError>;
-    /// Gives back a stream [`create_stream`](Residency::create_stream) made, once no more work
+    /// Gives back a stream [`create_stream`](Streams::create_stream) made, once no more work
     /// will be enqueued on it. Work already enqueued completes first and fences recorded on it
     /// stay valid; copies not yet covered by a recorded fence refuse the release
     /// ([`DeviceError::InvalidUse`]), as does a stream this adapter did not create (an adopted
     /// one belongs to its owner). Whoever creates a stream releases it: a stream is never
     /// reclaimed before the device is dropped otherwise.
     fn release_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
+}
+
+/// Host-to-device copies.
+///
+/// Contract: `copy_to_device` enqueues an asynchronous copy on `stream` into a mapped range. The
+/// adapter keeps `src` (and so its region) alive until the copy has completed; completion is
+/// observed through a [`crate::Fence`] value recorded on `stream` after the call.
+pub trait Copies: Send + Sync {
     /// Enqueues a host-to-device copy of `src` into `dst` (same length) on `stream`.
     fn copy_to_device(
         &self,
@@ -59,8 +68,26 @@ pub trait Residency: Send + Sync {
         dst: DeviceRange,
         stream: StreamId,
     ) -> Result<(), DeviceError>;
-    /// Copies `src` back to `dst` synchronously (verification only).
-    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError>;
+    /// Drops the device's hold on the source of every copy already proven complete (a host
+    /// buffer whose copies are done then has no owner but its own), without waiting for any
+    /// work in flight and without a device-wide synchronize. Copies no fence covers yet count:
+    /// the adapter marks where they are (an upload still being enqueued may wait for a buffer
+    /// its own first copies hold), so a later call releases them once they complete. Adapters
+    /// that keep a copy's [`HostSlice`] past the copy's completion implement it; the default
+    /// does nothing (an adapter that copies synchronously, or releases each source at
+    /// completion, holds none).
+    fn retire_completed_copies(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+}
+
+/// Host registration: page-locking host memory for copies at link speed.
+///
+/// Contract: `register_host` page-locks host memory for fast DMA; `unregister_host` undoes it
+/// and never frees or changes the bytes. On CUDA, unregistering waits for all device work: call
+/// it only at phase boundaries. A failing `unregister_host` leaves the registration in place:
+/// the caller keeps ownership.
+pub trait HostRegistration: Send + Sync {
     /// Page-locks `slice` for DMA; `read_only` for memory the device only reads (mapped files).
     fn register_host(&self, slice: HostSlice, read_only: bool)
     -> Result<Registration, DeviceError>;
@@ -73,17 +100,10 @@ pub trait Residency: Send + Sync {
         let _ = slice;
         false
     }
-    /// Drops the device's hold on the source of every copy already proven complete (a host
-    /// buffer whose copies are done then has no owner but its own), without waiting for any
-    /// work in flight and without a device-wide synchronize. Copies no fence covers yet count:
-    /// the adapter marks where they are (an upload still being enqueued may wait for a buffer
-    /// its own first copies hold), so a later call releases them once they complete. Adapters
-    /// that keep a copy's [`HostSlice`] past the copy's completion implement it; the default
-    /// does nothing (an adapter that copies synchronously, or releases each source at
-    /// completion, holds none).
-    fn retire_completed_copies(&self) -> Result<(), DeviceError> {
-        Ok(())
-    }
+}
+
+/// A weight store in another device's memory, read over the peer link. None by default.
+pub trait PeerStore: Send + Sync {
     /// Allocates `len` bytes of `peer`'s memory (another GPU, or this one) that this device
     /// reads over the peer link: a weight store copies come from. Refused with a message saying
     /// why where this device cannot read `peer`'s memory (no peer access between them). None by
@@ -134,7 +154,12 @@ pub trait Residency: Send + Sync {
         let _ = buffer;
         Err(DeviceError::Unsupported("this device keeps no peer weight store".into()))
     }
-    /// Whether [`convert`](Residency::convert) turns `from` elements into `to` elements on this
+}
+
+/// Work on the device that turns uploaded bytes into the served ones: dtype conversion and the
+/// decoding of entropy-coded weights. None by default.
+pub trait Transforms: Send + Sync {
+    /// Whether [`convert`](Transforms::convert) turns `from` elements into `to` elements on this
     /// device. None by default.
     fn converts(&self, from: Dtype, to: Dtype) -> bool {
         let _ = (from, to);
@@ -159,7 +184,7 @@ pub trait Residency: Send + Sync {
             to.as_str()
         )))
     }
-    /// Whether [`decode`](Residency::decode) decodes entropy-coded bf16 weights on this
+    /// Whether [`decode`](Transforms::decode) decodes entropy-coded bf16 weights on this
     /// device. None by default.
     fn decodes(&self) -> bool {
         false
@@ -184,5 +209,97 @@ pub trait Residency: Send + Sync {
     fn decode_totals(&self, stream: StreamId) -> (u64, f64) {
         let _ = stream;
         (0, 0.0)
+    }
+}
+
+/// One device's ports together: what the arena and the session use through a
+/// [`crate::Platform`]. Implemented for every type that implements the six ports; a caller that
+/// needs one of them takes that port alone (`&dyn HostRegistration`, `&dyn Streams`).
+pub trait Residency:
+    DeviceMemory + Streams + Copies + HostRegistration + PeerStore + Transforms
+{
+}
+
+impl<T> Residency for T where
+    T: DeviceMemory + Streams + Copies + HostRegistration + PeerStore + Transforms + ?Sized
+{
+}
+
+#[cfg(feature = "mocks")]
+mockall::mock! {
+    /// A device whose every port call is an expectation (`expect_create_stream`, ...).
+    pub Residency {}
+    impl DeviceMemory for Residency {
+        fn device(&self) -> DeviceOrdinal;
+        fn granularity(&self) -> Result<u64, DeviceError>;
+        fn reserve(&self, len: u64) -> Result<Reservation, DeviceError>;
+        fn release_reservation(&self, reservation: Reservation) -> Result<(), DeviceError>;
+        fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError>;
+        fn map(&self, range: DeviceRange, backing: BackingId) -> Result<(), DeviceError>;
+        fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError>;
+        fn release_backing(&self, backing: BackingId) -> Result<(), DeviceError>;
+        fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError>;
+    }
+    impl Streams for Residency {
+        fn create_stream(&self) -> Result<StreamId, DeviceError>;
+        fn release_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
+    }
+    impl Copies for Residency {
+        fn copy_to_device(
+            &self,
+            src: HostSlice,
+            dst: DeviceRange,
+            stream: StreamId,
+        ) -> Result<(), DeviceError>;
+        fn retire_completed_copies(&self) -> Result<(), DeviceError>;
+    }
+    impl HostRegistration for Residency {
+        fn register_host(&self, slice: HostSlice, read_only: bool)
+            -> Result<Registration, DeviceError>;
+        fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError>;
+        fn host_registered(&self, slice: &HostSlice) -> bool;
+    }
+    impl PeerStore for Residency {
+        fn create_peer_buffer(&self, peer: DeviceOrdinal, len: u64) -> Result<PeerBuffer, DeviceError>;
+        fn write_peer_buffer(
+            &self,
+            buffer: PeerBuffer,
+            offset: u64,
+            src: &[u8],
+        ) -> Result<(), DeviceError>;
+        fn copy_from_peer(
+            &self,
+            buffer: PeerBuffer,
+            offset: u64,
+            dst: DeviceRange,
+            stream: StreamId,
+        ) -> Result<(), DeviceError>;
+        fn copy_into_peer(
+            &self,
+            src: DeviceRange,
+            buffer: PeerBuffer,
+            offset: u64,
+            stream: StreamId,
+        ) -> Result<(), DeviceError>;
+        fn release_peer_buffer(&self, buffer: PeerBuffer) -> Result<(), DeviceError>;
+    }
+    impl Transforms for Residency {
+        fn converts(&self, from: Dtype, to: Dtype) -> bool;
+        fn convert(
+            &self,
+            src: DeviceRange,
+            from: Dtype,
+            dst: DeviceRange,
+            to: Dtype,
+            stream: StreamId,
+        ) -> Result<(), DeviceError>;
+        fn decodes(&self) -> bool;
+        fn decode(
+            &self,
+            src: DeviceRange,
+            dst: DeviceRange,
+            stream: StreamId,
+        ) -> Result<(), DeviceError>;
+        fn decode_totals(&self, stream: StreamId) -> (u64, f64);
     }
 }

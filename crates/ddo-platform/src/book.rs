@@ -75,7 +75,7 @@ impl AddressBook {
         Ok(n)
     }
 
-    /// Checks a decoding's ranges ([`ddo_core::Residency::decode`]): a destination of whole
+    /// Checks a decoding's ranges ([`ddo_core::Transforms::decode`]): a destination of whole
     /// bf16 elements at an even address, an encoding starting 4-byte aligned and at least as
     /// long as the fixed parts of the layout for that many elements, no overlap, both inside
     /// mappings. Returns the elements and the bytes of the encoding past its fixed parts (where

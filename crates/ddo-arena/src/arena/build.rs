@@ -38,8 +38,8 @@ impl Arena {
     /// encoding and is decoded on the device ([`Residency::decode`]) before its fence, when the
     /// device decodes; otherwise it uploads as its own bytes.
     ///
-    /// [`Residency::convert`]: ddo_core::Residency::convert
-    /// [`Residency::decode`]: ddo_core::Residency::decode
+    /// [`Residency::convert`]: ddo_core::Transforms::convert
+    /// [`Residency::decode`]: ddo_core::Transforms::decode
     pub fn with_conversions(
         platform: &Platform,
         source: Arc<dyn WeightSource>,

@@ -2,12 +2,13 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+use ddo_core::{Copies, DeviceMemory, HostRegistration, PeerStore, Streams, Transforms};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use ddo_core::{
     BackingId, DeviceError, DeviceOrdinal, DeviceRange, Fence, FenceValue, HostSlice, Platform,
-    Registration, Reservation, Residency, StreamId, WeightSource,
+    Registration, Reservation, StreamId, WeightSource,
 };
 use ddo_platform::host::HostDevice;
 use ddo_source::{Checkpoint, CheckpointSource};
@@ -165,52 +166,70 @@ impl Spy {
     }
 }
 
-impl Residency for Spy {
+impl DeviceMemory for Spy {
     fn device(&self) -> DeviceOrdinal {
         self.inner.device()
     }
+
     fn granularity(&self) -> Result<u64, DeviceError> {
         self.inner.granularity()
     }
+
     fn reserve(&self, len: u64) -> Result<Reservation, DeviceError> {
         self.enter(Op::Reserve)?;
         self.push(Call::Reserve(len));
         self.inner.reserve(len)
     }
+
     fn release_reservation(&self, r: Reservation) -> Result<(), DeviceError> {
         self.enter(Op::ReleaseReservation)?;
         self.push(Call::ReleaseReservation);
         self.inner.release_reservation(r)
     }
+
     fn create_backing(&self, len: u64) -> Result<BackingId, DeviceError> {
         self.enter(Op::CreateBacking)?;
         self.push(Call::CreateBacking(len));
         self.inner.create_backing(len)
     }
+
     fn map(&self, range: DeviceRange, b: BackingId) -> Result<(), DeviceError> {
         self.enter(Op::Map)?;
         self.push(Call::Map(range.start.0, b));
         self.inner.map(range, b)
     }
+
     fn unmap(&self, range: DeviceRange) -> Result<(), DeviceError> {
         self.enter(Op::Unmap)?;
         self.push(Call::Unmap(range.start.0));
         self.inner.unmap(range)
     }
+
     fn release_backing(&self, b: BackingId) -> Result<(), DeviceError> {
         self.enter(Op::ReleaseBacking)?;
         self.push(Call::ReleaseBacking(b));
         self.inner.release_backing(b)
     }
+
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.inner.read_back(src, dst)
+    }
+}
+
+impl Streams for Spy {
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         self.enter(Op::CreateStream)?;
         let s = self.inner.create_stream()?;
         self.push(Call::CreateStream(s));
         Ok(s)
     }
+
     fn release_stream(&self, s: StreamId) -> Result<(), DeviceError> {
         self.inner.release_stream(s)
     }
+}
+
+impl Copies for Spy {
     fn copy_to_device(
         &self,
         src: HostSlice,
@@ -221,9 +240,9 @@ impl Residency for Spy {
         self.push(Call::Copy(dst.start.0, dst.len, stream));
         self.inner.copy_to_device(src, dst, stream)
     }
-    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.inner.read_back(src, dst)
-    }
+}
+
+impl HostRegistration for Spy {
     fn register_host(
         &self,
         slice: HostSlice,
@@ -231,10 +250,15 @@ impl Residency for Spy {
     ) -> Result<Registration, DeviceError> {
         self.inner.register_host(slice, read_only)
     }
+
     fn unregister_host(&self, r: &Registration) -> Result<(), DeviceError> {
         self.inner.unregister_host(r)
     }
 }
+
+impl PeerStore for Spy {}
+
+impl Transforms for Spy {}
 
 impl Fence for Spy {
     fn record(&self, stream: StreamId) -> Result<FenceValue, DeviceError> {

@@ -1,6 +1,7 @@
 //! [`CudaDevice`]: owned driver handles behind the device ports. Driver calls go through
 //! cudarc's result layer (`driver`), or this crate's ([`super::result`]) where cudarc has none.
 
+use ddo_core::{Copies, DeviceMemory, HostRegistration, PeerStore, Streams, Transforms};
 use std::collections::{BTreeMap, HashMap};
 
 use crate::book::AddressBook;
@@ -9,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use ddo_core::{
     BackingId, DeviceAddress, DeviceError, DeviceOrdinal, DeviceRange, Dtype, Fence, FenceValue,
-    HostSlice, PeerBuffer, Registration, Reservation, Residency, StreamId,
+    HostSlice, PeerBuffer, Registration, Reservation, StreamId,
 };
 
 use cudarc::driver::result::{self as driver, DriverError};
@@ -64,7 +65,7 @@ struct TimedDecode {
     bytes: u64,
 }
 
-/// A CUDA device (its primary context) implementing [`Residency`] and [`Fence`].
+/// A CUDA device (its primary context) implementing [`ddo_core::Residency`] and [`Fence`].
 ///
 /// Device addresses and stream ids are the driver's own values, so they can be handed to other
 /// CUDA code (PyTorch, cuBLAS) in the same process. Streams this device did not create must be
@@ -346,7 +347,7 @@ impl CudaDevice {
     }
 }
 
-impl Residency for CudaDevice {
+impl DeviceMemory for CudaDevice {
     fn device(&self) -> DeviceOrdinal {
         DeviceOrdinal(self.ordinal)
     }
@@ -433,6 +434,20 @@ impl Residency for CudaDevice {
         Ok(())
     }
 
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+        AddressBook::check_lengths("read", dst.len(), src.len)?;
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_mapped(src)?;
+        self.bind()?;
+        driver::ctx::synchronize().named("cuCtxSynchronize")?;
+        // SAFETY: `src` is inside a live mapping (checked, held by the lock); `dst` has its length
+        // (checked); the copy is synchronous and in bytes.
+        unsafe { driver::memcpy_dtoh_sync(dst, src.start.0) }.named("cuMemcpyDtoH")?;
+        Ok(())
+    }
+}
+
+impl Streams for CudaDevice {
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         self.bind()?;
         // The highest priority: conversion kernels enqueued after uploads are scheduled ahead of
@@ -482,7 +497,9 @@ impl Residency for CudaDevice {
         state.streams.remove(&stream.0);
         Ok(())
     }
+}
 
+impl Copies for CudaDevice {
     fn copy_to_device(
         &self,
         src: HostSlice,
@@ -504,6 +521,70 @@ impl Residency for CudaDevice {
         Ok(())
     }
 
+    fn retire_completed_copies(&self) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.bind()?;
+        // Copies no fence covers yet (a unit whose upload is still being enqueued, waiting for
+        // one of the buffers its first copies hold) get one, so their holds can be retired.
+        let mut streams: Vec<u64> = state.pending.iter().map(|(s, _)| *s).collect();
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            let stream = StreamId(s);
+            let raw = Self::known_stream(&state, stream)?;
+            Self::record_on(&mut state, stream, raw)?;
+        }
+        // Event queries only: nothing waits for work in flight.
+        Self::sweep(&mut state)
+    }
+}
+
+impl HostRegistration for CudaDevice {
+    fn register_host(
+        &self,
+        slice: HostSlice,
+        read_only: bool,
+    ) -> Result<Registration, DeviceError> {
+        let ptr = slice.as_bytes().as_ptr() as u64;
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.registrations.contains_key(&ptr) {
+            return Err(DeviceError::InvalidUse(format!(
+                "host memory at {ptr:#x} is already registered"
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the slice's region is held in `registrations` from here until this device's
+        // hold ends (unregistration, or the device's drop), so the pages stay allocated while
+        // held; `dev` is the device of the context just bound.
+        unsafe { super::shared::hold(ptr, slice.len(), read_only, self.dev) }?;
+        state.registrations.insert(ptr, slice.clone());
+        Ok(Registration { slice, handle: ptr })
+    }
+
+    fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !state.registrations.contains_key(&registration.handle) {
+            return Err(DeviceError::InvalidUse(format!(
+                "registration {:#x} is not live",
+                registration.handle
+            )));
+        }
+        self.bind()?;
+        // SAFETY: held by this device (checked) and still in `registrations`; the caller's
+        // contract: no work of this device reads it any more.
+        unsafe { super::shared::let_go(registration.handle) }?;
+        // The memory may go now: the driver no longer references it for this device (another
+        // holder keeps its own slice of it).
+        state.registrations.remove(&registration.handle);
+        Ok(())
+    }
+
+    fn host_registered(&self, slice: &HostSlice) -> bool {
+        super::shared::registered(slice.as_bytes().as_ptr() as u64, slice.len())
+    }
+}
+
+impl PeerStore for CudaDevice {
     /// Physical memory of `peer` (`cuMemCreate` located there), mapped at addresses of their own
     /// with read/write access for this device: copies from it run on this device's copy engines
     /// over the peer link. Refused where the driver reports no peer access between the two.
@@ -645,7 +726,9 @@ impl Residency for CudaDevice {
         }
         Ok(())
     }
+}
 
+impl Transforms for CudaDevice {
     fn converts(&self, from: Dtype, to: Dtype) -> bool {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         self.kernel(&mut state, from, to).is_some()
@@ -763,78 +846,6 @@ impl Residency for CudaDevice {
             Self::retire_decodes(&mut state);
         }
         state.decoded.get(&stream.0).copied().unwrap_or_default()
-    }
-
-    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-        AddressBook::check_lengths("read", dst.len(), src.len)?;
-        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        state.book.check_mapped(src)?;
-        self.bind()?;
-        driver::ctx::synchronize().named("cuCtxSynchronize")?;
-        // SAFETY: `src` is inside a live mapping (checked, held by the lock); `dst` has its length
-        // (checked); the copy is synchronous and in bytes.
-        unsafe { driver::memcpy_dtoh_sync(dst, src.start.0) }.named("cuMemcpyDtoH")?;
-        Ok(())
-    }
-
-    fn register_host(
-        &self,
-        slice: HostSlice,
-        read_only: bool,
-    ) -> Result<Registration, DeviceError> {
-        let ptr = slice.as_bytes().as_ptr() as u64;
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if state.registrations.contains_key(&ptr) {
-            return Err(DeviceError::InvalidUse(format!(
-                "host memory at {ptr:#x} is already registered"
-            )));
-        }
-        self.bind()?;
-        // SAFETY: the slice's region is held in `registrations` from here until this device's
-        // hold ends (unregistration, or the device's drop), so the pages stay allocated while
-        // held; `dev` is the device of the context just bound.
-        unsafe { super::shared::hold(ptr, slice.len(), read_only, self.dev) }?;
-        state.registrations.insert(ptr, slice.clone());
-        Ok(Registration { slice, handle: ptr })
-    }
-
-    fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !state.registrations.contains_key(&registration.handle) {
-            return Err(DeviceError::InvalidUse(format!(
-                "registration {:#x} is not live",
-                registration.handle
-            )));
-        }
-        self.bind()?;
-        // SAFETY: held by this device (checked) and still in `registrations`; the caller's
-        // contract: no work of this device reads it any more.
-        unsafe { super::shared::let_go(registration.handle) }?;
-        // The memory may go now: the driver no longer references it for this device (another
-        // holder keeps its own slice of it).
-        state.registrations.remove(&registration.handle);
-        Ok(())
-    }
-
-    fn host_registered(&self, slice: &HostSlice) -> bool {
-        super::shared::registered(slice.as_bytes().as_ptr() as u64, slice.len())
-    }
-
-    fn retire_completed_copies(&self) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        self.bind()?;
-        // Copies no fence covers yet (a unit whose upload is still being enqueued, waiting for
-        // one of the buffers its first copies hold) get one, so their holds can be retired.
-        let mut streams: Vec<u64> = state.pending.iter().map(|(s, _)| *s).collect();
-        streams.sort_unstable();
-        streams.dedup();
-        for s in streams {
-            let stream = StreamId(s);
-            let raw = Self::known_stream(&state, stream)?;
-            Self::record_on(&mut state, stream, raw)?;
-        }
-        // Event queries only: nothing waits for work in flight.
-        Self::sweep(&mut state)
     }
 }
 

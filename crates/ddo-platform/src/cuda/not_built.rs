@@ -6,8 +6,9 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use ddo_core::{
-    BackingId, DeviceError, DeviceOrdinal, DeviceRange, Fence, FenceValue, HostSlice,
-    PlatformError, Registration, Reservation, Residency, StreamId,
+    BackingId, Copies, DeviceError, DeviceMemory, DeviceOrdinal, DeviceRange, Fence, FenceValue,
+    HostRegistration, HostSlice, PeerStore, PlatformError, Registration, Reservation, StreamId,
+    Streams, Transforms,
 };
 
 /// Why no CUDA device can be opened: this build has no CUDA adapter.
@@ -84,7 +85,7 @@ impl CudaDevice {
     }
 }
 
-impl Residency for CudaDevice {
+impl DeviceMemory for CudaDevice {
     fn device(&self) -> DeviceOrdinal {
         match self.never {}
     }
@@ -117,6 +118,12 @@ impl Residency for CudaDevice {
         match self.never {}
     }
 
+    fn read_back(&self, _src: DeviceRange, _dst: &mut [u8]) -> Result<(), DeviceError> {
+        match self.never {}
+    }
+}
+
+impl Streams for CudaDevice {
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         match self.never {}
     }
@@ -124,7 +131,9 @@ impl Residency for CudaDevice {
     fn release_stream(&self, _stream: StreamId) -> Result<(), DeviceError> {
         match self.never {}
     }
+}
 
+impl Copies for CudaDevice {
     fn copy_to_device(
         &self,
         _src: HostSlice,
@@ -133,11 +142,9 @@ impl Residency for CudaDevice {
     ) -> Result<(), DeviceError> {
         match self.never {}
     }
+}
 
-    fn read_back(&self, _src: DeviceRange, _dst: &mut [u8]) -> Result<(), DeviceError> {
-        match self.never {}
-    }
-
+impl HostRegistration for CudaDevice {
     fn register_host(
         &self,
         _slice: HostSlice,
@@ -150,6 +157,10 @@ impl Residency for CudaDevice {
         match self.never {}
     }
 }
+
+impl PeerStore for CudaDevice {}
+
+impl Transforms for CudaDevice {}
 
 impl Fence for CudaDevice {
     fn record(&self, _stream: StreamId) -> Result<FenceValue, DeviceError> {

@@ -9,13 +9,14 @@
 
 mod vm;
 
+use ddo_core::{Copies, DeviceMemory, HostRegistration, PeerStore, Streams, Transforms};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::{
     BackingId, DeviceError, DeviceOrdinal, DeviceRange, Dtype, Fence, FenceValue, HostSlice,
-    PeerBuffer, Registration, Reservation, Residency, StreamId,
+    PeerBuffer, Registration, Reservation, StreamId,
 };
 
 use vm::{Backing, ReservedSpan};
@@ -106,7 +107,7 @@ pub struct HostUsage {
     pub peer_bytes: u64,
 }
 
-/// A device made of host memory. Implements [`Residency`] and [`Fence`].
+/// A device made of host memory. Implements [`ddo_core::Residency`] and [`Fence`].
 #[derive(Debug)]
 pub struct HostDevice {
     granularity: u64,
@@ -150,7 +151,7 @@ impl HostDevice {
         *self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Streams [`create_stream`](Residency::create_stream) made that were not released: what a
+    /// Streams [`create_stream`](Streams::create_stream) made that were not released: what a
     /// test counts to prove that nothing leaks streams.
     pub fn live_streams(&self) -> usize {
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).streams.len()
@@ -161,7 +162,7 @@ impl HostDevice {
     }
 }
 
-impl Residency for HostDevice {
+impl DeviceMemory for HostDevice {
     fn device(&self) -> DeviceOrdinal {
         DeviceOrdinal(0)
     }
@@ -231,6 +232,20 @@ impl Residency for HostDevice {
         Ok(())
     }
 
+    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+        AddressBook::check_lengths("read", dst.len(), src.len)?;
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.book.check_mapped(src)?;
+        // SAFETY: `src` lies inside a live mapping (checked under the lock); `dst` is a distinct
+        // host buffer of the same length.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.start.0 as *const u8, dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+}
+
+impl Streams for HostDevice {
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         let stream = self.next_stream.fetch_add(1, Ordering::Relaxed);
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).streams.insert(stream);
@@ -248,7 +263,9 @@ impl Residency for HostDevice {
         }
         Ok(())
     }
+}
 
+impl Copies for HostDevice {
     fn copy_to_device(
         &self,
         src: HostSlice,
@@ -271,7 +288,35 @@ impl Residency for HostDevice {
         };
         Ok(())
     }
+}
 
+impl HostRegistration for HostDevice {
+    fn register_host(
+        &self,
+        slice: HostSlice,
+        _read_only: bool,
+    ) -> Result<Registration, DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let handle = state.next_registration;
+        state.next_registration += 1;
+        state.registered.insert(handle, slice.clone());
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes +=
+            slice.len() as u64;
+        Ok(Registration { slice, handle })
+    }
+
+    fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let slice = state.registered.remove(&registration.handle).ok_or_else(|| {
+            Self::invalid(format!("registration {} is not live", registration.handle))
+        })?;
+        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes -=
+            slice.len() as u64;
+        Ok(())
+    }
+}
+
+impl PeerStore for HostDevice {
     /// Any ordinal: the host backend models every device's memory in host memory.
     fn create_peer_buffer(&self, peer: DeviceOrdinal, len: u64) -> Result<PeerBuffer, DeviceError> {
         if len == 0 {
@@ -350,7 +395,9 @@ impl Residency for HostDevice {
             buffer.range.len;
         Ok(())
     }
+}
 
+impl Transforms for HostDevice {
     fn converts(&self, from: Dtype, to: Dtype) -> bool {
         ddo_core::convertible(from, to)
     }
@@ -420,42 +467,6 @@ impl Residency for HostDevice {
         let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.decoded.get(&stream.0).copied().unwrap_or_default()
     }
-
-    fn read_back(&self, src: DeviceRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-        AddressBook::check_lengths("read", dst.len(), src.len)?;
-        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        state.book.check_mapped(src)?;
-        // SAFETY: `src` lies inside a live mapping (checked under the lock); `dst` is a distinct
-        // host buffer of the same length.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.start.0 as *const u8, dst.as_mut_ptr(), dst.len())
-        };
-        Ok(())
-    }
-
-    fn register_host(
-        &self,
-        slice: HostSlice,
-        _read_only: bool,
-    ) -> Result<Registration, DeviceError> {
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let handle = state.next_registration;
-        state.next_registration += 1;
-        state.registered.insert(handle, slice.clone());
-        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes +=
-            slice.len() as u64;
-        Ok(Registration { slice, handle })
-    }
-
-    fn unregister_host(&self, registration: &Registration) -> Result<(), DeviceError> {
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let slice = state.registered.remove(&registration.handle).ok_or_else(|| {
-            Self::invalid(format!("registration {} is not live", registration.handle))
-        })?;
-        self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).registered_bytes -=
-            slice.len() as u64;
-        Ok(())
-    }
 }
 
 impl Fence for HostDevice {
@@ -492,7 +503,7 @@ impl Drop for HostDevice {
 mod tests {
     use std::sync::Arc;
 
-    use ddo_core::{HostBytes, HostRegion, HostSlice, Residency, StreamId};
+    use ddo_core::{HostBytes, HostRegion, HostSlice, StreamId};
 
     use super::*;
 
