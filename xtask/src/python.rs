@@ -1,4 +1,5 @@
-//! The Python side: a venv with PyTorch and Diffusers, the `ddo-offload` wheel built with maturin.
+//! The Python side: a venv with PyTorch and Diffusers, the `ddo-offload` wheel built with maturin,
+//! the package's lint (ruff) and type check (mypy), and its tests.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,7 +20,12 @@ const REQUIREMENTS: &[&str] = &[
     "gguf",
     "maturin>=1.5,<2",
     "pytest",
+    "ruff",
+    "mypy",
 ];
+
+/// The Python package's folder.
+const PACKAGE_DIR: &str = "crates/ddo-py";
 
 pub(crate) fn python() -> PathBuf {
     Path::new(VENV).join("bin").join("python")
@@ -35,7 +41,7 @@ pub(crate) fn ensure_env() -> Result<(), String> {
     let ready = Command::new(&py)
         .args([
             "-c",
-            "import torch, diffusers, transformers, safetensors, accelerate, peft, gguf, maturin, pytest",
+            "import torch, diffusers, transformers, safetensors, accelerate, peft, gguf, maturin, pytest, ruff, mypy",
         ])
         .output()
         .is_ok_and(|o| o.status.success());
@@ -91,7 +97,7 @@ pub(crate) fn build_and_install_wheel() -> Result<PathBuf, String> {
         .env("VIRTUAL_ENV", root.join(VENV))
         .args(["build", "--release", "--quiet", "-o"])
         .arg(&out)
-        .current_dir("crates/ddo-py")
+        .current_dir(PACKAGE_DIR)
         .status()
         .map_err(|e| format!("could not start maturin: {e}"))?;
     if !status.success() {
@@ -108,10 +114,44 @@ pub(crate) fn build_and_install_wheel() -> Result<PathBuf, String> {
     Ok(wheel)
 }
 
+/// The package's lint and type check: ruff and mypy, configured in its `pyproject.toml`.
+fn lint() -> Result<(), String> {
+    let root = std::env::current_dir().map_err(|e| e.to_string())?;
+    let py = root.join(python());
+    let cache = root.join("target");
+    let checks: [(&str, Vec<String>); 2] = [
+        (
+            "ruff",
+            vec![
+                "check".into(),
+                "--cache-dir".into(),
+                cache.join("ruff-cache").display().to_string(),
+                "python".into(),
+            ],
+        ),
+        ("mypy", vec!["--cache-dir".into(), cache.join("mypy-cache").display().to_string()]),
+    ];
+    for (tool, args) in checks {
+        eprintln!("$ (cd {PACKAGE_DIR} && {} -m {tool} {})", py.display(), args.join(" "));
+        let status = Command::new(&py)
+            .arg("-m")
+            .arg(tool)
+            .args(&args)
+            .current_dir(PACKAGE_DIR)
+            .status()
+            .map_err(|e| format!("could not start {}: {e}", py.display()))?;
+        if !status.success() {
+            return Err(format!("{tool} found problems in {PACKAGE_DIR}/python ({status})"));
+        }
+    }
+    Ok(())
+}
+
 /// The Python tests, on the installed wheel.
 pub(crate) fn test() -> Result<(), String> {
     ensure_env()?;
     build_and_install_wheel()?;
+    lint()?;
     let py = python().to_string_lossy().into_owned();
     run(&py, &["-m", "pytest", "-q", "-p", "no:cacheprovider", "crates/ddo-py/tests"])
 }

@@ -101,29 +101,6 @@ from .profiles import (
     record_dynamic_offload_profile,
 )
 
-_LIFECYCLE_EXPORTS = [
-    "DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION",
-    "DynamicOffloadExecutionTimer",
-    "DynamicOffloadMetricsJournal",
-    "DynamicOffloadProfileSession",
-    "DynamicOffloadState",
-    "DynamicOffloadUnitState",
-    "add_dynamic_offload_lifecycle_arguments",
-    "dynamic_offload_profile_key",
-    "dynamic_offload_profile_path",
-    "get_dynamic_offload_profile_capacity",
-    "get_dynamic_offload_profile_dir",
-    "get_dynamic_offload_profile_recommendation",
-    "get_dynamic_offload_state",
-    "load_dynamic_offload_profile",
-    "maybe_purge_windows_standby_cache",
-    "normalize_dynamic_offload_profile_context",
-    "purge_windows_standby_cache",
-    "purge_windows_standby_cache_event",
-    "record_dynamic_offload_profile",
-    "release_native_vmm_idle_cache",
-    "release_pytorch_host_cache",
-]
 
 __version__ = _native.version()
 
@@ -179,4 +156,27 @@ __all__ = [
     "resolve_dynamic_offload_backend",
     "StreamedWeight",
 ]
-__all__ += _LIFECYCLE_EXPORTS
+# The lifecycle helpers: phase helpers, timing, the metrics journal, offload state and capacity profiles.
+__all__ += [
+    "DYNAMIC_OFFLOAD_PROFILE_SCHEMA_VERSION",
+    "DynamicOffloadExecutionTimer",
+    "DynamicOffloadMetricsJournal",
+    "DynamicOffloadProfileSession",
+    "DynamicOffloadState",
+    "DynamicOffloadUnitState",
+    "add_dynamic_offload_lifecycle_arguments",
+    "dynamic_offload_profile_key",
+    "dynamic_offload_profile_path",
+    "get_dynamic_offload_profile_capacity",
+    "get_dynamic_offload_profile_dir",
+    "get_dynamic_offload_profile_recommendation",
+    "get_dynamic_offload_state",
+    "load_dynamic_offload_profile",
+    "maybe_purge_windows_standby_cache",
+    "normalize_dynamic_offload_profile_context",
+    "purge_windows_standby_cache",
+    "purge_windows_standby_cache_event",
+    "record_dynamic_offload_profile",
+    "release_native_vmm_idle_cache",
+    "release_pytorch_host_cache",
+]

@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import json
 import math
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
@@ -35,15 +35,28 @@ def _policy_as_dict(self) -> dict:
     return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-ComponentPolicy = dataclasses.make_dataclass(
-    "ComponentPolicy",
-    [(name, Optional[Any], dataclasses.field(default=None)) for name in _native.component_policy_fields()],
-    namespace={"as_dict": _policy_as_dict, "field_names": classmethod(_field_names), "replace": _replace},
-    frozen=True,
-)
-ComponentPolicy.__module__ = __name__
-ComponentPolicy.__doc__ = """How one component (``transformer``, ``vae``, ``text_encoder``) is handled. Unset fields
-are decided by variables, the preset and defaults."""
+if TYPE_CHECKING:
+
+    class ComponentPolicy:
+        """What type checkers see of the class generated below from the native schema."""
+
+        def __init__(self, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+        def as_dict(self) -> dict: ...
+        def replace(self, **changes: Any) -> "ComponentPolicy": ...
+        @classmethod
+        def field_names(cls) -> tuple: ...
+
+else:
+    ComponentPolicy = dataclasses.make_dataclass(
+        "ComponentPolicy",
+        [(name, Optional[Any], dataclasses.field(default=None)) for name in _native.component_policy_fields()],
+        namespace={"as_dict": _policy_as_dict, "field_names": classmethod(_field_names), "replace": _replace},
+        frozen=True,
+    )
+    ComponentPolicy.__module__ = __name__
+    ComponentPolicy.__doc__ = """How one component (``transformer``, ``vae``, ``text_encoder``) is handled. Unset fields
+    are decided by variables, the preset and defaults."""
 
 
 def _class_name(value: Any) -> Any:
@@ -205,27 +218,42 @@ def _config_field_names(cls) -> tuple:
     return tuple(f.name for f in dataclasses.fields(cls) if f.name != _EXPLICIT)
 
 
-DynamicOffloadConfig = dataclasses.make_dataclass(
-    "DynamicOffloadConfig",
-    [_config_field(name) for name in _native.config_fields()]
-    + [(_EXPLICIT, Optional[frozenset], dataclasses.field(default=None, repr=False))],
-    namespace={
-        "as_dict": _config_as_dict,
-        "to_json": _config_to_json,
-        "field_names": classmethod(_config_field_names),
-        "replace": _config_replace,
-        "explicit_fields": _config_explicit_fields,
-    },
-    frozen=True,
-)
-DynamicOffloadConfig.__module__ = __name__
-DynamicOffloadConfig.__doc__ = """Every setting ddo has (``ddo._native.config_fields()``). A field reads as the published
-library's default until it is set (``PUBLISHED_DEFAULTS``; fields only ddo has read as ``None``), but
-only the fields set explicitly (:meth:`explicit_fields`) are settings: an unset field comes from
-the component's ``DDO_<COMPONENT>_*`` variable, the ``DDO_*`` variable, the preset, then the
-default, so a preset still fills what the user did not set and an explicit value beats it. Sizes
-ending in ``_gb`` are GiB. ``python -m ddo presets`` lists the presets; the README's
-configuration section says what each setting does."""
+if TYPE_CHECKING:
+
+    class DynamicOffloadConfig:
+        """What type checkers see of the class generated below from the native schema."""
+
+        def __init__(self, *args: Any, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+        def as_dict(self) -> dict: ...
+        def to_json(self, origin: str = "config") -> str: ...
+        def replace(self, **changes: Any) -> "DynamicOffloadConfig": ...
+        def explicit_fields(self) -> frozenset: ...
+        @classmethod
+        def field_names(cls) -> tuple: ...
+
+else:
+    DynamicOffloadConfig = dataclasses.make_dataclass(
+        "DynamicOffloadConfig",
+        [_config_field(name) for name in _native.config_fields()]
+        + [(_EXPLICIT, Optional[frozenset], dataclasses.field(default=None, repr=False))],
+        namespace={
+            "as_dict": _config_as_dict,
+            "to_json": _config_to_json,
+            "field_names": classmethod(_config_field_names),
+            "replace": _config_replace,
+            "explicit_fields": _config_explicit_fields,
+        },
+        frozen=True,
+    )
+    DynamicOffloadConfig.__module__ = __name__
+    DynamicOffloadConfig.__doc__ = """Every setting ddo has (``ddo._native.config_fields()``). A field reads as the published
+    library's default until it is set (``PUBLISHED_DEFAULTS``; fields only ddo has read as ``None``), but
+    only the fields set explicitly (:meth:`explicit_fields`) are settings: an unset field comes from
+    the component's ``DDO_<COMPONENT>_*`` variable, the ``DDO_*`` variable, the preset, then the
+    default, so a preset still fills what the user did not set and an explicit value beats it. Sizes
+    ending in ``_gb`` are GiB. ``python -m ddo presets`` lists the presets; the README's
+    configuration section says what each setting does."""
 
 _generated_init = DynamicOffloadConfig.__init__
 _INIT_ORDER = _config_field_names(DynamicOffloadConfig)
@@ -255,9 +283,13 @@ def _config_init(self, *args: Any, _explicit_fields: Optional[frozenset] = None,
 
 _config_init.__qualname__ = "DynamicOffloadConfig.__init__"
 _config_init.__doc__ = "Sets the given fields explicitly; the others read as their defaults."
-DynamicOffloadConfig.__init__ = _config_init
-DynamicOffloadConfig.__signature__ = inspect.Signature(
-    [p for name, p in inspect.signature(_generated_init).parameters.items() if name not in ("self", _EXPLICIT)]
+setattr(DynamicOffloadConfig, "__init__", _config_init)
+setattr(
+    DynamicOffloadConfig,
+    "__signature__",
+    inspect.Signature(
+        [p for name, p in inspect.signature(_generated_init).parameters.items() if name not in ("self", _EXPLICIT)]
+    ),
 )
 
 

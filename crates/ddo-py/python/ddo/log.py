@@ -43,6 +43,6 @@ def info(log: logging.Logger, message: str, *, shown: bool = False) -> None:
     if shown and not (log.isEnabledFor(logging.INFO) and _reaches_a_handler(log)):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, message, None, None))
+        handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), None))
         return
     log.info(message)

@@ -202,7 +202,8 @@ class DynamicOffloadApplyResult:
             )
         if self.runtime is None:
             raise DynamicOffloadError(
-                f"{what} needs a route that streams through ddo's arena (linear_runtime, linear_convolution, vmm_fast_runtime, vmm_runtime); "
+                f"{what} needs a route that streams through ddo's arena (linear_runtime, linear_convolution, "
+                "vmm_fast_runtime, vmm_runtime); "
                 f"this component uses {self.runtime_route or self.route}"
             )
         return self.runtime

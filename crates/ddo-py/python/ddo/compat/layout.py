@@ -67,14 +67,14 @@ def inspect_vmm_component(
     entries = plan_entries(module, module_pattern)
     units = [p for p, _ in find_execution_units(module) if re.search(module_pattern, p)]
     unit_bytes = {u: 0 for u in units}
-    for e in entries:
-        full = f"{e.module_name}.{e.tensor_name}" if e.module_name else e.tensor_name
+    for entry in entries:
+        full = f"{entry.module_name}.{entry.tensor_name}" if entry.module_name else entry.tensor_name
         for u in units:
             if full.startswith(u + "."):
-                unit_bytes[u] += e.bytes
+                unit_bytes[u] += entry.bytes
                 break
     streamed = sum(unit_bytes.values())
-    total = sum(e.bytes for e in entries)
+    total = sum(entry.bytes for entry in entries)
     setup = {
         "module_count": sum(1 for _ in module.modules()),
         "tensor_count": len(entries),

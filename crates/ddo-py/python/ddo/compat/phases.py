@@ -224,11 +224,11 @@ def _in(mappings: List[Tuple[int, int, bool, str]], t: torch.Tensor) -> bool:
 
 def _span(t: torch.Tensor) -> Tuple[int, int]:
     """The byte range of its storage ``t`` reads."""
-    start = t.storage_offset() * t.element_size()
+    start = int(t.storage_offset() * t.element_size())
     if t.numel() == 0:
         return start, start
     extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return start, start + extent * t.element_size()
+    return start, int(start + extent * t.element_size())
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:

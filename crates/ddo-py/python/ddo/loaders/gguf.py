@@ -5,7 +5,7 @@ builds it with every parameter on the meta device."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Union, cast
 
 import torch
 
@@ -118,7 +118,7 @@ def meta_gguf_module(loader: Any, folder: str, path: str, tensors: Dict[str, tup
     for name, param in params:
         owner_path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_path) if owner_path else module
-        param = owner._parameters[leaf]
+        param = cast(torch.nn.Parameter, owner._parameters[leaf])  # a parameter of the module built above
         if id(param) not in replaced:
             q, shape = tensors[name]
             parts = name.split(".")

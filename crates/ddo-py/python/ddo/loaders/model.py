@@ -33,7 +33,7 @@ def build_module(
         # reads into staging): build the module without weights (meta) so host memory holds the
         # model at most once.
         if settings.route_facts["reads_checkpoint"]:
-            if gguf_tensors is not None:
+            if gguf_tensors is not None and gguf_path is not None:
                 module = gguf.meta_gguf_module(model_loader, folder, gguf_path, gguf_tensors, from_pretrained_kwargs)
             elif checkpoint.is_transformers(model_loader):
                 module = transformers_models.meta_transformers(model_loader, folder, from_pretrained_kwargs)
@@ -51,7 +51,7 @@ def bind_source(module: torch.nn.Module, source: Dict[str, Any], path: str, gguf
     """Records the checkpoint ``source`` (opened at ``path``) on ``module`` and counts the
     parameters and buffers bound to a checkpoint slice by name (and shape)."""
     source["path"] = path
-    module._ddo_source = source
+    setattr(module, "_ddo_source", source)
     names = {t["name"]: t for t in source["tensors"]}
     bound = 0
     for n, p in list(module.named_parameters()) + list(module.named_buffers()):

@@ -169,7 +169,8 @@ def from_pretrained_pipeline_with_dynamic_offload(
     there is used as is, not loaded).
 
     ``gpu_budget_gb`` is split among the components on ``vmm_fast_runtime`` in proportion to
-    their weight bytes as loaded (floating tensors counted in ``torch_dtype`` when given) (each gets ``vmm_resident_weight_budget_gb`` = its share); components
+    their weight bytes as loaded (floating tensors counted in ``torch_dtype`` when given) (each
+    gets ``vmm_resident_weight_budget_gb`` = its share); components
     on ``linear_runtime`` take their execution slots plus ``resident_module_budget_gb``. A share
     too small for a component's working set raises :class:`DynamicOffloadCapacityError` naming
     it; a budget with no ``vmm_fast_runtime`` component to split among is refused.
@@ -214,16 +215,16 @@ def from_pretrained_pipeline_with_dynamic_offload(
     modules: Dict[str, Any] = {}
     routes: Dict[str, str] = {}
     budget_settings: Dict[str, Optional[str]] = {}
-    for name, spec in specs.items():
-        if name in pipeline_kwargs or not _is_component(spec):
+    for component, spec in specs.items():
+        if component in pipeline_kwargs or not _is_component(spec):
             continue
-        loader = _class_of(spec[0], spec[1], f"{index_path} ({name})")
+        loader = _class_of(spec[0], spec[1], f"{index_path} ({component})")
         if isinstance(loader, type) and issubclass(loader, torch.nn.Module):
-            modules[name] = loader
-            if _has_safetensors(os.path.join(root, name)):
-                resolved = resolve_settings(name, config=config)
-                routes[name] = resolved.route_name
-                budget_settings[name] = resolved.route_facts["budget_setting"]
+            modules[component] = loader
+            if _has_safetensors(os.path.join(root, component)):
+                resolved = resolve_settings(component, config=config)
+                routes[component] = resolved.route_name
+                budget_settings[component] = resolved.route_facts["budget_setting"]
     unknown = sorted(n for n in devices if n not in modules)
     if unknown:
         raise DynamicOffloadConfigError(
@@ -268,6 +269,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 components[name] = loader.from_pretrained(folder)
                 continue
             placed: Dict[str, Any] = {}
+            config_here: Optional[DynamicOffloadConfig]
             if name in devices:
                 placed["execution_device"] = devices[name]
                 config_here = (config or DynamicOffloadConfig()).replace(**placed)
@@ -295,6 +297,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                         f"too small: {e}; raise gpu_budget_gb"
                     ) from None
                 components[name] = loaded.module
+                assert loaded.offload is not None  # apply_dynamic=True attached it
                 offload[name] = loaded.offload
             else:
                 module = loader.from_pretrained(folder, **dtype_kwargs)

@@ -5,7 +5,7 @@ parameters added after attach (adapters), and refuses a change it cannot serve c
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -123,6 +123,10 @@ class Checks:
     places: list
     swaps: dict
 
+    if TYPE_CHECKING:
+
+        def _settle_leases(self, what: str, streamed_only: bool) -> None: ...
+
     def _init_checks(self) -> None:
         # Every parameter as published (by identity), with the address it views.
         self.published: Dict[int, Tuple[torch.nn.Parameter, Optional[int]]] = {}
@@ -140,7 +144,7 @@ class Checks:
         self.unit_paths: Dict[str, int] = {}
         self.watched_names: List[str] = []
         # The record above matches the last complete publish (views or placeholders).
-        self.watched_whole = False
+        self.watched_whole: bool = False
         self.owners: List[OwnerParameters] = []
         self.sources: List[SourceTensor] = []
         # The structure count at the last full walk of the module tree (-1: none yet), and the

@@ -199,24 +199,27 @@ class Guards:
 
         # Every module of the tree: a block cast or copied on its own is refused when asked for too.
         for m in self.module.modules():
-            m._apply = guard(m)
-            m.__deepcopy__ = self._refuse_deepcopy
-            m.__reduce_ex__ = self._refuse_pickle
+            # Set on each instance, shadowing the class's methods until detach takes them off.
+            setattr(m, "_apply", guard(m))
+            setattr(m, "__deepcopy__", self._refuse_deepcopy)
+            setattr(m, "__reduce_ex__", self._refuse_pickle)
         # Diffusers' own placement and casting hooks would move or cast weights the arena holds.
         for method in PLACEMENT_METHODS:
             if method not in self.module.__dict__ and callable(getattr(self.module, method, None)):
                 setattr(self.module, method, functools.partial(self._refuse_placement, method))
         name = type(self.module).__name__
-        self.module.train = refusing_true(
+        refuse_training = refusing_true(
             self.module.train,
             f"{name} is offloaded by ddo, which serves inference only (block memory is reused between blocks): keep "
             "it in eval mode, or call remove_dynamic_offload(module) first",
         )
-        self.module.requires_grad_ = refusing_true(
+        refuse_grad = refusing_true(
             self.module.requires_grad_,
             f"{name} is offloaded by ddo, which serves inference only: its weights cannot require grad (their memory "
             "is reused between blocks); call remove_dynamic_offload(module) first",
         )
+        setattr(self.module, "train", refuse_training)
+        setattr(self.module, "requires_grad_", refuse_grad)
 
     def _refuse_deepcopy(self, _memo: Any) -> Any:
         raise _native.DynamicOffloadLifecycleError(

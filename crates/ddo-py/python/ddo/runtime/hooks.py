@@ -219,8 +219,8 @@ class Hooks:
                 self.session.reached(unit)
                 return
             self.leases.setdefault((threading.get_ident(), unit), []).append(Lease(self.session.acquire(unit, stream), stream))
-            dicts, views = self.swap_in.get(unit, _NO_SWAPS)
-            any(map(dict.update, dicts, views))  # each owner's views in place (C-level loop)
+            swap = self.swap_in.get(unit, _NO_SWAPS)
+            any(map(dict.update, swap.dicts, swap.updates))  # each owner's views in place (C-level loop)
 
         return hook
 
@@ -229,7 +229,7 @@ class Hooks:
             key = (threading.get_ident(), unit)
             held = self.leases.get(key)
             released = bool(held)
-            if released:
+            if held:
                 self.session.release(held.pop().lease, self.stream())
             if not held:
                 self.leases.pop(key, None)
@@ -319,8 +319,8 @@ class Hooks:
                 self._rest(unit)
 
     def _rest(self, unit: int) -> None:
-        dicts, placeholders = self.swap_out.get(unit, _NO_SWAPS)
-        any(map(dict.update, dicts, placeholders))
+        swap = self.swap_out.get(unit, _NO_SWAPS)
+        any(map(dict.update, swap.dicts, swap.updates))
 
     def _rest_all(self) -> None:
         """Every streamed unit no thread runs back on its placeholders (a pass ended, however

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,6 +21,14 @@ class StreamedWeight(torch.Tensor):
     gives the source's values, read again on every use; a view of it (an index, ``view``,
     ``.data``) is a placeholder too, and writing into any of them is refused. A forward swaps the
     parameter's view of arena memory in while its block runs."""
+
+    # Set on each placeholder by ``__new__``; ``quant_type`` and ``_ddo_class`` only for a
+    # quantized framework parameter's.
+    _ddo_runtime: Callable[[], Any]
+    _ddo_name: str
+    _ddo_chain: tuple
+    quant_type: Any
+    _ddo_class: Optional[type]
 
     @staticmethod
     def __new__(
@@ -50,15 +58,18 @@ class StreamedWeight(torch.Tensor):
             t._ddo_class = kind if kind not in (torch.Tensor, torch.nn.Parameter, StreamedWeight) else None
         return t
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
+    # torch's stub declares ``__repr__`` with an unnamed keyword-only parameter no override can match.
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # noqa: ARG002
         view = " (a view)" if self._ddo_chain else ""
         return f"StreamedWeight({self._ddo_name}{view}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
-    __torch_function__ = DISABLED_TORCH_FUNCTION
+    # PyTorch's documented opt-out for a subclass; its stub types the attribute as a plain function.
+    __torch_function__ = DISABLED_TORCH_FUNCTION  # type: ignore[assignment]
 
     @property
-    def data(self) -> torch.Tensor:  # type: ignore[override]
-        return torch.Tensor.data.__get__(self)
+    def data(self) -> torch.Tensor:
+        # ``Tensor.data`` is a C descriptor, which torch's stub types as a tensor.
+        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined]
 
     @data.setter
     def data(self, _value: torch.Tensor) -> None:
@@ -110,8 +121,11 @@ class StreamedWeight(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         return self._own_values()
 
+    # A classmethod, as PyTorch documents it; its stub types the base's as a plain function.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         schema = func._schema
         if schema.is_mutable:

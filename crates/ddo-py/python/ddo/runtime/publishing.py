@@ -5,7 +5,7 @@ placeholders (unloaded); ``state_dict()`` and a placeholder's reads give the sou
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import torch
 import torch.utils.dlpack
@@ -81,7 +81,8 @@ def _parameter_like(old: torch.nn.Parameter, data: torch.Tensor, grad: bool = Fa
         data = data.reshape(old.shape)
     quant_type = getattr(old, "quant_type", None)
     if quant_type is not None and type(old) is not torch.nn.Parameter:
-        return type(old)(data, requires_grad=grad, quant_type=quant_type)
+        kind: Any = type(old)  # a framework's parameter class, taking quant_type
+        return kind(data, requires_grad=grad, quant_type=quant_type)
     return torch.nn.Parameter(data, requires_grad=grad)
 
 
@@ -130,7 +131,7 @@ class Publishing:
         self.bounds: Dict[int, Tuple[int, int]] = {}
         # Whether every parameter views the session's arena (a publish ran to its end); a pass
         # publishes again first when an interrupt left it half done.
-        self.views_whole = False
+        self.views_whole: bool = False
 
     def _publish(self, make: Callable[[str, torch.nn.Parameter], torch.nn.Parameter], failed: Optional[List[str]] = None) -> None:
         """Sets every managed parameter (aliases too) to ``make(name, old)``, one object per key.
@@ -139,7 +140,8 @@ class Publishing:
         new: Dict[int, torch.nn.Parameter] = {}
         for owner, attr, name in self.places:
             try:
-                p = owner._parameters[attr]
+                # A place holding None (a deleted parameter) fails in ``make``, handled below.
+                p = cast(torch.nn.Parameter, owner._parameters[attr])
                 if id(p) not in new:
                     new[id(p)] = make(name, p)
                 setattr(owner, attr, new[id(p)])
@@ -187,7 +189,7 @@ class Publishing:
                 views[n] = view
         self._publish(lambda name, p: _parameter_like(p, views[name], self._kept_grad(p)))
         for owner, attr, name in self.places:
-            view = owner._parameters[attr]
+            view = cast(torch.nn.Parameter, owner._parameters[attr])  # published just above
             self.shapes[name] = torch.empty(view.shape, dtype=view.dtype, device="meta")
         # Streamed units rest on placeholders; their views come back for their forwards.
         unit_of = {name: unit for unit, names in self.streamed.items() for name in names}
@@ -198,7 +200,7 @@ class Publishing:
             unit = unit_of.get(name)
             if unit is None:
                 continue
-            view = owner._parameters[attr]
+            view = cast(torch.nn.Parameter, owner._parameters[attr])
             start = view.data_ptr()
             self.ranges[unit].append(ViewRange(start, start + view.numel() * view.element_size(), name))
             if id(view) not in placeholders:

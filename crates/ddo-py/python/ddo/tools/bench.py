@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -156,7 +157,9 @@ def _runtime_route(offload: Any) -> str:
     return getattr(offload, "runtime_route", "") or offload.route
 
 
-def _load(route: str, folder: str, loader: Any, device: torch.device, dtype: torch.dtype, budget_gb: float) -> Tuple[torch.nn.Module, Any, str]:
+def _load(
+    route: str, folder: str, loader: Any, device: torch.device, dtype: torch.dtype, budget_gb: float
+) -> Tuple[torch.nn.Module, Any, str]:
     """The module of ``route`` ready to run on ``device``, its ddo offload (or ``None``) and the
     runtime it ended up on."""
     from ..api import enable_offload, from_pretrained_with_dynamic_offload
@@ -400,7 +403,7 @@ def _run_bench(
             row.setup_seconds = time.perf_counter() - t
             inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in host_inputs.items()}
             call = getattr(module, method)
-            times, out = _timed(lambda: call(**inputs), steps, dev)
+            times, out = _timed(functools.partial(call, **inputs), steps, dev)
             row.seconds = statistics.median(times)
             output = _first_tensor(out).detach().cpu()
             if reference is None:
@@ -432,7 +435,7 @@ def _run_bench(
                 torch.cuda.empty_cache()
     resident = next((r for r in rows if r.route == "resident" and r.seconds), None)
     for r in rows:
-        if resident is not None and r.seconds is not None:
+        if resident is not None and resident.seconds and r.seconds is not None:
             r.ratio = r.seconds / resident.seconds
     return {
         "model": {"path": folder, "class": loader.__name__, "stored_bytes": stored},
@@ -485,7 +488,8 @@ def format_table(result: Dict[str, Any]) -> str:
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
-        lines.append("  ".join(cell.ljust(w) if i < 2 or i == len(row) - 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        cells = (cell.ljust(w) if i < 2 or i == len(row) - 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        lines.append("  ".join(cells).rstrip())
     for r in result["rows"]:
         if r["error"]:
             lines.append(f"{r['route']}: {r['error']}")

@@ -293,7 +293,9 @@ def inspect_model(path: str) -> Dict[str, Any]:
 # ---- recommendations -------------------------------------------------------------------------
 
 
-def recommend(model: Dict[str, Any], gpu: Dict[str, Any], host: Dict[str, Any], disk: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+def recommend(
+    model: Dict[str, Any], gpu: Dict[str, Any], host: Dict[str, Any], disk: Dict[str, Any]
+) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """One recommendation per decision (``setting``, ``value``, ``why``) and the configuration
     they make, from the measurements. Headrooms and the prefetch depth are the native route's as
     this process resolves them (preset, ``DDO_*`` variables)."""
