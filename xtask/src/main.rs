@@ -38,6 +38,7 @@ fn main() -> ExitCode {
         Some("demo") => demo::run(&args[1..]),
         Some("test-gpu") => gpu::test_gpu(&args[1..]),
         Some("bench-gpu") => gpu::bench_gpu(&args[1..]),
+        Some("wheel") => python::wheel(&args[1..]),
         Some("docs") => docs::run(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("kernels") => kernels::run_task(&args[1..]),

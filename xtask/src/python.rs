@@ -87,8 +87,8 @@ fn pip(py: &str, packages: &[&str]) -> Result<(), String> {
     }
 }
 
-/// Builds the abi3 wheel into `target/wheels` and installs it into the venv; returns its path.
-pub(crate) fn build_and_install_wheel() -> Result<PathBuf, String> {
+/// Builds the abi3 wheel into `target/wheels` with the venv's maturin; returns its path.
+pub(crate) fn build_wheel() -> Result<PathBuf, String> {
     let root = std::env::current_dir().map_err(|e| e.to_string())?;
     let maturin = root.join(VENV).join("bin").join("maturin");
     let out = root.join("target/wheels");
@@ -99,19 +99,49 @@ pub(crate) fn build_and_install_wheel() -> Result<PathBuf, String> {
         .arg(&out)
         .current_dir(PACKAGE_DIR)
         .status()
-        .map_err(|e| format!("could not start maturin: {e}"))?;
+        .map_err(|e| format!("could not start {}: {e}", maturin.display()))?;
     if !status.success() {
         return Err("maturin build failed".into());
     }
-    let wheel = std::fs::read_dir(&out)
+    std::fs::read_dir(&out)
         .map_err(|e| e.to_string())?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or("maturin wrote no wheel")?;
+        .ok_or_else(|| "maturin wrote no wheel".into())
+}
+
+/// Installs `wheel` into the venv in place of any earlier build (its dependencies are the venv's).
+fn install_wheel(wheel: &Path) -> Result<(), String> {
     let py = python().to_string_lossy().into_owned();
     let wheel_s = wheel.to_string_lossy().into_owned();
-    run(&py, &["-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", &wheel_s])?;
+    run(&py, &["-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", &wheel_s])
+}
+
+/// Builds the abi3 wheel into `target/wheels` and installs it into the venv; returns its path.
+pub(crate) fn build_and_install_wheel() -> Result<PathBuf, String> {
+    let wheel = build_wheel()?;
+    install_wheel(&wheel)?;
     Ok(wheel)
+}
+
+/// `cargo xtask wheel`: the abi3 wheel for `pip install` into any environment, built into
+/// `target/wheels`; prints its path. Needs only maturin (installed into `.venv` when missing).
+pub(crate) fn wheel(args: &[String]) -> Result<(), String> {
+    if let Some(arg) = args.first() {
+        return Err(format!(
+            "wheel takes no arguments (got {arg:?}): it builds the abi3 wheel into target/wheels"
+        ));
+    }
+    let py = python();
+    if !py.exists() {
+        run("python3", &["-m", "venv", VENV])?;
+    }
+    if !Path::new(VENV).join("bin").join("maturin").exists() {
+        pip(&py.to_string_lossy(), &["maturin>=1.5,<2"])?;
+    }
+    let wheel = build_wheel()?;
+    println!("{}", wheel.display());
+    Ok(())
 }
 
 /// The package's lint and type check: ruff and mypy, configured in its `pyproject.toml`.
