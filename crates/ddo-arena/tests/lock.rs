@@ -111,3 +111,69 @@ fn a_read_of_the_source_does_not_hold_the_arena() {
     assert_eq!(arena.stats().uploads, 2);
     arena.close().unwrap();
 }
+
+/// Contract 1: a caller that waited for another upload re-checks that the arena is open. An
+/// acquisition waiting for a unit `prime` uploads, while `close` waits for the same upload,
+/// either leases before the close (which is then refused) or is refused itself: never a lease
+/// into memory the close released.
+#[test]
+fn an_acquisition_waiting_for_an_upload_is_refused_when_the_arena_closes_meanwhile() {
+    let dir = scratch();
+    let mut closed_first = 0;
+    for _ in 0..12 {
+        let (started, reading) = mpsc::channel();
+        let source = Arc::new(GatedSource {
+            inner: checkpoint(dir.path(), 4, 128),
+            closed: AtomicBool::new(false),
+            open: (Mutex::new(false), Condvar::new()),
+            started: Mutex::new(started),
+        });
+        let (platform, device) = host();
+        let units = UnitSpec::by_block(source.slices());
+        // Every unit resident.
+        let budget = Budget { total: 1 << 30, headroom: 0, prefetch_depth: 0 };
+        let arena = Arena::new(&platform, source.clone(), &units, budget).unwrap();
+        assert_eq!(arena.plan().slots, 0);
+        let stream = ddo_core::Streams::create_stream(&*device).unwrap();
+        // Every unit but the last is on the device: `prime` uploads only that one.
+        let last = UnitId(arena.layout().units.len() as u32 - 1);
+        let before: Vec<UnitId> = (0..last.0).map(UnitId).collect();
+        let leases = arena.lease_for_pass(&before, stream).unwrap();
+        arena.release_all(leases, stream).unwrap();
+        source.closed.store(true, Ordering::SeqCst);
+        std::thread::scope(|s| {
+            let arena = &arena;
+            let primer = s.spawn(|| arena.prime());
+            reading
+                .recv_timeout(Duration::from_secs(30))
+                .expect("the upload of the last unit reads");
+            // The close waits for the upload first (so it is woken first), then the acquisition.
+            let closer = s.spawn(|| arena.close());
+            std::thread::sleep(Duration::from_millis(50));
+            let acquirer = s.spawn(|| arena.acquire(last, stream));
+            std::thread::sleep(Duration::from_millis(50));
+            source.open_gate();
+            primer.join().unwrap().unwrap();
+            let closed = closer.join().unwrap();
+            match acquirer.join().unwrap() {
+                Ok(lease) => {
+                    assert!(
+                        matches!(
+                            closed,
+                            Err(ddo_arena::ArenaError::CloseRefused { live_leases: 1, .. })
+                        ),
+                        "a lease handed out by an arena that closed: {closed:?}"
+                    );
+                    arena.release(lease, stream).unwrap();
+                    arena.close().unwrap();
+                }
+                Err(e) => {
+                    assert!(matches!(e, ddo_arena::ArenaError::Closed), "{e:?}");
+                    closed.unwrap();
+                    closed_first += 1;
+                }
+            }
+        });
+    }
+    assert!(closed_first > 0, "the close never ran before the waiting acquisition");
+}

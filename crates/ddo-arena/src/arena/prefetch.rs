@@ -175,7 +175,7 @@ impl Arena {
             if need == Need::Prefetch {
                 return Ok(());
             }
-            state.wait();
+            state.wait_open()?;
         }
         let f = self.upload(state, unit)?;
         state.residents[i].holder.upload = Some(f);

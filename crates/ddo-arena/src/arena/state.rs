@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use ddo_core::{BackingId, FenceValue, FileRange, PeerBuffer, StreamId, UnitId};
 
-use crate::ArenaStats;
+use crate::{ArenaError, ArenaStats};
 
 /// Who holds a resident unit's or a slot's bytes, and the fences that gate their reuse.
 #[derive(Debug, Default)]
@@ -169,6 +169,14 @@ impl<'a> Locked<'a> {
     pub(super) fn wait(&mut self) {
         let guard = self.guard.take().expect("the lock is held");
         self.guard = Some(self.changed.wait(guard).unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// Waits as [`wait`](Locked::wait) does, for a caller that goes on using the arena's
+    /// memory: [`ArenaError::Closed`] when the arena was closed meanwhile (its memory and
+    /// reservation released, so nothing decided before the wait holds).
+    pub(super) fn wait_open(&mut self) -> Result<(), ArenaError> {
+        self.wait();
+        if self.closed { Err(ArenaError::Closed) } else { Ok(()) }
     }
 
     /// Wakes every caller waiting for an upload or a fill to commit.

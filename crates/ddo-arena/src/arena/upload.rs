@@ -36,7 +36,8 @@ impl Arena {
         need: Need,
     ) -> Result<Option<FenceValue>, ArenaError> {
         let i = unit.0 as usize;
-        // Decided afresh after every wait: another upload may have changed anything.
+        // Decided afresh after every wait: another upload may have changed anything, and a
+        // close meanwhile ends it.
         loop {
             let Some(slot) = self.plan.slot_of[i] else {
                 let r = &state.residents[i];
@@ -64,7 +65,7 @@ impl Arena {
                     if need == Need::Prefetch {
                         return Ok(None);
                     }
-                    state.wait();
+                    state.wait_open()?;
                     continue;
                 }
                 let f = self.upload(state, unit)?;
@@ -83,7 +84,7 @@ impl Arena {
                 if need == Need::Prefetch {
                     return Ok(None);
                 }
-                state.wait();
+                state.wait_open()?;
                 continue;
             }
             if st.occupant == Some(unit) && st.holder.upload.is_some() {
@@ -110,7 +111,7 @@ impl Arena {
                 if need == Need::Prefetch {
                     return Ok(None);
                 }
-                state.wait();
+                state.wait_open()?;
                 continue;
             }
             if need == Need::Demand {
