@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use ddo_arena::{Arena, Budget, UnitSpec};
+use ddo_arena::{Arena, ArenaError, Budget, UnitSpec};
 use ddo_core::Streams;
 use ddo_core::UnitId;
 
@@ -76,4 +76,20 @@ fn an_arena_dropped_with_memory_it_cannot_release_notes_it_once_with_its_cause()
     assert_eq!(a.close_failure(), Some(e.to_string()));
     drop(a);
     assert_eq!(ddo_core::take_drop_failures(), (Vec::new(), 0));
+
+    // A stream that fails to go once the memory is released: the close happened (a second
+    // close has nothing to do) and the stream's failure is noted, once.
+    let spy = Spy::new();
+    let a = arena(&spy, dir.path());
+    spy.fail(Op::ReleaseStream, 0);
+    a.close().unwrap();
+    assert_eq!(a.close_failure(), None);
+    a.close().unwrap();
+    assert!(matches!(a.acquire(UnitId(1), spy.create_stream().unwrap()), Err(ArenaError::Closed)));
+    drop(a);
+    let (notes, _) = ddo_core::take_drop_failures();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert_eq!(notes[0].what, "arena's stream");
+    assert!(notes[0].message.starts_with("releasing it at close: "), "{}", notes[0]);
+    assert!(notes[0].message.contains("injected failure of ReleaseStream"), "{}", notes[0]);
 }

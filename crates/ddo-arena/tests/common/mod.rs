@@ -102,6 +102,7 @@ pub enum Op {
     Unmap,
     ReleaseBacking,
     CreateStream,
+    ReleaseStream,
     Copy,
     Record,
     Query,
@@ -225,6 +226,7 @@ impl Streams for Spy {
     }
 
     fn release_stream(&self, s: StreamId) -> Result<(), DeviceError> {
+        self.enter(Op::ReleaseStream)?;
         self.inner.release_stream(s)
     }
 }
