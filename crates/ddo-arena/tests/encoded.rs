@@ -207,7 +207,11 @@ fn leases_see_the_checkpoint_bytes(platform: &Platform, source: &Encoded, arena:
     assert!(stats.upload_bytes >= stats.encoded_upload_bytes, "{stats:?}");
     let (bytes, seconds) = platform.residency.decode_totals(stream);
     assert_eq!((bytes, seconds), (0, 0.0), "decodes run on the arena's own stream");
+    assert!(stats.decode_seconds > 0.0, "{stats:?}");
     arena.close().unwrap();
+    // The arena's stream is released with its totals: the closed arena keeps what it measured.
+    let closed = arena.stats().decode_seconds;
+    assert!(closed >= stats.decode_seconds, "{closed} after close, {stats:?} before");
 }
 
 fn a_lost_encoding_is_an_error_not_other_bytes(platform: &Platform) {

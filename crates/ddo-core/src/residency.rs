@@ -205,7 +205,9 @@ pub trait Transforms: Send + Sync {
     }
     /// Bytes written and device seconds taken by the decodes enqueued on `stream` that are
     /// known complete (as the device timed them; host wall time where decoding is
-    /// synchronous). `(0, 0.0)` by default.
+    /// synchronous). `(0, 0.0)` by default. A released stream's totals are forgotten: the
+    /// device may give its id to a new stream, so whoever reports them reads them before
+    /// releasing the stream.
     fn decode_totals(&self, stream: StreamId) -> (u64, f64) {
         let _ = stream;
         (0, 0.0)

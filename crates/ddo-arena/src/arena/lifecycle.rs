@@ -174,6 +174,10 @@ impl Arena {
                 state.closed = true;
                 state.stats.resident_bytes = 0;
                 state.stats.slot_bytes = 0;
+                // The device forgets a released stream's decode totals: kept for the stats.
+                if let Some(stream) = self.convert_stream {
+                    state.stats.decode_seconds = self.platform.residency.decode_totals(stream).1;
+                }
                 // Every fence was waited for: no work is left on the arena's own streams. The
                 // memory is gone and the arena closed, so a stream that fails to go is noted for
                 // the host to show, never returned as a close that did not happen.

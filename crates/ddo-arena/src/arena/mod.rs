@@ -106,8 +106,12 @@ impl Arena {
 
     /// A copy of the counters.
     pub fn stats(&self) -> ArenaStats {
-        let mut stats = self.lock().stats;
-        if let Some(stream) = self.convert_stream {
+        let state = self.lock();
+        let mut stats = state.stats;
+        // Measured by the device while its stream lives; a close keeps the last totals.
+        if let Some(stream) = self.convert_stream
+            && !state.closed
+        {
             stats.decode_seconds = self.platform.residency.decode_totals(stream).1;
         }
         stats

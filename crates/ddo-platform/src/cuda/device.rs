@@ -338,6 +338,16 @@ impl CudaDevice {
         state.timed = kept;
     }
 
+    /// Forgets `stream`'s decodes: its totals, and the timed decodes not yet retired (their
+    /// timing events go back to the free list).
+    fn forget_decodes(state: &mut State, stream: u64) {
+        let (gone, kept): (Vec<TimedDecode>, Vec<TimedDecode>) =
+            std::mem::take(&mut state.timed).into_iter().partition(|t| t.stream == stream);
+        state.timed = kept;
+        state.free_timing.extend(gone.iter().flat_map(|t| [t.start, t.end]));
+        state.decoded.remove(&stream);
+    }
+
     /// Marks `value` complete: recycles its event and drops the host slices it held.
     fn retire(state: &mut State, value: u64) {
         if let Some((event, holds)) = state.events.remove(&value) {
@@ -495,6 +505,10 @@ impl Streams for CudaDevice {
         // work already enqueued completes, and events recorded on it stay valid.
         unsafe { driver::stream::destroy(stream.0 as sys::CUstream) }.named("cuStreamDestroy")?;
         state.streams.remove(&stream.0);
+        // The driver may give the handle to a new stream: its timed decodes and totals go, so
+        // the new stream starts with none. Their timing events are recycled (recording one
+        // again is allowed whatever it captured before).
+        Self::forget_decodes(&mut state, stream.0);
         Ok(())
     }
 }

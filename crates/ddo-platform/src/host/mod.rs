@@ -261,6 +261,8 @@ impl Streams for HostDevice {
                 stream.0
             )));
         }
+        // Its id may name a new stream, which starts with no decodes.
+        state.decoded.remove(&stream.0);
         Ok(())
     }
 }
@@ -570,6 +572,26 @@ mod tests {
             bf16.len() as u64,
             "refusals count nothing"
         );
+    }
+
+    #[test]
+    fn a_released_stream_forgets_its_decode_totals() {
+        let device = HostDevice::with_granularity(64 << 10);
+        let bf16: Vec<u8> = (0..3000u32).flat_map(|i| (0x3c00 + i as u16).to_le_bytes()).collect();
+        let encoding = ddo_codec::encode_bf16(&bf16, 2).unwrap().to_bytes();
+        let g = device.granularity().unwrap();
+        let r = device.reserve(g).unwrap().range;
+        let b = device.create_backing(g).unwrap();
+        device.map(r, b).unwrap();
+        let src = DeviceRange { start: r.start, len: encoding.len() as u64 };
+        let dst = DeviceRange { start: r.start.offset(32 << 10), len: bf16.len() as u64 };
+        let stream = device.create_stream().unwrap();
+        let host = HostSlice::whole(Arc::new(HostBytes::from(encoding)) as Arc<dyn HostRegion>);
+        device.copy_to_device(host, src, stream).unwrap();
+        device.decode(src, dst, stream).unwrap();
+        assert_eq!(device.decode_totals(stream).0, bf16.len() as u64);
+        device.release_stream(stream).unwrap();
+        assert_eq!(device.decode_totals(stream), (0, 0.0));
     }
 
     #[test]
