@@ -177,3 +177,44 @@ fn an_acquisition_waiting_for_an_upload_is_refused_when_the_arena_closes_meanwhi
     }
     assert!(closed_first > 0, "the close never ran before the waiting acquisition");
 }
+
+/// A fill of the peer weight store reads the source with the lock released, like any upload:
+/// an acquisition meanwhile waits for the fill to end, so it never takes a slot the fill still
+/// uploads into.
+#[test]
+fn an_acquisition_waits_for_a_fill_of_the_peer_store() {
+    let dir = scratch();
+    let (started, reading) = mpsc::channel();
+    let source = Arc::new(GatedSource {
+        inner: checkpoint(dir.path(), 4, 128),
+        closed: AtomicBool::new(false),
+        open: (Mutex::new(false), Condvar::new()),
+        started: Mutex::new(started),
+    });
+    let (platform, device) = host();
+    let units = UnitSpec::by_block(source.slices());
+    let block = (5 * 128 * 128 * 2 + 128 * 2) as u64;
+    let slot = block.div_ceil(GRANULARITY) * GRANULARITY;
+    // Two slots, no look-ahead: units 1 and 3 stream through slot 0, 2 and 4 through slot 1.
+    let budget = Budget { total: GRANULARITY + 2 * slot, headroom: 0, prefetch_depth: 0 };
+    let arena = Arena::new(&platform, source.clone(), &units, budget).unwrap();
+    assert_eq!(arena.plan().streamed_units(), 4, "{:?}", arena.plan());
+    let stream = ddo_core::Streams::create_stream(&*device).unwrap();
+    source.closed.store(true, Ordering::SeqCst);
+    let (filled, lease) = std::thread::scope(|s| {
+        let arena = &arena;
+        let filler = s.spawn(|| arena.fill_peer_store(ddo_core::DeviceOrdinal(1), 0));
+        reading.recv_timeout(Duration::from_secs(30)).expect("the fill uploads unit 1");
+        // Waits for unit 1's upload; leasing it then would hold slot 0, which unit 3 needs.
+        let acquirer = s.spawn(|| arena.acquire(UnitId(1), stream));
+        std::thread::sleep(Duration::from_millis(50));
+        source.open_gate();
+        (filler.join().unwrap(), acquirer.join().unwrap())
+    });
+    let report = filled.expect("the fill is not disturbed by the acquisition");
+    assert_eq!(report.units, 4, "{report:?}");
+    let lease = lease.unwrap();
+    arena.release(lease, stream).unwrap();
+    assert!(arena.stats().peer_uploads >= 1, "unit 1 came from the store after the fill");
+    arena.close().unwrap();
+}

@@ -42,6 +42,7 @@ impl Arena {
         let t = Instant::now();
         let range = self.unit_range(unit)?;
         let mut state = self.lock();
+        state.wait_for_fill();
         if state.closed {
             return Err(ArenaError::Closed);
         }
@@ -119,6 +120,7 @@ impl Arena {
         let t = Instant::now();
         self.unit_range(unit)?;
         let mut state = self.lock();
+        state.wait_for_fill();
         if state.closed {
             return Err(ArenaError::Closed);
         }

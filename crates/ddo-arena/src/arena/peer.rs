@@ -28,7 +28,8 @@ impl Arena {
     /// range is copied into the store, and from then on its uploads copy from there over the
     /// peer link instead of from host memory. Between passes only (no live lease); called
     /// again, it replaces the store. On an error nothing is stored and uploads stay on the host
-    /// route.
+    /// route. Acquisitions, [`reached`](Arena::reached) and [`prime`](Arena::prime) wait for a
+    /// fill to end.
     pub fn fill_peer_store(
         &self,
         peer: DeviceOrdinal,

@@ -112,6 +112,7 @@ impl Arena {
     /// wait for these uploads on the device like for any other. Returns the bytes enqueued.
     pub fn prime(&self) -> Result<u64, ArenaError> {
         let mut state = self.lock();
+        state.wait_for_fill();
         if state.closed {
             return Err(ArenaError::Closed);
         }

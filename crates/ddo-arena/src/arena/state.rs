@@ -179,6 +179,15 @@ impl<'a> Locked<'a> {
         if self.closed { Err(ArenaError::Closed) } else { Ok(()) }
     }
 
+    /// Waits until no fill of the peer weight store runs: a fill copies each unit it uploads
+    /// from its slot, so no lease or look-ahead takes a slot while it runs (it checked for
+    /// live leases only when it started).
+    pub(super) fn wait_for_fill(&mut self) {
+        while self.filling {
+            self.wait();
+        }
+    }
+
     /// Wakes every caller waiting for an upload or a fill to commit.
     pub(super) fn notify(&self) {
         self.changed.notify_all();
