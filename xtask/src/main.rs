@@ -5,6 +5,7 @@
 //! - `test-gpu`: the CUDA tests and GPU benchmarks, here or as a bundle for a GPU machine.
 //! - `bench-gpu`: the side-by-side benchmark as a bundle for a GPU machine.
 //! - `docs`: the book's generated references (configuration, metrics) from the code's schemas.
+//! - `wheel`: the abi3 wheel of the Python package, built with maturin into `target/wheels`.
 //! - `fuzz`: every fuzz target on a nightly toolchain.
 //! - `kernels`: the CUDA C kernels compiled to the PTX ddo ships (NVRTC from PyPI, no toolkit).
 
@@ -22,12 +23,14 @@ const USAGE: &str = "usage: cargo xtask <task>
 tasks:
   ci      cargo fmt --check, clippy -D warnings, the test suite (nextest), doc tests, the docs
           (generated references checked, cargo doc -D warnings, mdbook build docs) and the
-          Python tests on the built wheel (creates .venv with PyTorch and Diffusers)
+          Python checks on the built wheel: ruff, mypy, pytest (creates .venv with PyTorch and
+          Diffusers)
   demo    offload a Diffusers model from Python (CUDA when present, else CPU), then resolve a
           pipeline's plan and stream a checkpoint through the Rust arena
   test-gpu  every test with the CUDA ones, here or as a bundle for a GPU machine (--help)
   bench-gpu the side-by-side GPU benchmark as a bundle for a GPU machine (--help)
   docs    write the book's generated references from the code's schemas (--check: compare only)
+  wheel   build the abi3 wheel of the Python package into target/wheels and print its path
   fuzz    every fuzz target on the nightly toolchain with cargo-fuzz (--help)
   kernels compile the CUDA C kernels to the PTX shipped beside them, with NVRTC from PyPI (--help)";
 
