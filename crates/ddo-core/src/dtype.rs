@@ -170,23 +170,7 @@ mod tests {
     #[test]
     fn torch_dtype_names() {
         assert_eq!(Dtype::from_torch("torch.bfloat16"), Some(Dtype::BF16));
-        for dtype in [
-            Dtype::Bool,
-            Dtype::U8,
-            Dtype::I8,
-            Dtype::I16,
-            Dtype::U16,
-            Dtype::I32,
-            Dtype::U32,
-            Dtype::I64,
-            Dtype::U64,
-            Dtype::F16,
-            Dtype::BF16,
-            Dtype::F32,
-            Dtype::F64,
-            Dtype::F8E4M3,
-            Dtype::F8E5M2,
-        ] {
+        for dtype in Dtype::ALL {
             assert_eq!(Dtype::from_torch(dtype.torch_name()), Some(dtype), "{dtype}");
         }
         assert_eq!(Dtype::from_torch("float32"), Some(Dtype::F32));
