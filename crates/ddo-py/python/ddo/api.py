@@ -174,6 +174,7 @@ def enable_offload(
     cannot be offloaded raises :class:`DynamicOffloadError`; in both cases the module is left as
     it was.
     """
+    _refuse_misplaced_config("enable_offload", config_overrides)
     _check_types(module=module, config=config, settings=settings, environ=environ)
     why = offloaded_relative(module)
     if why is not None:
@@ -308,6 +309,29 @@ def _attach(
     else:
         raise DynamicOffloadError(f"route {name} (preset {settings.effective_preset}) is not built yet; use preset auto")
     return setup
+
+
+def _refuse_misplaced_config(call: str, overrides: Mapping[str, Any]) -> None:
+    """A ``dynamic_offload_config=`` given to a call that takes the configuration as ``config=``
+    is refused naming the keyword (not as an unknown config field)."""
+    if "dynamic_offload_config" in overrides:
+        raise TypeError(
+            f"{call} takes the DynamicOffloadConfig as config=..., not dynamic_offload_config= "
+            "(the loaders take config= too, and dynamic_offload_config= as the published library's name)"
+        )
+
+
+def config_keyword(
+    call: str, config: Any, dynamic_offload_config: Optional[DynamicOffloadConfig]
+) -> Optional[DynamicOffloadConfig]:
+    """The one configuration a loader was given, as ``config=`` or as the published library's
+    ``dynamic_offload_config=``; both at once is refused."""
+    if config is not None and dynamic_offload_config is not None:
+        raise TypeError(
+            f"{call} got the configuration twice, as config= and as dynamic_offload_config= (its published name): "
+            "pass it once, as config="
+        )
+    return config if config is not None else dynamic_offload_config
 
 
 def _device_type(device: Any) -> str:
@@ -478,6 +502,7 @@ def enable_dynamic_offload(
     if always_resident_modules_pattern is not None:
         p = always_resident_modules_pattern
         overrides["always_resident_modules_pattern"] = [p] if isinstance(p, str) else list(p)
+    _refuse_misplaced_config("enable_dynamic_offload", overrides)
     # No component route default applies here: the route is ddo's runtime, on top of settings too.
     overrides.update(route="dynamic_offload", preset=preset, execution_device=execution_device, config=config)
     return enable_offload(
@@ -508,6 +533,7 @@ def from_pretrained_with_dynamic_offload(
     model_loader: Any = None,
     subfolder: Optional[str] = None,
     gguf_file: Union[str, os.PathLike, None] = None,
+    config: Any = None,
     dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
     apply_dynamic: bool = False,
     component: str = "model",
@@ -530,8 +556,17 @@ def from_pretrained_with_dynamic_offload(
     native route its tensors stream as they are stored (quantized ones as ``GGUFParameter`` s that
     ``GGUFLinear`` dequantizes in its forward); on the linear route through ``from_single_file``.
 
+    ``config`` is the offload's :class:`DynamicOffloadConfig` (the keyword :func:`enable_offload`
+    takes); ``dynamic_offload_config`` is the published library's name for it (not both). A
+    ``config`` that is not a ``DynamicOffloadConfig`` (a transformers ``PretrainedConfig``) goes to
+    ``model_loader.from_pretrained`` as before.
+
     ``profile_name`` / ``build_profile`` set those config fields of the offload (a named capacity
     profile, :mod:`ddo.profiles`); they need ``apply_dynamic=True``."""
+    if config is not None and not isinstance(config, DynamicOffloadConfig):
+        from_pretrained_kwargs["config"] = config
+        config = None
+    dynamic_offload_config = config_keyword("from_pretrained_with_dynamic_offload", config, dynamic_offload_config)
     if profile_name is not None or build_profile is not None:
         if not apply_dynamic:
             raise _native.DynamicOffloadConfigError(

@@ -52,9 +52,9 @@ def variant_checkpoint(folder: str, variant: Optional[str]) -> str:
 
 
 
-def local_path(path: Union[str, os.PathLike], revision: Optional[str]) -> str:
+def local_path(path: Union[str, os.PathLike], revision: Optional[str], cache_dir: Optional[str] = None) -> str:
     """``path`` itself when it exists; else a Hugging Face hub id (``org/name``) resolved in the
-    local hub cache (``HF_HUB_CACHE`` / ``HF_HOME``), without network access."""
+    local hub cache (``cache_dir``, else ``HF_HUB_CACHE`` / ``HF_HOME``), without network access."""
     text = os.fspath(path)
     if os.path.exists(text) or text.count("/") != 1 or text.startswith((".", "/", "~")):
         return text
@@ -66,12 +66,12 @@ def local_path(path: Union[str, os.PathLike], revision: Optional[str]) -> str:
             f"{text!r} is not a local path, and resolving it as a hub id needs huggingface_hub (pip install huggingface_hub)"
         ) from None
     try:
-        return snapshot_download(text, revision=revision, local_files_only=True)
+        return snapshot_download(text, revision=revision, local_files_only=True, cache_dir=cache_dir)
     except LocalEntryNotFoundError:
         from huggingface_hub.constants import HF_HUB_CACHE
 
         raise DynamicOffloadError(
-            f"{text!r} is neither a local path nor in the Hugging Face cache at {HF_HUB_CACHE}"
+            f"{text!r} is neither a local path nor in the Hugging Face cache at {cache_dir or HF_HUB_CACHE}"
             f"{f' (revision {revision})' if revision else ''}; ddo reads the cache only: fetch it first with "
             f"`hf download {text}` (or huggingface_hub.snapshot_download), or pass a local folder"
         ) from None

@@ -38,13 +38,18 @@ def build_module(
             elif checkpoint.is_transformers(model_loader):
                 module = transformers_models.meta_transformers(model_loader, folder, from_pretrained_kwargs)
             elif hasattr(model_loader, "from_config"):
-                module = meta.meta_module(model_loader, folder, from_pretrained_kwargs.get("torch_dtype"))
+                module = meta.meta_module(model_loader, folder, _dtype(from_pretrained_kwargs))
     if module is None and gguf_path:
         kwargs = {**from_pretrained_kwargs, "quantization_config": gguf.gguf_config(from_pretrained_kwargs)}
         module = model_loader.from_single_file(gguf_path, config=folder, **kwargs)
     elif module is None:
         module = model_loader.from_pretrained(os.fspath(path), **from_pretrained_kwargs)
     return module
+
+
+def _dtype(kwargs: Dict[str, Any]) -> Any:
+    """``torch_dtype``, else ``dtype`` (Diffusers' newer name), as ``from_pretrained`` reads them."""
+    return kwargs["torch_dtype"] if kwargs.get("torch_dtype") is not None else kwargs.get("dtype")
 
 
 def bind_source(module: torch.nn.Module, source: Dict[str, Any], path: str, gguf_path: Optional[str]) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 import torch
 
 from .. import _native
-from ..api import enable_offload, from_pretrained_with_dynamic_offload
+from ..api import config_keyword, enable_offload, from_pretrained_with_dynamic_offload
 from ..config import DynamicOffloadConfig
 from ..errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
 from ..metrics import DynamicOffloadMetrics
@@ -147,11 +147,97 @@ def _split_budgets(gpu_budget_gb: Any, arena: list, sizes: Dict[str, int], on: D
     return budgets
 
 
+#: Diffusers' loading keywords that find the pipeline's files: ddo reads local folders and the hub
+#: cache only (``cache_dir`` is where it looks), so the download ones change nothing.
+_FINDING = ("cache_dir", "local_files_only", "token", "proxies", "force_download")
+#: Diffusers' loading keywords handed to each model component's ``from_pretrained`` when it is
+#: loaded by its class, as Diffusers hands them (``use_safetensors=False`` also keeps every
+#: component off the arena routes, which stream safetensors).
+_PER_COMPONENT = ("use_safetensors", "low_cpu_mem_usage", "disable_mmap")
+#: Diffusers' loading keywords for what ddo's pipeline loader does not do.
+_REFUSED = (
+    "custom_pipeline", "custom_revision", "provider", "sess_options", "provider_options", "use_onnx", "max_memory",
+    "offload_folder", "offload_state_dict", "load_connected_pipeline", "quantization_config", "use_flashpack",
+    "trust_remote_code",
+)
+
+
+def _transformers_dtype_keyword() -> str:
+    """``dtype`` for transformers 4.56 and later, ``torch_dtype`` before (its older name)."""
+    try:
+        import transformers
+    except ImportError:
+        return "dtype"
+    parts = []
+    for p in transformers.__version__.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return "dtype" if tuple(parts) >= (4, 56) else "torch_dtype"
+
+
+def _dtype_of(dtype: Any, name: str) -> Optional[torch.dtype]:
+    """Component ``name``'s dtype as Diffusers reads ``dtype``: one dtype for all, or a mapping of
+    component names (``"default"`` for the others; float32 without one)."""
+    if isinstance(dtype, Mapping):
+        return dtype.get(name, dtype.get("default", torch.float32))
+    return dtype
+
+
+def _diffusers_keywords(kwargs: Dict[str, Any], dtype: Any, torch_dtype: Any) -> Any:
+    """Takes Diffusers' loading keywords out of ``kwargs`` (what is left goes to the pipeline's
+    constructor) and returns the one dtype (``dtype`` or its older name ``torch_dtype``)."""
+    refused = sorted(k for k in kwargs if k in _REFUSED)
+    if refused:
+        raise DynamicOffloadConfigError(
+            f"{', '.join(refused)}: Diffusers' loading keyword(s) that from_pretrained_pipeline_with_dynamic_offload "
+            "does not take; load the pipeline with Diffusers and offload it with enable_pipeline_offload instead"
+        )
+    if dtype is not None and torch_dtype is not None:
+        raise DynamicOffloadConfigError("dtype and torch_dtype are one setting (torch_dtype is its older name): pass only dtype")
+    dtype = dtype if dtype is not None else torch_dtype
+    for d in dtype.values() if isinstance(dtype, Mapping) else [dtype]:
+        if d is not None and not isinstance(d, torch.dtype):
+            raise DynamicOffloadConfigError(
+                f"dtype must be a torch.dtype, or a mapping of component names to torch.dtype, not {dtype!r}"
+            )
+    return dtype
+
+
+def _refuse_unknown(pipeline_class: Any, kwargs: Mapping[str, Any], specs: Mapping[str, Any]) -> None:
+    """A keyword that is neither a loading keyword nor one the pipeline's constructor takes is
+    refused by name (Diffusers' constructor would raise a bare ``TypeError``)."""
+    import inspect
+
+    from ..config import _config_field_names
+
+    try:
+        params = inspect.signature(pipeline_class.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(k for k in kwargs if k not in params and k not in specs)
+    if not unknown:
+        return
+    fields = set(_config_field_names(DynamicOffloadConfig))
+    if "settings" in unknown or any(k in fields for k in unknown):
+        hint = "; offload settings go in config=DynamicOffloadConfig(...)"
+    else:
+        hint = ""
+    raise TypeError(
+        f"from_pretrained_pipeline_with_dynamic_offload got {', '.join(unknown)}: neither a loading keyword nor a "
+        f"component of {getattr(pipeline_class, '__name__', pipeline_class)} "
+        f"({', '.join(n for n in params if n != 'self')}){hint}"
+    )
+
+
 def from_pretrained_pipeline_with_dynamic_offload(
     path: Union[str, os.PathLike],
     *,
     pipeline_class: Any = None,
-    torch_dtype: Optional[torch.dtype] = None,
+    config: Optional[DynamicOffloadConfig] = None,
+    dtype: Any = None,
+    torch_dtype: Any = None,
     dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
     gpu_budget_gb: Union[float, Mapping[str, float], None] = None,
     device_map: Optional[Mapping[str, Any]] = None,
@@ -161,15 +247,28 @@ def from_pretrained_pipeline_with_dynamic_offload(
 ) -> DynamicOffloadPipelineResult:
     """Loads the Diffusers pipeline folder (or cached hub id) ``path``: every model component
     stored as safetensors (transformer or UNet, text encoders, VAE) goes the route
-    ``dynamic_offload_config`` resolves for its name (its ``components`` policies included);
+    ``config`` resolves for its name (its ``components`` policies included);
     components on an arena route stream from their checkpoints
     (:func:`from_pretrained_with_dynamic_offload`), the others are loaded by their class and
     handed to :func:`enable_offload`. Tokenizers, schedulers and other parts load as the pipeline
     would load them. ``pipeline_kwargs`` go to the pipeline's constructor (a component given
-    there is used as is, not loaded).
+    there is used as is, not loaded), except Diffusers' own loading keywords, taken as
+    ``DiffusionPipeline.from_pretrained`` takes them: ``dtype`` (``torch_dtype`` is its older
+    name; one dtype, or a mapping of component names with ``"default"``), ``variant`` and
+    ``use_safetensors``, ``low_cpu_mem_usage`` go to every model component (``disable_mmap`` to
+    Diffusers ones; transformers components get ``dtype`` or ``torch_dtype`` as their version
+    names it);
+    ``revision`` and ``cache_dir`` find a hub id in the local cache (``local_files_only``,
+    ``token``, ``proxies``, ``force_download`` are accepted: ddo does not download). Loading
+    keywords for what this call does not do (``custom_pipeline``, ``quantization_config``,
+    ``max_memory``, ...) are refused by name, as is a keyword the pipeline's constructor does not
+    take.
+
+    ``config`` is the :class:`DynamicOffloadConfig` (the keyword :func:`enable_offload` takes);
+    ``dynamic_offload_config`` is the published library's name for it (not both).
 
     ``gpu_budget_gb`` is split among the components on ``vmm_fast_runtime`` in proportion to
-    their weight bytes as loaded (floating tensors counted in ``torch_dtype`` when given) (each
+    their weight bytes as loaded (floating tensors counted in ``dtype`` when given) (each
     gets ``vmm_resident_weight_budget_gb`` = its share); components
     on ``linear_runtime`` take their execution slots plus ``resident_module_budget_gb``. A share
     too small for a component's working set raises :class:`DynamicOffloadCapacityError` naming
@@ -181,10 +280,21 @@ def from_pretrained_pipeline_with_dynamic_offload(
     split among the ``vmm_fast_runtime`` components on that device; every such component's
     device must be named, and every named device must run one. A number is split among all of
     them, whatever their devices.
-    ``torch_dtype`` and ``variant`` (``fp16``: the ``*.fp16.safetensors`` files) go to every model
+    ``dtype`` and ``variant`` (``fp16``: the ``*.fp16.safetensors`` files) go to every model
     component, whatever its route.
-    If any component fails, the ones already offloaded are removed and the error re-raised."""
-    root = local_path(path, revision)
+    If any component fails, the ones already offloaded are removed and the error re-raised.
+
+    Returns a :class:`DynamicOffloadPipelineResult`: ``.pipeline`` (the Diffusers pipeline, ready
+    to call), ``.offload`` (each offloaded model component's :class:`DynamicOffloadApplyResult`,
+    by component name), ``.budgets_gb`` (each ``vmm_fast_runtime`` component's share of
+    ``gpu_budget_gb`` in GiB; empty without ``gpu_budget_gb``) and ``.devices`` (each component
+    ``device_map`` placed, by name, as ``cuda:N`` / ``cpu``)."""
+    config = config_keyword("from_pretrained_pipeline_with_dynamic_offload", config, dynamic_offload_config)
+    dtype = _diffusers_keywords(pipeline_kwargs, dtype, torch_dtype)
+    finding = {k: pipeline_kwargs.pop(k) for k in _FINDING if k in pipeline_kwargs}
+    per_component = {k: pipeline_kwargs.pop(k) for k in _PER_COMPONENT if k in pipeline_kwargs}
+    streams_safetensors = per_component.get("use_safetensors") is not False
+    root = local_path(path, revision, finding.get("cache_dir"))
     index_path = os.path.join(root, "model_index.json")
     try:
         with open(index_path, encoding="utf-8") as f:
@@ -209,8 +319,8 @@ def from_pretrained_pipeline_with_dynamic_offload(
         )
     if pipeline_class is None:
         pipeline_class = _class_of("diffusers", str(index.get("_class_name")), index_path)
-    config = dynamic_offload_config
     specs = {k: v for k, v in index.items() if not k.startswith("_")}
+    _refuse_unknown(pipeline_class, pipeline_kwargs, specs)
     devices = {n: _device_name(d, f"device_map[{n!r}]") for n, d in (device_map or {}).items()}
     modules: Dict[str, Any] = {}
     routes: Dict[str, str] = {}
@@ -221,7 +331,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
         loader = _class_of(spec[0], spec[1], f"{index_path} ({component})")
         if isinstance(loader, type) and issubclass(loader, torch.nn.Module):
             modules[component] = loader
-            if _has_safetensors(os.path.join(root, component)):
+            if streams_safetensors and _has_safetensors(os.path.join(root, component)):
                 resolved = resolve_settings(component, config=config)
                 routes[component] = resolved.route_name
                 budget_settings[component] = resolved.route_facts["budget_setting"]
@@ -246,7 +356,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 f"({', '.join(f'{n}: {r}' for n, r in routes.items()) or 'no safetensors model components'}); "
                 "use backend='vmm', or leave gpu_budget_gb unset"
             )
-        sizes = {n: _weight_bytes(variant_checkpoint(os.path.join(root, n), variant), torch_dtype) for n in arena}
+        sizes = {n: _weight_bytes(variant_checkpoint(os.path.join(root, n), variant), _dtype_of(dtype, n)) for n in arena}
         budgets = _split_budgets(gpu_budget_gb, arena, sizes, {n: device_of(n) for n in arena})
     components: Dict[str, Any] = dict(pipeline_kwargs)
     offload: Dict[str, DynamicOffloadApplyResult] = {}
@@ -276,8 +386,9 @@ def from_pretrained_pipeline_with_dynamic_offload(
             else:
                 config_here = config
             dtype_kwargs: Dict[str, Any] = {"variant": variant} if variant else {}
-            if torch_dtype is not None:
-                dtype_kwargs["dtype" if spec[0] == "transformers" else "torch_dtype"] = torch_dtype
+            if _dtype_of(dtype, name) is not None:
+                keyword = _transformers_dtype_keyword() if spec[0] == "transformers" else "torch_dtype"
+                dtype_kwargs[keyword] = _dtype_of(dtype, name)
             if budget_settings.get(name) is not None:
                 own = (
                     (config_here or DynamicOffloadConfig()).replace(vmm_resident_weight_budget_gb=budgets[name])
@@ -286,7 +397,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 )
                 try:
                     loaded = from_pretrained_with_dynamic_offload(
-                        folder, model_loader=loader, apply_dynamic=True, component=name, dynamic_offload_config=own,
+                        folder, model_loader=loader, apply_dynamic=True, component=name, config=own,
                         **dtype_kwargs,
                     )
                 except DynamicOffloadCapacityError as e:
@@ -300,7 +411,8 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 assert loaded.offload is not None  # apply_dynamic=True attached it
                 offload[name] = loaded.offload
             else:
-                module = loader.from_pretrained(folder, **dtype_kwargs)
+                mine = {k: v for k, v in per_component.items() if k != "disable_mmap" or spec[0] != "transformers"}
+                module = loader.from_pretrained(folder, **dtype_kwargs, **mine)
                 offload[name] = enable_offload(module, component=name, config=config_here)
                 components[name] = module
         name = None
