@@ -19,6 +19,7 @@ mod config;
 mod env;
 mod error;
 mod format;
+pub mod generation;
 mod limits;
 mod origin;
 mod preset;

@@ -1,0 +1,151 @@
+//! What a generation plan is made from: the machine as measured and each component as loaded.
+
+use serde::{Deserialize, Serialize};
+
+/// The phase of a generation a component runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// The prompt's encoding: text (and image) encoders, once per generation.
+    Encode,
+    /// The denoising steps: the transformer or UNet, once (or twice, with guidance) per step.
+    Denoise,
+    /// The latents' decoding: the VAE, once per generation.
+    Decode,
+}
+
+impl Phase {
+    /// The phase of the component named `name` in a Diffusers pipeline: `text_encoder*`,
+    /// `image_encoder` and other encoders encode; `transformer*`, `unet*` and `prior*` denoise;
+    /// `vae*` decodes. `None` for a name that says nothing (a host then names the phase).
+    pub fn of_component(name: &str) -> Option<Phase> {
+        let n = name.to_ascii_lowercase();
+        if n.starts_with("vae") {
+            Some(Phase::Decode)
+        } else if n.starts_with("transformer") || n.starts_with("unet") || n.starts_with("prior") {
+            Some(Phase::Denoise)
+        } else if n.contains("encoder") {
+            Some(Phase::Encode)
+        } else {
+            None
+        }
+    }
+
+    /// The phase's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Phase::Encode => "encode",
+            Phase::Denoise => "denoise",
+            Phase::Decode => "decode",
+        }
+    }
+
+    /// Every phase, in the order a generation runs them.
+    pub const ALL: [Phase; 3] = [Phase::Encode, Phase::Denoise, Phase::Decode];
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The machine as the host measured it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MachineFacts {
+    /// The execution device (`cuda:N`, or `cpu` for the host backend).
+    pub device: String,
+    /// The card's memory, bytes (the host's available memory on the host backend).
+    pub card_total_bytes: u64,
+    /// Bytes free on the card for this process now: what other processes and allocations hold
+    /// is already taken out.
+    pub card_free_bytes: u64,
+    /// The host-to-device link, bytes per second (`None`: not measured).
+    #[serde(default)]
+    pub link_bytes_per_second: Option<f64>,
+    /// How fast the device decodes entropy-coded weights, bytes of bf16 output per second.
+    #[serde(default)]
+    pub decode_bytes_per_second: Option<f64>,
+    /// How fast the checkpoints' disk reads, bytes per second.
+    #[serde(default)]
+    pub disk_bytes_per_second: Option<f64>,
+    /// Host memory this process may still take under the admission rules (available memory,
+    /// cgroup limits, the safety margin), bytes (`None`: not observed).
+    #[serde(default)]
+    pub host_available_bytes: Option<u64>,
+}
+
+/// One model component of the pipeline as loaded (or as its checkpoint says it will load).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ComponentFacts {
+    /// Its name in the pipeline (`transformer`, `text_encoder_2`, `vae`).
+    pub name: String,
+    /// The phase it runs in (`None`: from its name, [`Phase::of_component`]; encode when the
+    /// name says nothing).
+    #[serde(default)]
+    pub phase: Option<Phase>,
+    /// Bytes of its weights as loaded.
+    pub weight_bytes: u64,
+    /// Bytes of its largest repeated block (0 without repeated blocks).
+    #[serde(default)]
+    pub largest_block_bytes: u64,
+    /// How many repeated blocks it has.
+    #[serde(default)]
+    pub blocks: u32,
+    /// Bytes of all its repeated blocks.
+    #[serde(default)]
+    pub block_bytes: u64,
+    /// Bytes of bf16 weights in its blocks (what entropy coding can shrink).
+    #[serde(default)]
+    pub bf16_block_bytes: u64,
+    /// Whether its weights are stored as safetensors a native arena can map (a component
+    /// built in memory, or stored otherwise, takes the module's own tensors).
+    #[serde(default)]
+    pub from_checkpoint: bool,
+    /// Peak activation bytes of one pass, when measured (or cached from an earlier run).
+    #[serde(default)]
+    pub activation_bytes: Option<u64>,
+    /// Passes per generation (`None`: the denoiser's steps for it, else 1).
+    #[serde(default)]
+    pub passes: Option<u32>,
+}
+
+impl ComponentFacts {
+    /// The phase it runs in.
+    pub fn phase(&self) -> Phase {
+        self.phase.or_else(|| Phase::of_component(&self.name)).unwrap_or(Phase::Encode)
+    }
+
+    /// Whether its blocks can stream: it has repeated blocks holding most of its weights.
+    pub fn streams(&self) -> bool {
+        self.blocks >= 2 && self.largest_block_bytes > 0
+    }
+
+    /// Bytes outside its repeated blocks (embeddings, norms, heads): always resident while it
+    /// streams.
+    pub fn outside_blocks_bytes(&self) -> u64 {
+        self.weight_bytes.saturating_sub(self.block_bytes.min(self.weight_bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_follow_diffusers_component_names() {
+        for (name, phase) in [
+            ("text_encoder", Some(Phase::Encode)),
+            ("text_encoder_2", Some(Phase::Encode)),
+            ("image_encoder", Some(Phase::Encode)),
+            ("transformer", Some(Phase::Denoise)),
+            ("transformer_2", Some(Phase::Denoise)),
+            ("unet", Some(Phase::Denoise)),
+            ("prior", Some(Phase::Denoise)),
+            ("vae", Some(Phase::Decode)),
+            ("scheduler", None),
+        ] {
+            assert_eq!(Phase::of_component(name), phase, "{name}");
+        }
+    }
+}
