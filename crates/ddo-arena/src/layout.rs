@@ -208,6 +208,20 @@ fn align_up(v: u64, a: u64) -> u64 {
 }
 
 impl Layout {
+    /// The smallest budget an arena of this layout plans under: its pinned units, two slots
+    /// of its largest other unit and the staging buffers (everything, when no unit streams).
+    pub fn budget_floor(&self) -> u64 {
+        let pinned: u64 = self.units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
+        let largest = self.units.iter().filter(|u| !u.pinned).map(|u| u.len).max().unwrap_or(0);
+        let streamed = self.units.iter().filter(|u| !u.pinned).count();
+        let slots = if streamed > 2 {
+            2 * largest
+        } else {
+            self.units.iter().filter(|u| !u.pinned).map(|u| u.len).sum()
+        };
+        pinned + slots + self.staging_len
+    }
+
     /// Lays out `units` over `slices` with the device's mapping `granularity`. Every tensor must
     /// belong to at most one unit; empty units are refused.
     pub fn build(

@@ -8,6 +8,7 @@
 
 mod dlpack;
 mod errors;
+mod generation;
 mod plan;
 mod rules;
 mod session;
@@ -340,6 +341,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(take_drop_failures, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_schema, m)?)?;
     rules::register(m)?;
+    generation::register(m)?;
     errors::register(m)?;
     Ok(())
 }

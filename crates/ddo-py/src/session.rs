@@ -321,6 +321,12 @@ impl Session {
         py.detach(|| self.inner.set_budget(total)).map_err(session_error)
     }
 
+    /// `(floor, held)`: the smallest budget the arena plans under, and the bytes it holds at
+    /// that budget once its idle slots are reclaimed.
+    fn budget_floor(&self) -> PyResult<(u64, u64)> {
+        self.inner.budget_floor().map_err(session_error)
+    }
+
     /// Whether `vmm_weight_encoding = auto` timed the passes as transfer-bound: the streamed
     /// units should switch to encoded streaming between passes.
     fn encoding_switch_due(&self) -> bool {

@@ -156,3 +156,9 @@ mod tests {
         assert_eq!(device.live_streams(), 0, "the probe releases the stream it made");
     }
 }
+
+/// How fast `platform`'s device decodes entropy-coded bf16 weights, bytes of bf16 per second
+/// at the largest probe size (what a whole-generation plan weighs against the link).
+pub fn measure_decode_rate(platform: &Platform) -> Result<f64, DeviceError> {
+    decode_speed(platform).map(|s| s.rate())
+}

@@ -14,6 +14,19 @@ impl ComponentSession {
         Ok(Self::attached(&mut g)?.memory.arena.reclaim_idle()?)
     }
 
+    /// The smallest GPU budget the arena plans under ([`Layout::budget_floor`]), and the bytes
+    /// it holds at that budget once [`reclaim`](Self::reclaim) released its idle slots: what a
+    /// component keeps while another phase of a generation has the card.
+    ///
+    /// [`Layout::budget_floor`]: ddo_arena::Layout::budget_floor
+    pub fn budget_floor(&self) -> Result<(u64, u64), SessionError> {
+        let mut g = self.lock();
+        let layout = Self::attached(&mut g)?.memory.arena.layout();
+        let floor = layout.budget_floor();
+        let held: u64 = layout.units.iter().filter(|u| u.pinned).map(|u| u.len).sum();
+        Ok((floor, held + layout.staging_len))
+    }
+
     /// Frees the weights' device memory and host registrations once every fence completed.
     /// Refused while a lease is live. Views handed out
     /// ([`TensorView::owner`](crate::TensorView::owner)) keep the memory until they are dropped;
