@@ -239,6 +239,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
     dtype: Any = None,
     torch_dtype: Any = None,
     dynamic_offload_config: Optional[DynamicOffloadConfig] = None,
+    component_configs: Optional[Mapping[str, DynamicOffloadConfig]] = None,
     gpu_budget_gb: Union[float, Mapping[str, float], None] = None,
     device_map: Optional[Mapping[str, Any]] = None,
     revision: Optional[str] = None,
@@ -266,6 +267,8 @@ def from_pretrained_pipeline_with_dynamic_offload(
 
     ``config`` is the :class:`DynamicOffloadConfig` (the keyword :func:`enable_offload` takes);
     ``dynamic_offload_config`` is the published library's name for it (not both).
+    ``component_configs`` gives named components their own configuration instead (what
+    :func:`ddo.load` passes from its plan).
 
     ``gpu_budget_gb`` is split among the components on ``vmm_fast_runtime`` in proportion to
     their weight bytes as loaded (floating tensors counted in ``dtype`` when given) (each
@@ -290,6 +293,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
     ``gpu_budget_gb`` in GiB; empty without ``gpu_budget_gb``) and ``.devices`` (each component
     ``device_map`` placed, by name, as ``cuda:N`` / ``cpu``)."""
     config = config_keyword("from_pretrained_pipeline_with_dynamic_offload", config, dynamic_offload_config)
+    own_configs: Dict[str, Optional[DynamicOffloadConfig]] = dict(component_configs or {})
     dtype = _diffusers_keywords(pipeline_kwargs, dtype, torch_dtype)
     finding = {k: pipeline_kwargs.pop(k) for k in _FINDING if k in pipeline_kwargs}
     per_component = {k: pipeline_kwargs.pop(k) for k in _PER_COMPONENT if k in pipeline_kwargs}
@@ -332,7 +336,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
         if isinstance(loader, type) and issubclass(loader, torch.nn.Module):
             modules[component] = loader
             if streams_safetensors and _has_safetensors(os.path.join(root, component)):
-                resolved = resolve_settings(component, config=config)
+                resolved = resolve_settings(component, config=own_configs.get(component, config))
                 routes[component] = resolved.route_name
                 budget_settings[component] = resolved.route_facts["budget_setting"]
     unknown = sorted(n for n in devices if n not in modules)
@@ -345,7 +349,7 @@ def from_pretrained_pipeline_with_dynamic_offload(
     def device_of(name: str) -> str:
         if name in devices:
             return devices[name]
-        return _device_name(resolve_settings(name, config=config).device, f"the execution device of {name}")
+        return _device_name(resolve_settings(name, config=own_configs.get(name, config)).device, f"the execution device of {name}")
 
     budgets: Dict[str, float] = {}
     if gpu_budget_gb is not None:
@@ -380,11 +384,12 @@ def from_pretrained_pipeline_with_dynamic_offload(
                 continue
             placed: Dict[str, Any] = {}
             config_here: Optional[DynamicOffloadConfig]
+            base = own_configs.get(name, config)
             if name in devices:
                 placed["execution_device"] = devices[name]
-                config_here = (config or DynamicOffloadConfig()).replace(**placed)
+                config_here = (base or DynamicOffloadConfig()).replace(**placed)
             else:
-                config_here = config
+                config_here = base
             dtype_kwargs: Dict[str, Any] = {"variant": variant} if variant else {}
             if _dtype_of(dtype, name) is not None:
                 keyword = _transformers_dtype_keyword() if spec[0] == "transformers" else "torch_dtype"
