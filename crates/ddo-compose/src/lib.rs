@@ -41,7 +41,7 @@ mod read_ahead;
 pub use device::{choose_device, plan_device};
 pub use link::measure_host_link;
 pub use machine::{Machine, open, open_with_admission};
-pub use os::{host_admission, observe_host_memory, running_on_wsl};
+pub use os::{host_admission, host_room, observe_host_memory, running_on_wsl};
 pub use profile::{MachineProfile, PROFILE_MAX_AGE};
 pub use read_ahead::read_ahead;
 

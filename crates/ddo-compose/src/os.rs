@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use ddo_core::{AdmissionProbe, HostMemoryObservation};
+use ddo_core::{Admission, AdmissionProbe, GrowthKind, GrowthRequest, HostMemoryObservation};
 use ddo_platform::LinuxAdmissionProbe;
 
 /// Whether this Linux kernel is WSL's (`/proc/version` names Microsoft or WSL).
@@ -23,6 +23,17 @@ pub fn host_admission(margin: Option<u64>) -> Arc<dyn AdmissionProbe> {
     match margin {
         Some(margin) => Arc::new(probe.with_safety_margin(margin)),
         None => Arc::new(probe),
+    }
+}
+
+/// Host bytes this process may still take keeping `margin` free (available memory, strict
+/// overcommit, cgroup limits), as the admission probe decides now; `None` when host memory
+/// cannot be observed.
+pub fn host_room(margin: u64) -> Option<u64> {
+    let request = GrowthRequest { kind: GrowthKind::Retained, bytes: 0, registered_bytes: 0 };
+    match host_admission(Some(margin)).admit(&request) {
+        Admission::Granted { headroom } => Some(headroom),
+        Admission::Refused(_) => None,
     }
 }
 

@@ -44,6 +44,15 @@ fn plan_generation(request: &str) -> PyResult<String> {
     serde_json::to_string(&value).map_err(config_error)
 }
 
+/// The repeated blocks of tensors `[(name, bytes, is bf16)]`, as JSON (`blocks`,
+/// `largest_block_bytes`, `block_bytes`, `bf16_block_bytes`).
+#[pyfunction]
+fn blocks_of_tensors(tensors: Vec<(String, u64, bool)>) -> PyResult<String> {
+    let blocks =
+        generation::Blocks::of_tensors(tensors.iter().map(|(n, b, f)| (n.as_str(), *b, *f)));
+    serde_json::to_string(&blocks).map_err(config_error)
+}
+
 /// The phase the component named `name` runs in, from its name, or `None`.
 #[pyfunction]
 fn phase_of_component(name: &str) -> Option<&'static str> {
@@ -158,13 +167,22 @@ fn machine_profile(
     serde_json::to_string(&profile).map_err(config_error)
 }
 
+/// Host bytes this process may still take keeping `margin_bytes` free, or `None` when host
+/// memory cannot be observed.
+#[pyfunction]
+fn host_room_bytes(margin_bytes: u64) -> Option<u64> {
+    ddo_compose::host_room(margin_bytes)
+}
+
 /// Registers the generation plan in `ddo._native`.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_generation, m)?)?;
     m.add_function(wrap_pyfunction!(phase_of_component, m)?)?;
+    m.add_function(wrap_pyfunction!(blocks_of_tensors, m)?)?;
     m.add_class::<CardShare>()?;
     m.add_function(wrap_pyfunction!(decode_need_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(decode_fit, m)?)?;
     m.add_function(wrap_pyfunction!(machine_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(host_room_bytes, m)?)?;
     Ok(())
 }

@@ -128,9 +128,88 @@ impl ComponentFacts {
     }
 }
 
+/// A component's repeated blocks, found from its tensors' names: the tensors under
+/// `<container>.<index>.` for the first numbered segment of each name, in containers with at
+/// least two indices (`transformer_blocks.0.`, `encoder.block.7.`, `layers.11.`), as a module
+/// list of blocks names them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Blocks {
+    /// How many blocks.
+    pub blocks: u32,
+    /// Bytes of the largest.
+    pub largest_block_bytes: u64,
+    /// Bytes of all of them.
+    pub block_bytes: u64,
+    /// Bytes of their bf16 tensors.
+    pub bf16_block_bytes: u64,
+}
+
+impl Blocks {
+    /// The blocks of the tensors `(name, bytes, is bf16)`.
+    pub fn of_tensors<'a>(tensors: impl IntoIterator<Item = (&'a str, u64, bool)>) -> Blocks {
+        use std::collections::BTreeMap;
+        // container -> index -> (bytes, bf16 bytes)
+        let mut containers: BTreeMap<&str, BTreeMap<u64, (u64, u64)>> = BTreeMap::new();
+        for (name, bytes, bf16) in tensors {
+            let mut offset = 0;
+            for segment in name.split('.') {
+                if offset > 0 && !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_digit())
+                {
+                    let Ok(index) = segment.parse::<u64>() else { break };
+                    let block = containers
+                        .entry(&name[..offset - 1])
+                        .or_default()
+                        .entry(index)
+                        .or_default();
+                    block.0 += bytes;
+                    block.1 += if bf16 { bytes } else { 0 };
+                    break;
+                }
+                offset += segment.len() + 1;
+            }
+        }
+        let mut found = Blocks::default();
+        for blocks in containers.values().filter(|b| b.len() >= 2) {
+            found.blocks += u32::try_from(blocks.len()).unwrap_or(u32::MAX);
+            for &(bytes, bf16) in blocks.values() {
+                found.largest_block_bytes = found.largest_block_bytes.max(bytes);
+                found.block_bytes += bytes;
+                found.bf16_block_bytes += bf16;
+            }
+        }
+        found
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_are_the_numbered_children_of_a_container() {
+        let tensors = [
+            ("x_embedder.weight", 10, true),
+            ("transformer_blocks.0.attn.to_q.weight", 100, true),
+            ("transformer_blocks.0.norm.weight", 4, false),
+            ("transformer_blocks.1.attn.to_q.weight", 100, true),
+            ("single_transformer_blocks.0.proj.weight", 50, true),
+            ("single_transformer_blocks.1.proj.weight", 50, true),
+            ("single_transformer_blocks.2.proj.weight", 50, true),
+            // One numbered child is no repetition.
+            ("norm_out.0.weight", 7, true),
+        ];
+        let b = Blocks::of_tensors(tensors);
+        assert_eq!(
+            b,
+            Blocks { blocks: 5, largest_block_bytes: 104, block_bytes: 354, bf16_block_bytes: 350 }
+        );
+        let t5 = [
+            ("encoder.block.0.layer.0.q.weight", 8, true),
+            ("encoder.block.1.layer.0.q.weight", 8, true),
+        ];
+        assert_eq!(Blocks::of_tensors(t5).blocks, 2);
+        assert_eq!(Blocks::of_tensors([("1.weight", 3, true), ("2.weight", 3, true)]).blocks, 0);
+    }
 
     #[test]
     fn phases_follow_diffusers_component_names() {

@@ -19,7 +19,7 @@ pub use choose::{
     ASSUMED_ENCODED_RATIO, PREFETCH_DEPTH, RESIDENT_BYTES, floor_bytes, plan_generation,
     unmeasured_activation_bytes,
 };
-pub use facts::{ComponentFacts, MachineFacts, Phase};
+pub use facts::{Blocks, ComponentFacts, MachineFacts, Phase};
 
 use serde::{Deserialize, Serialize};
 
