@@ -23,6 +23,9 @@ pub fn unmeasured_activation_bytes(phase: Phase, card_total_bytes: u64) -> u64 {
     }
 }
 
+/// Passes per generation of a denoiser whose host did not say: a common step count.
+pub const DENOISE_PASSES: u32 = 28;
+
 /// Units in flight on a streamed component: one block uploads while one runs, and one more
 /// covers a block that computes faster than its successor uploads.
 pub const PREFETCH_DEPTH: u32 = 2;
@@ -34,7 +37,7 @@ pub const ASSUMED_ENCODED_RATIO: f64 = 0.70;
 /// Plans a whole generation ([`GenerationRequest`]).
 pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
     let m = &request.machine;
-    let host_device = m.device == "cpu";
+    let host_device = m.keeps_everything();
     let mut notes = Vec::new();
     let mut choices: Vec<ComponentChoice> =
         request.components.iter().map(|c| first_choice(c, m, host_device)).collect();
@@ -46,14 +49,14 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
         .filter(|(c, _)| c.route == "none")
         .map(|(_, f)| f.weight_bytes)
         .sum();
-    let card = m.card_free_bytes.saturating_sub(fixed);
+    let card = m.usable_bytes().saturating_sub(fixed);
     let mut phases = Vec::new();
-    if fixed > m.card_free_bytes {
+    if fixed > m.usable_bytes() {
         notes.push(format!(
             "the components kept on the card ({}) exceed its free memory ({}): stream them with \
              components={{name: {{\"route\": \"vmm_fast_runtime\"}}}}",
             gib(fixed),
-            gib(m.card_free_bytes)
+            gib(m.usable_bytes())
         ));
     }
 
@@ -185,7 +188,8 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
 /// The route before budgets: small components stay on the card, the others stream.
 fn first_choice(c: &ComponentFacts, m: &MachineFacts, host_device: bool) -> ComponentChoice {
     let phase = c.phase();
-    let passes = c.passes.unwrap_or(1).max(1);
+    let passes =
+        c.passes.unwrap_or(if phase == Phase::Denoise { DENOISE_PASSES } else { 1 }).max(1);
     let mut choice = ComponentChoice {
         name: c.name.clone(),
         phase,
@@ -211,11 +215,11 @@ fn first_choice(c: &ComponentFacts, m: &MachineFacts, host_device: bool) -> Comp
         ));
         return choice;
     }
-    if c.weight_bytes <= RESIDENT_BYTES.min(m.card_free_bytes / 8) {
+    if c.weight_bytes <= RESIDENT_BYTES.min(m.usable_bytes() / 8) {
         choice.reasons.push(format!(
             "{} (at most {}): on the card for the whole generation, no copies per pass",
             gib(c.weight_bytes),
-            gib(RESIDENT_BYTES.min(m.card_free_bytes / 8))
+            gib(RESIDENT_BYTES.min(m.usable_bytes() / 8))
         ));
         return choice;
     }
@@ -306,7 +310,9 @@ fn choose_encoding(choice: &mut ComponentChoice, c: &ComponentFacts, m: &Machine
     if choice.route != "vmm_fast_runtime" {
         return;
     }
-    let why = if choice.streamed_bytes_per_pass == 0 {
+    let why = if m.device == "cpu" {
+        Some("the host backend decodes nothing".to_owned())
+    } else if choice.streamed_bytes_per_pass == 0 {
         Some("nothing streams at this budget".to_owned())
     } else if choice.phase != Phase::Denoise {
         Some(format!(
@@ -374,6 +380,7 @@ mod tests {
             decode_bytes_per_second: Some(200e9),
             disk_bytes_per_second: Some(3e9),
             host_available_bytes: host_gib.map(|h| h * G),
+            budget_bytes: None,
         }
     }
 
@@ -490,6 +497,20 @@ mod tests {
         m.device = "cpu".into();
         let p = plan_generation(&GenerationRequest { machine: m, components: flux() });
         assert!(p.components.iter().all(|c| c.route == "none" && c.host_tier == HostTier::Host));
+    }
+
+    #[test]
+    fn a_budget_bounds_the_card_and_plans_the_host_backend_as_one() {
+        let mut m = machine(80, None);
+        m.budget_bytes = Some(16 * G);
+        let bounded =
+            plan_generation(&GenerationRequest { machine: m.clone(), components: flux() });
+        let t = bounded.component("transformer").unwrap();
+        assert!(t.budget_bytes < 16 * G && t.streamed_bytes_per_pass > 0, "{}", bounded.table());
+        m.device = "cpu".into();
+        let host = plan_generation(&GenerationRequest { machine: m, components: flux() });
+        assert_eq!(host.component("transformer").unwrap().route, "vmm_fast_runtime");
+        assert_eq!(host.component("transformer").unwrap().budget_bytes, t.budget_bytes);
     }
 
     #[test]

@@ -73,6 +73,24 @@ pub struct MachineFacts {
     /// cgroup limits, the safety margin), bytes (`None`: not observed).
     #[serde(default)]
     pub host_available_bytes: Option<u64>,
+    /// A GPU budget the user set for the whole pipeline: the plan shares at most this much of
+    /// the card. On the host backend it plans the host device as a card of this size (what
+    /// tests and demonstrations of streaming without a GPU use).
+    #[serde(default)]
+    pub budget_bytes: Option<u64>,
+}
+
+impl MachineFacts {
+    /// Bytes the plan may share: the card's free memory, or the user's budget when smaller.
+    pub fn usable_bytes(&self) -> u64 {
+        self.budget_bytes.map_or(self.card_free_bytes, |b| b.min(self.card_free_bytes))
+    }
+
+    /// Whether the plan keeps every component where its weights are: the host backend
+    /// without a budget.
+    pub fn keeps_everything(&self) -> bool {
+        self.device == "cpu" && self.budget_bytes.is_none()
+    }
 }
 
 /// One model component of the pipeline as loaded (or as its checkpoint says it will load).

@@ -16,8 +16,8 @@ pub mod share;
 mod table;
 
 pub use choose::{
-    ASSUMED_ENCODED_RATIO, PREFETCH_DEPTH, RESIDENT_BYTES, floor_bytes, plan_generation,
-    unmeasured_activation_bytes,
+    ASSUMED_ENCODED_RATIO, DENOISE_PASSES, PREFETCH_DEPTH, RESIDENT_BYTES, floor_bytes,
+    plan_generation, unmeasured_activation_bytes,
 };
 pub use facts::{Blocks, ComponentFacts, MachineFacts, Phase};
 
