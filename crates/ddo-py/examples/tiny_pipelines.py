@@ -31,19 +31,22 @@ def clip(cls_name="CLIPTextModel", hidden=32):
     return getattr(transformers, cls_name)(config)
 
 
-def t5(cls_name="T5EncoderModel", d_model=32):
+def t5(cls_name="T5EncoderModel", d_model=32, d_ff=37):
     import transformers
 
     config_cls = transformers.UMT5Config if cls_name.startswith("UMT5") else transformers.T5Config
-    return getattr(transformers, cls_name)(config_cls(vocab_size=64, d_model=d_model, d_kv=8, d_ff=37, num_layers=3, num_heads=4))
+    config = config_cls(vocab_size=64, d_model=d_model, d_kv=8, d_ff=d_ff, num_layers=3, num_heads=4)
+    return getattr(transformers, cls_name)(config)
 
 
-def flux_pipeline():
+def flux_pipeline(heads: int = 2, t5_width: int = 32):
+    """A Flux-shaped pipeline; ``heads`` of 16 dimensions each size the transformer's blocks
+    (``heads=16``: blocks of a few MiB, larger than a mapping granule), ``t5_width`` T5's."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=4 if heads > 2 else 2, attention_head_dim=16,
+        num_attention_heads=heads, joint_attention_dim=t5_width, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
     )
     vae = AutoencoderKL(
         sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1, latent_channels=1,
@@ -51,7 +54,8 @@ def flux_pipeline():
     )
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip(), tokenizer=tokenizer(77),
-        text_encoder_2=t5(), tokenizer_2=tokenizer(48), transformer=transformer,
+        text_encoder_2=t5(d_model=t5_width, d_ff=4 * t5_width if t5_width > 32 else 37), tokenizer_2=tokenizer(48),
+        transformer=transformer,
     )
     return pipe, dict(height=8, width=8, max_sequence_length=48, guidance_scale=5.0)
 

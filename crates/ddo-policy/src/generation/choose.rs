@@ -49,7 +49,9 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
         .filter(|(c, _)| c.route == "none")
         .map(|(_, f)| f.weight_bytes)
         .sum();
-    let card = m.usable_bytes().saturating_sub(fixed);
+    let card = m.card_free_bytes.saturating_sub(fixed);
+    // A user's budget bounds the weights, fixed ones included; activations are outside it.
+    let cap = m.weights_cap().map(|b| b.saturating_sub(fixed));
     let mut phases = Vec::new();
     if fixed > m.usable_bytes() {
         notes.push(format!(
@@ -84,11 +86,14 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
         (0..phase_of.len()).filter(|&i| arena(i) && phase_of[i] != Phase::Denoise).collect();
     let idle_others: u64 = others.iter().map(|&i| idle(i)).sum();
     let mut working = if denoisers.is_empty() { 0 } else { act(Phase::Denoise, &denoisers) };
+    // The same without activations: what the other phases' arenas take within a budget.
+    let mut weights_working = 0;
     for phase in [Phase::Encode, Phase::Decode] {
         let members = members_of(phase);
         if !members.is_empty() {
             let floors: u64 = members.iter().map(|&i| floor_of[i] - idle(i).min(floor_of[i])).sum();
             working = working.max(floors + act(phase, &members));
+            weights_working = weights_working.max(floors);
         }
     }
     let mut denoiser_bytes = 0;
@@ -100,11 +105,19 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
         }
         let activation = act(phase, &members);
         let share = if phase == Phase::Denoise {
-            card.saturating_sub(idle_others).saturating_sub(working)
+            let on_card = card.saturating_sub(idle_others).saturating_sub(working);
+            let in_budget =
+                cap.map(|c| c.saturating_sub(idle_others).saturating_sub(weights_working));
+            in_budget.map_or(on_card, |b| b.min(on_card))
         } else {
             let idle_rest: u64 =
                 others.iter().filter(|&&i| phase_of[i] != phase).map(|&i| idle(i)).sum();
-            card.saturating_sub(denoiser_bytes).saturating_sub(idle_rest).saturating_sub(activation)
+            let on_card = card
+                .saturating_sub(denoiser_bytes)
+                .saturating_sub(idle_rest)
+                .saturating_sub(activation);
+            let in_budget = cap.map(|c| c.saturating_sub(denoiser_bytes).saturating_sub(idle_rest));
+            in_budget.map_or(on_card, |b| b.min(on_card))
         };
         // Each its floor first, then the rest by water-filling what more each wants.
         let floors: Vec<u64> = members.iter().map(|&i| floor_of[i]).collect();
@@ -238,9 +251,10 @@ fn first_choice(c: &ComponentFacts, m: &MachineFacts, host_device: bool) -> Comp
 }
 
 /// The smallest budget a streamed component's arena plans under: what stays outside the
-/// blocks, and two slots of its largest block.
+/// blocks, two slots of its largest block, and four 2 MiB mapping granules for rounding (the
+/// session's own floor replaces this once attached).
 pub fn floor_bytes(c: &ComponentFacts) -> u64 {
-    c.outside_blocks_bytes().saturating_add(c.largest_block_bytes.saturating_mul(2)) + 64 * MIB
+    c.outside_blocks_bytes().saturating_add(c.largest_block_bytes.saturating_mul(2)) + 8 * MIB
 }
 
 /// Bytes that cross the link each pass under `budget`: every block that cannot stay (two
@@ -358,9 +372,13 @@ fn copy_seconds(choice: &ComponentChoice, m: &MachineFacts) -> Option<f64> {
     (rate > 0.0).then(|| choice.streamed_bytes_per_pass as f64 / rate)
 }
 
-/// `bytes` as GiB with two decimals.
+/// `bytes` as GiB with two decimals, or MiB below a GiB.
 pub(crate) fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / GIB as f64)
+    if bytes >= GIB || bytes == 0 {
+        format!("{:.2} GiB", bytes as f64 / GIB as f64)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / MIB as f64)
+    }
 }
 
 #[cfg(test)]

@@ -86,6 +86,12 @@ impl MachineFacts {
         self.budget_bytes.map_or(self.card_free_bytes, |b| b.min(self.card_free_bytes))
     }
 
+    /// Bytes the weights may take in all (the user's budget; activations are outside it), or
+    /// `None` without one.
+    pub fn weights_cap(&self) -> Option<u64> {
+        self.budget_bytes
+    }
+
     /// Whether the plan keeps every component where its weights are: the host backend
     /// without a budget.
     pub fn keeps_everything(&self) -> bool {

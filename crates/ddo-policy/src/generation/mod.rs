@@ -81,18 +81,21 @@ impl ComponentChoice {
         use serde_json::json;
         let gib = |bytes: u64| json!(bytes as f64 / ddo_core::GIB as f64);
         let mut c = serde_json::Map::new();
-        c.insert("route".into(), json!(self.route));
+        let streamed = self.route != "none";
+        c.insert("route".into(), json!(if streamed { "dynamic_offload" } else { "none" }));
+        if streamed {
+            c.insert("execution_mode".into(), json!(self.route));
+            c.insert("prefetch_depth".into(), json!(self.prefetch_depth));
+        }
         match self.route.as_str() {
             "vmm_fast_runtime" | "vmm_runtime" => {
                 c.insert("backend".into(), json!("vmm"));
                 c.insert("vmm_resident_weight_budget_gb".into(), gib(self.attach_bytes()));
-                c.insert("prefetch_depth".into(), json!(self.prefetch_depth));
                 c.insert("vmm_weight_encoding".into(), json!(self.encoding.to_string()));
             }
             "linear_runtime" => {
                 c.insert("backend".into(), json!("linear"));
                 c.insert("resident_module_budget_gb".into(), json!(0.0));
-                c.insert("prefetch_depth".into(), json!(self.prefetch_depth));
             }
             _ => {}
         }

@@ -57,6 +57,7 @@ from .settings import (
     load_dynamic_offload_settings_from_env,
     resolve_dynamic_offload_preset,
 )
+from .generation import GenerationPlan, Offloaded, load, offload, plan
 from .loaders.pipeline import DynamicOffloadPipelineResult, from_pretrained_pipeline_with_dynamic_offload
 from .results import DiffusersGroupOffloadResult, DynamicOffloadApplyResult, DynamicOffloadLoadResult
 from .runtime import StreamedWeight, find_execution_units
@@ -105,6 +106,12 @@ from .profiles import (
 __version__ = _native.version()
 
 __all__ = [
+    # ddo's one call: a whole generation planned for this machine.
+    "GenerationPlan",
+    "Offloaded",
+    "load",
+    "offload",
+    "plan",
     "DDO_PRESETS",
     "DiffusersGroupOffloadResult",
     "DynamicOffloadHook",
