@@ -123,3 +123,13 @@ def test_enable_offload_names_config_when_given_the_loaders_keyword():
     for call in (ddo.enable_offload, ddo.enable_dynamic_offload):
         with pytest.raises(TypeError, match="takes the DynamicOffloadConfig as config="):
             call(module, dynamic_offload_config=ddo.DynamicOffloadConfig(execution_device="cpu"))
+
+
+def test_the_pipeline_result_attributes_are_documented():
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+    with open(os.path.join(root, "docs", "src", "guide", "pipelines.md"), encoding="utf-8") as f:
+        page = f.read()
+    doc = ddo.DynamicOffloadPipelineResult.__doc__ or ""
+    for attribute in ("pipeline", "offload", "budgets_gb", "devices"):
+        assert f"| `.{attribute}` |" in page, attribute
+        assert f"``{attribute}``:" in doc, attribute

@@ -29,13 +29,22 @@ __all__ = ["DynamicOffloadPipelineResult", "from_pretrained_pipeline_with_dynami
 
 @dataclasses.dataclass
 class DynamicOffloadPipelineResult:
-    """What :func:`from_pretrained_pipeline_with_dynamic_offload` loaded: the pipeline, how each
-    model component is offloaded, and the GPU weight budget each arena component was given."""
+    """What :func:`from_pretrained_pipeline_with_dynamic_offload` loaded.
+
+    - ``pipeline``: the Diffusers pipeline (the class ``model_index.json`` names, or
+      ``pipeline_class``), built from the loaded components, ready to call.
+    - ``offload``: each offloaded model component's :class:`DynamicOffloadApplyResult` by
+      component name (its metrics, ``remove()``, ``unload()``/``reload()``); components given in
+      the keywords are used as they are and are not in it.
+    - ``budgets_gb``: each ``vmm_fast_runtime`` component's share of ``gpu_budget_gb`` in GiB, by
+      name (split by weight bytes, per device with a mapping); empty without ``gpu_budget_gb``.
+    - ``devices``: the execution device of each component ``device_map`` placed, by name, as
+      ``cuda:N`` or ``cpu`` (the others run on the config's ``execution_device``); empty
+      without ``device_map``."""
 
     pipeline: Any
     offload: Dict[str, DynamicOffloadApplyResult]
     budgets_gb: Dict[str, float]
-    #: The execution device of each component ``device_map`` placed.
     devices: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def metrics_snapshots(self) -> Dict[str, DynamicOffloadMetrics]:
