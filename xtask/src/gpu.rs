@@ -220,6 +220,9 @@ const BENCH_USAGE: &str =
   bash DIR/run.sh native          the native route's fidelity checks
   bash DIR/run.sh features        pipelines, text encoders, LoRA and conversion against resident runs
   bash DIR/run.sh pipeline [GIB]  a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
+  bash DIR/run.sh generation [ARGS]  whole generations (Flux 12 B or Wan 14B: encode, steps, decode)
+                                   by ddo and Diffusers' offloads on simulated cards (ARGS go to
+                                   gpu_generation.py: --model, --rows, --card-gb, --host-gb, --steps)
   bash DIR/run.sh dropin          the host example, timer, phase helpers, profiles, doctor and bench
   bash DIR/run.sh decode [ARGS]   the GPU decoding rate of encoded weights beside the pinned link
                                    (1 to 256 MiB; ARGS go to decode_rate: --sizes, --repeat)
@@ -300,6 +303,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_features.py",
         "gpu_boundaries.py",
         "gpu_pipeline.py",
+        "gpu_generation.py",
         "gpu_dropin.py",
         "gpu_lowram.py",
         "gpu_shared.py",
@@ -340,6 +344,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh features          pipelines, text encoders, LoRA and conversion against resident runs
 #   bash run.sh boundaries        kept weights, reads between passes, refusals, interrupts, threads, rewrites
 #   bash run.sh pipeline [GIB]    a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
+#   bash run.sh generation [ARGS] whole generations by ddo and Diffusers' offloads on simulated cards
 #   bash run.sh dropin            the host example, timer, phase helpers, profiles, doctor and bench
 #   bash run.sh decode [ARGS]     the GPU decoding rate of encoded weights beside the pinned link
 #   bash run.sh p2p [ARGS]        copies between every pair of GPUs beside pinned host copies
@@ -357,6 +362,7 @@ case "${1:-bench}" in
   features) cmd=(python3 "$bundle/gpu_features.py") ;;
   boundaries) cmd=(python3 "$bundle/gpu_boundaries.py") ;;
   pipeline) cmd=(python3 "$bundle/gpu_pipeline.py" --dir "$work" --budget-gb "${2:-10}") ;;
+  generation) cmd=(python3 "$bundle/gpu_generation.py" --dir "$work" "${@:2}") ;;
   dropin) cmd=(python3 "$bundle/gpu_dropin.py") ;;
   decode) cmd=("$bundle/decode_rate" "${@:2}") ;;
   p2p) cmd=("$bundle/p2p_rate" "${@:2}") ;;
@@ -370,7 +376,7 @@ case "${1:-bench}" in
   interleaved) cmd=(python3 "$bundle/gpu_interleaved.py" --dir "$work" "${@:2}") ;;
   host-costs) mkdir -p "$work"; cmd=(python3 "$bundle/host_costs.py" --dir "$work" "${@:2}") ;;
   arena-memory) cmd=(python3 "$bundle/gpu_arena_memory.py" --dir "$work" "${@:2}") ;;
-  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | copy-beside [ARGS] | interleaved [ARGS] | host-costs [ARGS] | arena-memory [ARGS]" >&2; exit 2 ;;
+  *) echo "usage: run.sh native | features | boundaries | pipeline [GIB] | generation [ARGS] | dropin | decode [ARGS] | p2p [ARGS] | bench [CONFIGS] [VARIANTS] | table | lowram [GIB] | shared | contention [ARGS] | copy-beside [ARGS] | interleaved [ARGS] | host-costs [ARGS] | arena-memory [ARGS]" >&2; exit 2 ;;
 esac
 "${cmd[@]}" 2>&1 | grep --line-buffered -vE "Warning|warn\(|Loading checkpoint" | tee -a "$log"
 status=${PIPESTATUS[0]}

@@ -35,22 +35,36 @@ GIB = 2**30
 PROMPT = "a red cat sitting on the mat photo"
 
 
-def build(folder: str) -> None:
+def scaled(n: int, scale: float, unit: int = 1, least: int = 1) -> int:
+    """``n`` times ``scale``, in multiples of ``unit`` and at least ``least`` (``n`` at scale 1)."""
+    return n if scale >= 1 else max(least, round(n * scale / unit) * unit)
+
+
+def build(folder: str, scale: float = 1.0) -> None:
+    """The Flux-12B-shaped pipeline saved in ``folder``; ``scale`` < 1 shrinks its layer counts
+    and widths (a pipeline of the same structure small enough for the CPU)."""
     import transformers
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     t = time.perf_counter()
-    transformer = random_model(FluxTransformer2DModel)  # Flux.1-dev's shape: 19 + 38 blocks
+    t5_heads, clip_heads = scaled(64, scale), scaled(12, scale)
+    # Flux.1-dev's shape: 19 + 38 blocks of 24 heads.
+    transformer = random_model(
+        FluxTransformer2DModel, num_layers=scaled(19, scale), num_single_layers=scaled(38, scale),
+        num_attention_heads=scaled(24, scale), joint_attention_dim=t5_heads * 64, pooled_projection_dim=clip_heads * 64,
+    )
     clip_config = transformers.CLIPTextConfig(
-        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-        max_position_embeddings=77, projection_dim=768, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+        vocab_size=49408, hidden_size=clip_heads * 64, intermediate_size=scaled(3072, scale),
+        num_hidden_layers=scaled(12, scale), num_attention_heads=clip_heads, max_position_embeddings=77,
+        projection_dim=clip_heads * 64, bos_token_id=0, eos_token_id=1, pad_token_id=0,
     )
     t5_config = transformers.T5Config(
-        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-        feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, is_encoder_decoder=False,
+        vocab_size=32128, d_model=t5_heads * 64, d_kv=64, d_ff=scaled(10240, scale), num_layers=scaled(24, scale),
+        num_heads=t5_heads, feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, is_encoder_decoder=False,
     )
     vae = random_model(
-        AutoencoderKL, in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+        AutoencoderKL, in_channels=3, out_channels=3, latent_channels=16,
+        block_out_channels=tuple(scaled(c, scale, 32, 32) for c in (128, 256, 512, 512)),
         layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611, sample_size=1024,
     )
@@ -60,11 +74,16 @@ def build(folder: str) -> None:
         text_encoder_2=random_model(transformers.T5EncoderModel, config=t5_config), tokenizer_2=tokenizer(512),
         transformer=transformer,
     )
+    save(pipe, folder, t)
+
+
+def save(pipe, folder: str, started: float) -> None:
+    """``pipe`` saved in ``folder``, then its marker (parameters per component), last."""
     pipe.save_pretrained(folder)
     sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     with open(os.path.join(folder, "ddo-built.json"), "w") as f:
         json.dump(sizes, f)
-    print(f"built and saved the pipeline in {time.perf_counter() - t:.0f} s: "
+    print(f"built and saved the pipeline in {time.perf_counter() - started:.0f} s: "
           + ", ".join(f"{n} {c / 1e9:.2f} B" for n, c in sizes.items()), flush=True)
 
 
