@@ -190,7 +190,7 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
     }
     GenerationPlan {
         device: m.device.clone(),
-        card_bytes: card,
+        card_bytes: cap.map_or(card, |c| c.min(card)),
         components: choices,
         phases,
         host_bytes,

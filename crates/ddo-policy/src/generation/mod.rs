@@ -69,10 +69,14 @@ pub struct ComponentChoice {
 }
 
 impl ComponentChoice {
-    /// The budget the component attaches under: its floor with room for rounding, never more
-    /// than its phase's budget. Attached components then take their phase's budget when it
-    /// runs ([`share::CardShare`]), so loading never holds every phase's share at once.
+    /// The budget the component attaches under: a denoiser's whole budget (it keeps it through
+    /// every phase); another phase's component its floor with room for rounding, never more
+    /// than its budget (it takes its budget when its phase runs, [`share::CardShare`]), so
+    /// loading never holds every phase's share at once.
     pub fn attach_bytes(&self) -> u64 {
+        if self.phase == Phase::Denoise {
+            return self.budget_bytes;
+        }
         self.budget_bytes.min(self.floor_bytes + self.floor_bytes / 4 + 256 * ddo_core::MIB)
     }
 

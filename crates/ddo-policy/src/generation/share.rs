@@ -72,12 +72,16 @@ pub struct CardShare {
 
 impl CardShare {
     /// The sharing of `plan`'s streamed components; `idle_bytes` says what each holds while
-    /// evicted (by name; the plan's floor when absent).
+    /// evicted (by name; the plan's floor when absent). Components of phases other than the
+    /// denoiser's start evicted: the host shrinks them to their floor once attached, and they
+    /// take their budget when their phase first runs.
     pub fn new(plan: &GenerationPlan, idle_bytes: &BTreeMap<String, u64>) -> CardShare {
         let members = plan
             .components
             .iter()
-            .filter(|c| c.route != "none")
+            .filter(|c| {
+                matches!(c.route.as_str(), "vmm_fast_runtime" | "vmm_runtime" | "linear_runtime")
+            })
             .map(|c| Member {
                 name: c.name.clone(),
                 phase: c.phase,
@@ -85,7 +89,7 @@ impl CardShare {
                 budget_bytes: c.budget_bytes,
                 floor_bytes: c.floor_bytes,
                 idle_bytes: idle_bytes.get(&c.name).copied().unwrap_or(c.floor_bytes),
-                evicted: false,
+                evicted: c.phase != Phase::Denoise,
             })
             .collect();
         let activation = plan.phases.iter().map(|p| (p.phase, p.activation_bytes)).collect();
@@ -271,7 +275,12 @@ mod tests {
     #[test]
     fn a_phase_that_fits_changes_nothing_and_is_not_entered_twice() {
         let mut s = share();
-        assert!(s.enter(Phase::Encode, 1).is_empty());
+        // The encoder starts at its floor and takes its budget the first time it runs.
+        let r = s.enter(Phase::Encode, 3);
+        assert_eq!(
+            r,
+            vec![Resize { name: "text_encoder_2".into(), budget_bytes: 2, reclaim: false }]
+        );
         assert!(!s.entering(Phase::Encode));
         assert!(s.enter(Phase::Denoise, 2).is_empty());
         assert_eq!(s.evictions(), 0);
@@ -280,6 +289,7 @@ mod tests {
     #[test]
     fn a_decode_that_needs_the_card_evicts_the_encoder_first_then_the_denoiser() {
         let mut s = share();
+        s.enter(Phase::Encode, 3);
         s.set_activation(Phase::Decode, 3);
         // 1 free, 3 needed: shrinking the encoder (2 -> held 0) is enough.
         let r = s.enter(Phase::Decode, 1);
@@ -308,6 +318,7 @@ mod tests {
         s.refused(&r[0]);
         assert!(s.entering(Phase::Denoise));
         assert_eq!(s.evictions(), 3);
+        assert!(s.entering(Phase::Encode));
     }
 
     #[test]

@@ -291,7 +291,21 @@ class Offloaded:
         self._phases: Dict[str, _Phase] = {}
         self._current: Optional[str] = None
         self.share: Any = None
+        self._reconcile()
         self._share()
+
+    def _reconcile(self) -> None:
+        """Where the user's settings overrode the plan, the plan says what runs instead."""
+        for name, c in self.plan.components.items():
+            r = self.components.get(name)
+            ran = r.metrics_snapshot().as_dict().get("execution", {}).get("route") if r is not None else "none"
+            if ran and ran != c["route"]:
+                c["reasons"].append(f"your configuration runs it on {ran} (the plan chose {c['route']})")
+                c["route"] = ran
+                if self._runtime(name) is None or ran not in ("vmm_fast_runtime", "vmm_runtime", "linear_runtime"):
+                    c["route"] = "none" if self._runtime(name) is None else ran
+        for c in self.plan.data["components"]:
+            c.update(self.plan.components[c["name"]])
 
     # --- the card's time-sharing -----------------------------------------------------------
 
@@ -301,15 +315,30 @@ class Offloaded:
 
     def _share(self) -> None:
         phases = {n: c["phase"] for n, c in self.plan.components.items()}
-        arenas = {n for n, c in self.plan.components.items() if c["route"] != "none" and self._runtime(n) is not None}
-        if self.plan.device != "cpu" and arenas:
-            idle = {}
+        arenas = {
+            n for n, c in self.plan.components.items()
+            if c["route"] in ("vmm_fast_runtime", "vmm_runtime", "linear_runtime") and self._runtime(n) is not None
+        }
+        # On the host backend the card is simulated by a budget (nothing to share without one).
+        simulated = self.plan.device == "cpu" and self.plan.machine.get("budget_bytes") is not None
+        if (self.plan.device != "cpu" or simulated) and arenas:
+            idle, floors = {}, {}
             for n in arenas:
-                floor, held = self._runtime(n).session.budget_floor()
-                idle[n] = int(held)
+                floors[n], idle[n] = (int(v) for v in self._runtime(n).session.budget_floor())
             self.share = _native.CardShare(json.dumps(self.plan.data), idle)
             for n in arenas:
-                self.share.set_floor(n, int(self._runtime(n).session.budget_floor()[0]))
+                self.share.set_floor(n, floors[n])
+                if phases[n] != "denoise":
+                    # Until its phase runs it holds its floor, its slots released.
+                    runtime = self._runtime(n)
+                    with runtime.forward_lock:
+                        if runtime.metrics().get("setup", {}).get("gpu_budget_bytes", 0) > floors[n]:
+                            runtime.set_budget(floors[n])
+                        runtime.session.reclaim()
+            if simulated:
+                # A simulated card holds weights only: activations stay on the host.
+                for phase in ("encode", "denoise", "decode"):
+                    self.share.set_activation(phase, 0)
         for name, phase in phases.items():
             module = self.pipeline.components.get(name) if hasattr(self.pipeline, "components") else None
             if not isinstance(module, torch.nn.Module):
@@ -348,15 +377,31 @@ class Offloaded:
 
         return enter
 
-    def _apply(self, phase: str, owner: str) -> None:
-        """Applies the card's sharing as ``phase`` starts (``owner``'s pass, under its own
-        forward lock, starts it)."""
+    def _free_bytes(self) -> int:
+        """Free memory of the card now; on the host backend, what the budget leaves beside the
+        arenas (the card it simulates)."""
+        if self.plan.device == "cpu":
+            held = 0
+            for name, c in self.plan.components.items():
+                runtime = self._runtime(name)
+                if c["route"] != "none" and runtime is not None and not runtime.session.is_unloaded():
+                    rt = runtime.metrics().get("runtime", {})
+                    held += int(rt.get("resident_bytes") or 0) + int(rt.get("slot_bytes") or 0)
+            return max(0, int(self.plan.machine["budget_bytes"]) - held)
         device = torch.device(self.plan.device)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        free = int(torch.cuda.mem_get_info(device)[0])
+        return int(torch.cuda.mem_get_info(device)[0])
+
+    def _apply(self, phase: str, owner: str) -> None:
+        """Applies the card's sharing as ``phase`` starts (``owner``'s pass, under its own
+        forward lock, starts it)."""
+        free = self._free_bytes()
         for name, budget, reclaim in self.share.enter(phase, free):
             runtime = self._runtime(name)
+            if runtime is None:
+                self.share.refused(name, int(budget), bool(reclaim))
+                continue
             lock = runtime.forward_lock
             # The owner's pass holds its lock already; another thread's forward of a component
             # keeps that component's budget (the share tries again at its next phase).
