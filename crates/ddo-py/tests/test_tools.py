@@ -331,3 +331,46 @@ def test_host_costs_measures_each_part_of_ddos_host_work(tmp_path, capsys):
     ]:
         assert float(rows[what]) > 0, (what, out)
     assert re.search(r"per-forward check at the pass's start \((\d+) parameters", out), out
+
+
+# ---- pipeline folders ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pipeline_folder(tmp_path):
+    torch.manual_seed(0)
+    pipe, _ = flux_pipeline()
+    pipe.save_pretrained(tmp_path / "pipe")
+    return tmp_path / "pipe"
+
+
+def test_doctor_reports_each_model_component_of_a_pipeline_folder(pipeline_folder, capsys):
+    assert main(["doctor", "--checkpoint", str(pipeline_folder), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    pipeline = report["pipeline"]
+    components = {c["name"]: c for c in pipeline["components"]}
+    assert set(components) == {"transformer", "text_encoder", "text_encoder_2", "vae"}, components.keys()
+    assert pipeline["class"] == "FluxPipeline" and pipeline["denoiser"] == "transformer"
+    for name, c in components.items():
+        assert c["bytes"] == stored_bytes(pipeline_folder / name) and c["fits_device"] is True
+        assert c["dtypes"] == {"F32": c["bytes"]}, c["dtypes"]
+    assert components["transformer"]["cls"] == "diffusers.FluxTransformer2DModel"
+    assert components["text_encoder"]["cls"] == "transformers.CLIPTextModel"
+    assert report["model"]["blocks"] == 4 and report["recommendations"]  # the denoiser's recommendations
+    assert main(["doctor", "--checkpoint", str(pipeline_folder)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^  transformer +diffusers.FluxTransformer2DModel: .* fits whole in .*<- denoiser", text, re.M), text
+    assert re.search(r"^  vae +diffusers.AutoencoderKL: ", text, re.M), text
+
+
+def test_bench_times_the_denoiser_of_a_pipeline_folder_at_a_size_that_suits_the_cpu(pipeline_folder, capsys):
+    args = ["bench", str(pipeline_folder), "--device", "cpu", "--routes", "resident,vmm", "--budget-gb", str(TINY_BUDGET_GB)]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"]["component"] == "transformer" and result["model"]["class"] == "FluxTransformer2DModel"
+    assert (result["dtype"], result["resolution"], result["steps"]) == ("float32", 256, 2)
+    assert "picked for the CPU" in result["picked"]
+    assert [r["output"] for r in result["rows"]] == ["reference", "equal"], result["rows"]
+    assert main([*args, "--resolution", "32", "--dtype", "bfloat16", "--steps", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "(the transformer of the pipeline" in table and "bfloat16 on cpu, 32 px" in table and "as given" in table, table

@@ -321,33 +321,95 @@ def _model_source(path: str, config: Optional[str], stack: "contextlib.ExitStack
     return folder
 
 
+def denoiser_of(pipeline: str) -> Tuple[str, str]:
+    """The denoiser component of the pipeline folder ``pipeline`` (``model_index.json``): its
+    ``transformer`` or ``unet``, else the first model component of a class ddo bench builds
+    inputs for; ``(name, folder)``."""
+    try:
+        with open(os.path.join(pipeline, "model_index.json"), encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DynamicOffloadError(f"{pipeline}/model_index.json cannot be read as JSON: {e}") from None
+    specs = {k: v for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2}
+    named = [n for n in ("transformer", "unet") if n in specs] + [n for n, v in specs.items() if v[1] in BUILDERS]
+    for name in named:
+        if os.path.isfile(os.path.join(pipeline, name, "config.json")):
+            return name, os.path.join(pipeline, name)
+    raise DynamicOffloadError(
+        f"{pipeline} is a pipeline folder with no denoiser ddo bench builds inputs for (transformer or unet of "
+        f"{', '.join(sorted(BUILDERS))}); its components: {', '.join(specs) or 'none'}"
+    )
+
+
+def device_defaults(
+    dev: torch.device, dtype: Optional[torch.dtype], resolution: Optional[int], steps: Optional[int]
+) -> Tuple[torch.dtype, int, int, str]:
+    """The dtype, resolution and steps to time on ``dev`` where not given, and a line saying
+    what was picked and why: on a GPU 1024 px bfloat16 and 5 forwards (what pipelines run); on
+    the CPU 256 px float32 and 2 forwards (CPU kernels are slow in bfloat16, and a 1024 px
+    forward of a full-size model takes minutes there)."""
+    cpu = dev.type == "cpu"
+    picked = {
+        "dtype": (dtype, torch.float32 if cpu else torch.bfloat16),
+        "resolution": (resolution, 256 if cpu else 1024),
+        "steps": (steps, 2 if cpu else 5),
+    }
+    chosen = {k: given if given is not None else default for k, (given, default) in picked.items()}
+    auto = [k for k, (given, _) in picked.items() if given is None]
+    if not auto:
+        why = "as given"
+    elif cpu:
+        why = (
+            f"{', '.join(auto)} picked for the CPU: small and float32, since CPU kernels are slow in bfloat16 and a "
+            "full-size forward takes minutes there (pass --dtype/--resolution/--steps to choose)"
+        )
+    else:
+        why = f"{', '.join(auto)} picked for {dev}: a pipeline's usual 1024 px in bfloat16 (pass --dtype/--resolution/--steps to choose)"
+    return chosen["dtype"], chosen["resolution"], chosen["steps"], why
+
+
 def run_bench(
     checkpoint: str,
     *,
     routes: Tuple[str, ...] = ROUTES,
-    steps: int = 5,
+    steps: Optional[int] = None,
     device: Optional[str] = None,
     budget_gb: float = 3.0,
-    dtype: torch.dtype = torch.bfloat16,
-    resolution: int = 1024,
+    dtype: Optional[torch.dtype] = None,
+    resolution: Optional[int] = None,
     config: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Runs every route of ``routes`` on the model in ``checkpoint`` (a model folder, or one
-    ``.safetensors`` file whose model config is ``config`` or the ``config.json`` beside it) and
-    returns the rows with what was run (a dict that JSON carries). The reference output is the
-    resident run's when it ran, else the first route's that did."""
+    """Runs every route of ``routes`` on the model in ``checkpoint`` (a model folder, a pipeline
+    folder, whose denoiser is timed, or one ``.safetensors`` file whose model config is
+    ``config`` or the ``config.json`` beside it) and returns the rows with what was run (a dict
+    that JSON carries). ``dtype``, ``resolution`` and ``steps`` left out suit the device
+    (:func:`device_defaults`). The reference output is the resident run's when it ran, else the
+    first route's that did."""
+    dev = _bench_device(device)
+    dtype, resolution, steps, picked = device_defaults(dev, dtype, resolution, steps)
+    if os.path.isfile(os.path.join(checkpoint, "model_index.json")):
+        if config is not None:
+            raise DynamicOffloadError(f"--config is for a checkpoint file; {checkpoint} is a pipeline folder: leave --config out")
+        component, folder = denoiser_of(checkpoint)
+        result = _run_bench(folder, routes, steps, str(dev), budget_gb, dtype, resolution)
+        result["model"].update(pipeline=checkpoint, component=component)
+        result["picked"] = picked
+        return result
     with contextlib.ExitStack() as stack:
         folder = _model_source(checkpoint, config, stack)
         if folder == checkpoint:
-            return _run_bench(folder, routes, steps, device, budget_gb, dtype, resolution)
+            result = _run_bench(folder, routes, steps, str(dev), budget_gb, dtype, resolution)
+            result["picked"] = picked
+            return result
         config_path = os.path.realpath(os.path.join(folder, "config.json"))
         try:
-            result = _run_bench(folder, routes, steps, device, budget_gb, dtype, resolution)
+            result = _run_bench(folder, routes, steps, str(dev), budget_gb, dtype, resolution)
         except DynamicOffloadError as e:
             # Name the files the user gave, not the temporary folder's links.
             text = str(e).replace(os.path.join(folder, "config.json"), config_path).replace(folder, checkpoint)
             raise DynamicOffloadError(text) from None
         result["model"].update(path=checkpoint, config=config_path)
+        result["picked"] = picked
         return result
 
 
@@ -461,11 +523,14 @@ def _size(n: int) -> str:
 def format_table(result: Dict[str, Any]) -> str:
     """The rows as a text table, then each failure's message."""
     m = result["model"]
+    of = f" (the {m['component']} of the pipeline {m['pipeline']})" if m.get("pipeline") else ""
     lines = [
-        f"ddo bench: {m['class']}.{result['method']} from {m['path']} ({_size(m['stored_bytes'])} stored), "
+        f"ddo bench: {m['class']}.{result['method']} from {m['path']}{of} ({_size(m['stored_bytes'])} stored), "
         f"{result['dtype']} on {result['device']}, {result['resolution']} px, median of {result['steps']} forward(s) "
         "after one warm-up",
     ]
+    if result.get("picked"):
+        lines.append(f"  {result['picked']}")
     header = ("route", "runtime", "setup s", "s/forward", "x resident", "peak GPU GiB (arena)", "host RSS GiB", "output")
     table = [header]
     for r in result["rows"]:

@@ -32,25 +32,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     inspect = sub.add_parser("inspect", help="list a checkpoint's tensors")
     inspect.add_argument("path", help="a .safetensors file, an index .json, or a model folder")
     doctor = sub.add_parser("doctor", help="measure this machine and recommend settings")
-    doctor.add_argument("--checkpoint", help="a safetensors file, index .json or model folder to recommend settings for")
+    doctor.add_argument(
+        "--checkpoint",
+        help="a safetensors file, index .json, model folder, or pipeline folder (model_index.json) to recommend settings for",
+    )
     doctor.add_argument("--device", default="cuda:0", help="the CUDA device to measure (default cuda:0)")
     doctor.add_argument("--dir", help="measure disk reads of a temp file in DIR (default: the checkpoint's files, else the temp folder)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     bench = sub.add_parser("bench", help="time a model's forward on several routes side by side")
     bench.add_argument(
         "checkpoint",
-        help="a Diffusers model folder (config.json and safetensors), or one .safetensors checkpoint file",
+        help="a Diffusers model folder (config.json and safetensors), a pipeline folder (model_index.json: its "
+        "transformer or unet is timed), or one .safetensors checkpoint file",
     )
     bench.add_argument(
         "--config",
         help="for a checkpoint file: the model's config.json, or a folder holding it (default: the config.json beside the file)",
     )
     bench.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated, among {','.join(ROUTES)} (default all)")
-    bench.add_argument("--steps", type=int, default=5, help="timed forwards per route, after one warm-up (default 5)")
+    bench.add_argument("--steps", type=int, help="timed forwards per route, after one warm-up (default 5 on a GPU, 2 on the CPU)")
     bench.add_argument("--device", help="execution device (default cuda:0 when CUDA is available, else cpu)")
     bench.add_argument("--budget-gb", type=float, default=3.0, help="GPU weight budget of the vmm route in GiB (default 3)")
-    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="load dtype (default bfloat16)")
-    bench.add_argument("--resolution", type=int, default=1024, help="image side in pixels the inputs stand for (default 1024)")
+    bench.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), help="load dtype (default bfloat16 on a GPU, float32 on the CPU)"
+    )
+    bench.add_argument(
+        "--resolution", type=int, help="image side in pixels the inputs stand for (default 1024 on a GPU, 256 on the CPU)"
+    )
     bench.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     if args.command == "presets":
@@ -100,7 +108,7 @@ def _bench(args: argparse.Namespace) -> int:
             steps=args.steps,
             device=args.device,
             budget_gb=args.budget_gb,
-            dtype=getattr(torch, args.dtype),
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
             resolution=args.resolution,
             config=args.config,
         )

@@ -290,6 +290,47 @@ def inspect_model(path: str) -> Dict[str, Any]:
     }
 
 
+def inspect_pipeline(folder: str) -> Dict[str, Any]:
+    """Each model component of the pipeline folder ``folder`` (``model_index.json``) stored as
+    safetensors: its class, weight bytes, stored dtypes and blocks; and which is the denoiser
+    (``transformer`` or ``unet``, else the largest), whose recommendations ``diagnose`` makes."""
+    index_path = os.path.join(folder, "model_index.json")
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _native.DynamicOffloadCheckpointError(f"{index_path} cannot be read as JSON: {e}") from None
+    components = []
+    for name, spec in index.items():
+        sub = os.path.join(folder, name)
+        if name.startswith("_") or not isinstance(spec, list) or not os.path.isdir(sub):
+            continue
+        if not any(f.endswith(".safetensors") for f in os.listdir(sub)):
+            continue
+        model = inspect_model(sub)
+        dtypes: Dict[str, int] = {}
+        for t in json.loads(_native.inspect_checkpoint(sub))["tensors"]:
+            dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + int(t["len"])
+        model.update(name=name, cls=".".join(str(x) for x in spec), dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1])))
+        components.append(model)
+    if not components:
+        raise _native.DynamicOffloadCheckpointError(f"{folder} is a pipeline folder with no model component stored as safetensors")
+    names = [c["name"] for c in components]
+    denoiser = next((n for n in ("transformer", "unet") if n in names), max(components, key=lambda c: c["bytes"])["name"])
+    return {"path": folder, "class": index.get("_class_name"), "components": components, "denoiser": denoiser}
+
+
+def _fits(components: List[Dict[str, Any]], gpu: Dict[str, Any], host: Dict[str, Any]) -> None:
+    """Whether each component's weights fit the device whole: the GPU's free memory when one
+    was measured, else the host's available memory (the CPU runs them)."""
+    free = gpu.get("free_bytes")
+    where = "gpu free" if free is not None else "host MemAvailable"
+    room = free if free is not None else host.get("mem_available_bytes")
+    for c in components:
+        c["fits_device"] = None if room is None else c["bytes"] <= room
+        c["fits_against"] = where
+
+
 # ---- recommendations -------------------------------------------------------------------------
 
 
@@ -424,9 +465,19 @@ def diagnose(checkpoint: Optional[str] = None, device: str = "cuda:0", directory
             raise _native.DynamicOffloadCheckpointError(
                 f"--checkpoint {checkpoint} does not exist; pass a .safetensors file, an index .json or a model folder"
             )
-        model = inspect_model(checkpoint)
+        if os.path.isfile(os.path.join(checkpoint, "model_index.json")):
+            # A pipeline folder: every model component reported, the denoiser recommended for.
+            pipeline = inspect_pipeline(checkpoint)
+            report["pipeline"] = pipeline
+            model = dict(next(c for c in pipeline["components"] if c["name"] == pipeline["denoiser"]))
+            for c in pipeline["components"]:
+                c.pop("file_paths")
+        else:
+            model = inspect_model(checkpoint)
     report["gpu"] = measure_gpu(device)
     report["host"] = observe_host()
+    if "pipeline" in report:
+        _fits(report["pipeline"]["components"], report["gpu"], report["host"])
     if model is not None and directory is None:
         report["disk"] = measure_disk([str(f) for f in model.pop("file_paths")])
     else:
@@ -493,6 +544,16 @@ def format_report(report: Dict[str, Any]) -> str:
     lines.append(f"disk     {where}: {direct}, buffered {buffered} (cold), {_gib(disk['bytes_read'])} read")
     if disk.get("direct_note"):
         lines.append(f"         {disk['direct_note']}")
+    pipeline = report.get("pipeline")
+    if pipeline is not None:
+        lines.append(f"pipeline {pipeline['path']}: {pipeline['class']}, {len(pipeline['components'])} model component(s)")
+        for c in pipeline["components"]:
+            fits = {True: "fits", False: "does not fit", None: "fit unknown"}[c["fits_device"]]
+            dtypes = ", ".join(f"{d} {_gib(b)}" for d, b in c["dtypes"].items())
+            lines.append(
+                f"  {c['name']:<16} {c['cls']}: {_gib(c['bytes'])} ({dtypes}), {c['blocks']} blocks; {fits} whole in "
+                f"{c['fits_against']}{'  <- denoiser, recommended for below' if c['name'] == pipeline['denoiser'] else ''}"
+            )
     model = report.get("model")
     if model is not None:
         lines.append(
