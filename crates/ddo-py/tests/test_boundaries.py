@@ -796,8 +796,7 @@ def test_remove_closes_the_session_whatever_became_of_the_parameters(tmp_path, f
 @pytest.mark.parametrize("route", ["linear", "native"])
 def test_torch_compile_of_the_module_or_a_block_serves_the_resident_output(tmp_path, flux, route):
     """Dynamo runs ddo's entry and hooks eagerly between its compiled regions; a block compiled
-    with fullgraph=True would freeze the weight swaps into its graph and is refused with ddo's
-    reason, after which the module serves again."""
+    with fullgraph=True compiles its own computation only (ddo's hooks stay eager around it)."""
     model, inputs = flux
     reference = run(copy.deepcopy(model), inputs)
     result, module = offload(tmp_path, model, route)
@@ -810,8 +809,8 @@ def test_torch_compile_of_the_module_or_a_block_serves_the_resident_output(tmp_p
         block = module.transformer_blocks[0]
         torch._dynamo.reset()
         module.transformer_blocks[0] = torch.compile(block, backend="eager", fullgraph=True)
-        with pytest.raises(RuntimeError, match="runs while a tracer records it"):
-            run(module, inputs)
+        for _ in range(2):
+            assert torch.equal(run(module, inputs), reference)
         module.transformer_blocks[0] = block
         assert torch.equal(run(module, inputs), reference)
         torch._dynamo.reset()

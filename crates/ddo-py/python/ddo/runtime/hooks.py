@@ -5,6 +5,7 @@ post-hook gives the lease back on PyTorch's current stream and puts the placehol
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -12,12 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 import torch
 
 from .. import _native
+from ..errors import DynamicOffloadUnsupportedError
 from .guards import refuse_traced
 from .publishing import SwapUpdates
 from .torch_internals import plain_tensor_methods, raw_stream_reader
 from .values import move_inputs, tensors_in
 
-__all__ = ["Hooks", "Lease", "current_stream", "stream_reader"]
+__all__ = ["Hooks", "Lease", "current_stream", "eager", "stream_reader"]
 
 # Methods of a module that run a pass of their own on every arena route (a VAE's entry points).
 _VAE_ENTRIES = ("encode", "decode")
@@ -46,6 +48,23 @@ def stream_reader(device: torch.device) -> Callable[[], int]:
     if raw is None:
         return lambda: current_stream(device)
     return raw
+
+
+def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run eagerly by Dynamo, never traced, wherever a compiled region calls it (a block
+    compiled on its own, ``block.compile()`` or Diffusers' ``compile_repeated_blocks``, calls
+    its hooks inside the region): the compiled graph is the block's own computation, and the
+    hook leases the unit and swaps its views in around it. A disabled function is no graph break
+    Dynamo counts in a block's region (``fullgraph=True`` compiles), and the hook's own state
+    (streams, threads, leases) is nothing Dynamo guards on, so weights streaming into other
+    slots each pass cause no recompilation."""
+    return torch.compiler.disable(hook, reason="ddo's offload hooks swap weights in and out; they run eagerly")
+
+
+def _dynamo_failure(error: BaseException) -> bool:
+    exc = sys.modules.get("torch._dynamo.exc")
+    base = getattr(exc, "TorchDynamoException", None) if exc is not None else None
+    return base is not None and isinstance(error, base)
 
 
 class Hooks:
@@ -92,6 +111,8 @@ class Hooks:
         self.pass_units: frozenset = frozenset()
         self.pass_stream: Optional[int] = None
         self.pass_thread: Optional[int] = None
+        # Passes entered (counted eagerly, never by a trace Dynamo abandoned).
+        self.passes_entered = 0
         # Methods wrapped in a pass (``forward``; a VAE's ``encode``/``decode`` on the layer route).
         self.entries: List[str] = []
 
@@ -110,7 +131,6 @@ class Hooks:
     def _entry(self, name: str, original: Any) -> Any:
         runtime = self
 
-        @functools.wraps(original)
         def entry(*args: Any, **kwargs: Any) -> Any:
             if runtime.in_forward.get(threading.get_ident()):
                 if name != "forward":
@@ -120,12 +140,33 @@ class Hooks:
                 )
             with runtime.forward_lock:
                 runtime.in_forward[threading.get_ident()] = True
+                runtime.passes_entered += 1
                 try:
                     return runtime._pass(original, args, kwargs)
                 finally:
                     runtime.in_forward.pop(threading.get_ident(), None)
 
-        return entry
+        @functools.wraps(original)
+        def compile_guard(*args: Any, **kwargs: Any) -> Any:
+            # Dynamo runs this frame eagerly (compiles what it calls): a whole-module
+            # torch.compile(fullgraph=True) fails tracing the entry before the pass begins, and is
+            # refused here with what to do instead; the module is untouched and serves on.
+            entered = runtime.passes_entered
+            try:
+                return entry(*args, **kwargs)
+            except Exception as error:
+                if runtime.passes_entered != entered or not _dynamo_failure(error):
+                    raise
+                raise DynamicOffloadUnsupportedError(
+                    f"torch.compile(fullgraph=True) of the whole {type(runtime.module).__name__} offloaded by ddo: "
+                    "one graph cannot hold ddo's pass, which leases each block and swaps its streamed weights in and "
+                    "out around it. Compile the repeated blocks instead (regional compilation): "
+                    "module.compile_repeated_blocks(fullgraph=True) on a Diffusers model, or block.compile() on each "
+                    "repeated block; ddo's hooks run eagerly around each compiled block, and the module serves as it "
+                    f"did ({type(error).__name__} from Dynamo: {str(error).splitlines()[0] if str(error) else ''})"
+                ) from None
+
+        return torch.compiler.disable(compile_guard, recursive=False)
 
     def _pass(self, original: Any, args: tuple, kwargs: dict) -> Any:
         if self.session.is_unloaded():
@@ -196,14 +237,15 @@ class Hooks:
         return out
 
     def _pre(self, unit: int) -> Callable[[torch.nn.Module, tuple], None]:
+        @eager
         def hook(m: torch.nn.Module, _args: tuple) -> None:
             if m.training:
                 raise _native.DynamicOffloadLifecycleError(
                     f"block {type(m).__name__} of {type(self.module).__name__} is in training mode; ddo offloads "
                     "inference only: call module.eval()"
                 )
-            # A block compiled on its own (regional compilation) traces this hook; a capture may
-            # also begin inside the forward.
+            # Dynamo runs this hook eagerly (it is disabled for it); another tracer (torch.export,
+            # torch.jit.trace) records it, and a capture may also begin inside the forward.
             refuse_traced(lambda: f"block {type(m).__name__} of {type(self.module).__name__}")
             if unit in self.pass_unchecked:
                 with plain_tensor_methods():
@@ -225,6 +267,7 @@ class Hooks:
         return hook
 
     def _post(self, unit: int) -> Callable[[torch.nn.Module, tuple, Any], None]:
+        @eager
         def hook(m: torch.nn.Module, _args: tuple, out: Any) -> None:
             key = (threading.get_ident(), unit)
             held = self.leases.get(key)
