@@ -349,13 +349,10 @@ def device_defaults(
     the CPU 256 px float32 and 2 forwards (CPU kernels are slow in bfloat16, and a 1024 px
     forward of a full-size model takes minutes there)."""
     cpu = dev.type == "cpu"
-    picked = {
-        "dtype": (dtype, torch.float32 if cpu else torch.bfloat16),
-        "resolution": (resolution, 256 if cpu else 1024),
-        "steps": (steps, 2 if cpu else 5),
-    }
-    chosen = {k: given if given is not None else default for k, (given, default) in picked.items()}
-    auto = [k for k, (given, _) in picked.items() if given is None]
+    auto = [k for k, given in (("dtype", dtype), ("resolution", resolution), ("steps", steps)) if given is None]
+    chosen_dtype = dtype if dtype is not None else (torch.float32 if cpu else torch.bfloat16)
+    chosen_resolution = resolution if resolution is not None else (256 if cpu else 1024)
+    chosen_steps = steps if steps is not None else (2 if cpu else 5)
     if not auto:
         why = "as given"
     elif cpu:
@@ -365,7 +362,7 @@ def device_defaults(
         )
     else:
         why = f"{', '.join(auto)} picked for {dev}: a pipeline's usual 1024 px in bfloat16 (pass --dtype/--resolution/--steps to choose)"
-    return chosen["dtype"], chosen["resolution"], chosen["steps"], why
+    return chosen_dtype, chosen_resolution, chosen_steps, why
 
 
 def run_bench(
