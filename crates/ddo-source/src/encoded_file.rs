@@ -10,8 +10,8 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -158,6 +158,134 @@ impl EncodedFileIdentity {
     }
 }
 
+impl EncodedFileIdentity {
+    /// The name of the file that records a decision about this checkpoint's encoding
+    /// ([`record_decision`]): a hash of the checkpoint files' paths alone
+    /// (`<16 hex digits>.decision`), whatever tensors are chosen.
+    pub fn decision_name(&self) -> String {
+        let files = EncodedFileIdentity { tensors: Vec::new(), ..self.clone() };
+        files.file_name().replace(".ddoenc", ".decision")
+    }
+}
+
+/// A decision recorded for a checkpoint: its files as they were, and why.
+#[derive(Debug, Serialize, Deserialize)]
+struct Decision {
+    version: u32,
+    files: Vec<FileEntry>,
+    why: String,
+}
+
+/// Records in `folder` that the checkpoint of `identity` streams encoded, and `why`, for later
+/// loads of the same checkpoint files ([`recorded_decision`]); written under a temporary name and
+/// renamed into place.
+pub fn record_decision(
+    folder: &Path,
+    identity: &EncodedFileIdentity,
+    why: &str,
+) -> Result<(), std::io::Error> {
+    let decision =
+        Decision { version: ENCODED_FILE_VERSION, files: identity.files.clone(), why: why.into() };
+    let json = serde_json::to_vec(&decision).map_err(std::io::Error::other)?;
+    std::fs::create_dir_all(folder)?;
+    let path = folder.join(identity.decision_name());
+    let (_, temp) = temporary(&path);
+    std::fs::write(&temp, json).and_then(|()| std::fs::rename(&temp, &path)).inspect_err(|_| {
+        let _ = std::fs::remove_file(&temp);
+    })
+}
+
+/// Why the checkpoint of `identity` streams encoded, when a decision recorded in `folder`
+/// ([`record_decision`]) names exactly its files (paths, sizes, modification and status-change
+/// times); `None` otherwise (none recorded, another checkpoint's, or unreadable).
+pub fn recorded_decision(folder: &Path, identity: &EncodedFileIdentity) -> Option<String> {
+    let bytes = std::fs::read(folder.join(identity.decision_name())).ok()?;
+    let d: Decision = serde_json::from_slice(&bytes).ok()?;
+    (d.version == ENCODED_FILE_VERSION && d.files == identity.files).then_some(d.why)
+}
+
+/// Marks the encoded file at `path` used now, for a bounded folder's least-recently-used order
+/// ([`cached_files`]): a `<name>.used` file beside it takes the time, so the encoded file itself
+/// (which readers map and check for changes) is never touched.
+pub fn mark_used(path: &Path) -> Result<(), std::io::Error> {
+    let mut used = path.as_os_str().to_owned();
+    used.push(".used");
+    let f = File::create(&used)?;
+    f.set_modified(std::time::SystemTime::now())
+}
+
+/// A file of an encoded-file folder, as [`cached_files`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedFile {
+    /// The file.
+    pub path: PathBuf,
+    /// Its bytes.
+    pub bytes: u64,
+    /// When it was last used (written, or marked used), nanoseconds since the Unix epoch.
+    pub last_used_ns: u128,
+    /// A temporary file no writer touched for [`ABANDONED_AFTER`]: a writer that was killed.
+    pub abandoned: bool,
+}
+
+/// A temporary file of an encoded-file folder untouched this long was left by a writer that
+/// died (a live writer writes it tensor after tensor).
+pub const ABANDONED_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// The encoded files of `folder` (`*.ddoenc`) and its temporary files (`*.tmp`), with their
+/// bytes and when each was last used; decisions and use marks are not listed (they go with
+/// their files through [`remove_cached`]). An unreadable folder lists nothing.
+pub fn cached_files(folder: &Path) -> Vec<CachedFile> {
+    let ns = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+    };
+    let now = ns(std::time::SystemTime::now());
+    let Ok(entries) = std::fs::read_dir(folder) else { return Vec::new() };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        let temp = name.ends_with(".tmp");
+        if !(name.ends_with(".ddoenc") || temp) {
+            continue;
+        }
+        let Ok(meta) = e.metadata() else { continue };
+        if !meta.is_file() {
+            continue;
+        }
+        let mut last = meta.modified().map_or(0, ns);
+        let mut used = path.as_os_str().to_owned();
+        used.push(".used");
+        if let Ok(m) = std::fs::metadata(&used).and_then(|m| m.modified()) {
+            last = last.max(ns(m));
+        }
+        let abandoned = temp && now.saturating_sub(last) > ABANDONED_AFTER.as_nanos();
+        out.push(CachedFile { path, bytes: meta.len(), last_used_ns: last, abandoned });
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    out
+}
+
+/// Removes an encoded file and its use mark (a reader that mapped it keeps its pages).
+pub fn remove_cached(path: &Path) -> Result<(), std::io::Error> {
+    let mut used = path.as_os_str().to_owned();
+    used.push(".used");
+    let _ = std::fs::remove_file(used);
+    std::fs::remove_file(path)
+}
+
+/// Lowers the calling thread's scheduling priority (Linux: a niceness of 10), so work it and
+/// the threads it starts do in the background yields the cores to the foreground's. Elsewhere
+/// it does nothing.
+pub fn lower_thread_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: gettid and setpriority take and return plain integers; on Linux a thread id as
+    // `who` of PRIO_PROCESS sets that one thread's niceness.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
+    }
+}
+
 impl EncodedSource {
     /// Writes the encodings to `path`, recording `identity` (that of the tensors this source
     /// encoded, in that order): to a temporary file in the same folder, synced, then renamed
@@ -188,14 +316,7 @@ impl EncodedSource {
         prefix.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
         prefix.extend_from_slice(&[0; 4]);
         let pad = body_offset(json.len() as u64) as usize - PREFIX - json.len();
-        let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let temp = folder.join(format!(
-            ".{name}.{}.{}.tmp",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
+        let (folder, temp) = temporary(path);
         let write = || -> Result<u64, std::io::Error> {
             let mut f = File::options().write(true).create_new(true).open(&temp)?;
             f.write_all(&prefix)?;
@@ -217,6 +338,102 @@ impl EncodedSource {
         self.report.file = Some(path.to_owned());
         self.report.file_seconds = t.elapsed().as_secs_f64();
         Ok(written)
+    }
+
+    /// Encodes the tensors of `identity` read from `inner` (a source of the checkpoint it was
+    /// made of) straight into the encoded file at `path`, tensor after tensor on `workers`
+    /// threads: host memory holds one tensor's bytes and encoding at a time, never the whole
+    /// encodings. The file is written under a temporary name in the same folder, synced, then
+    /// renamed over `path`, so no reader ever sees a partial file; a failure or `cancel` (checked
+    /// between tensors) removes the temporary file. The file is the one
+    /// [`save`](Self::save) writes, its header padded with spaces to the length reserved before
+    /// the encodings were known. Gives the file's bytes, or `None` when cancelled.
+    pub fn write_file(
+        inner: &dyn WeightSource,
+        identity: &EncodedFileIdentity,
+        path: &Path,
+        workers: usize,
+        cancel: &AtomicBool,
+    ) -> Result<Option<u64>, SourceError> {
+        let io = |source: std::io::Error| SourceError::Io { file: path.to_owned(), source };
+        let count = inner.slices().len();
+        if let Some(&i) = identity.slices.iter().find(|&&i| i >= count) {
+            return Err(SourceError::NoSuchTensor { index: i, count });
+        }
+        // The header's room: every encoding and the body at their longest.
+        let header = |tensors: Vec<TensorEntry>, body_len: u64| Header {
+            version: ENCODED_FILE_VERSION,
+            codec: ddo_codec::ENCODING_VERSION,
+            files: identity.files.clone(),
+            tensors,
+            body_len,
+        };
+        let longest: Vec<TensorEntry> = identity
+            .tensors
+            .iter()
+            .map(|t| TensorEntry { encoding: Some([u64::MAX; 2]), ..t.clone() })
+            .collect();
+        let room = serde_json::to_vec(&header(longest, u64::MAX)).map_err(|e| io(e.into()))?.len();
+        let body_at = body_offset(room as u64);
+        let (folder, temp) = temporary(path);
+        let write = || -> Result<Option<u64>, SourceError> {
+            use std::os::unix::fs::FileExt;
+            let f = File::options().write(true).create_new(true).open(&temp).map_err(io)?;
+            let mut tensors = identity.tensors.clone();
+            let mut end = 0u64;
+            let (mut scratch, mut encoded) = (Vec::new(), Vec::new());
+            for (entry, &i) in tensors.iter_mut().zip(&identity.slices) {
+                if cancel.load(Ordering::Relaxed) {
+                    return Ok(None);
+                }
+                let Some(enc) =
+                    crate::encoded_source::encode_tensor(inner, i, workers, &mut scratch)?
+                else {
+                    continue;
+                };
+                let offset = end.next_multiple_of(ENCODING_ALIGN as u64);
+                encoded.clear();
+                encoded.resize(enc.encoded_len() as usize, 0);
+                enc.write_into(&mut encoded).expect("the bytes taken are the encoding's");
+                drop(enc);
+                f.write_all_at(&encoded, body_at + offset).map_err(io)?;
+                entry.encoding = Some([offset, encoded.len() as u64]);
+                end = offset + encoded.len() as u64;
+            }
+            drop((scratch, encoded));
+            crate::encoded_source::release_freed_memory();
+            // The bytes were read from the source: a file that changed under the reads is
+            // noticed before its encodings are written as its.
+            inner.check_unchanged()?;
+            let mut json = serde_json::to_vec(&header(tensors, end)).map_err(|e| io(e.into()))?;
+            json.resize(room, b' ');
+            let mut prefix = Vec::with_capacity(PREFIX + room);
+            prefix.extend_from_slice(MAGIC);
+            prefix.extend_from_slice(&(room as u64).to_le_bytes());
+            prefix.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
+            prefix.extend_from_slice(&[0; 4]);
+            prefix.extend_from_slice(&json);
+            f.write_all_at(&prefix, 0).map_err(io)?;
+            // No encoding: the body is empty and the file ends at its start.
+            f.set_len(body_at + end).map_err(io)?;
+            f.sync_all().map_err(io)?;
+            drop(f);
+            if cancel.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            std::fs::rename(&temp, path).map_err(io)?;
+            Ok(Some(body_at + end))
+        };
+        let written = write();
+        if !matches!(written, Ok(Some(_))) {
+            let _ = std::fs::remove_file(&temp);
+        }
+        if let Ok(Some(_)) = written
+            && let Ok(dir) = File::open(folder)
+        {
+            let _ = dir.sync_all();
+        }
+        written
     }
 
     /// The encodings of the tensors of `identity`, from the encoded file at `path` when it
@@ -355,6 +572,20 @@ impl EncodedSource {
         let mapped = MappedEncodings::new(file, path.to_owned(), &meta, map);
         Ok(EncodedSource { inner, file: file_id, buffer, ranges, report, mapped: Some(mapped) })
     }
+}
+
+/// The folder of `path`, and a temporary name in it that no other writer takes
+/// (`.<name>.<process>.<n>.tmp`): written there, then renamed over `path`.
+fn temporary(path: &Path) -> (&Path, PathBuf) {
+    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let temp = folder.join(format!(
+        ".{name}.{}.{}.tmp",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    (folder, temp)
 }
 
 /// Where the body starts after a header of `len` bytes.
@@ -760,5 +991,100 @@ mod tests {
         (&file).write_all(&[0]).unwrap();
         let e = read.check_unchanged().unwrap_err();
         assert!(e.to_string().contains("written while mapped"), "{e}");
+    }
+
+    #[test]
+    fn an_encoded_file_written_tensor_by_tensor_serves_what_save_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fixture(&checkpoint(dir.path()));
+        let (enc, saved) = encode_and_save(&f, dir.path());
+        let id = identity(&f);
+        let streamed = dir.path().join("streamed").join(id.file_name());
+        std::fs::create_dir_all(streamed.parent().unwrap()).unwrap();
+        let cancel = AtomicBool::new(false);
+        let written = EncodedSource::write_file(&*f.inner, &id, &streamed, 2, &cancel).unwrap();
+        assert_eq!(written, Some(std::fs::metadata(&streamed).unwrap().len()));
+        let read = open(&f, &streamed).unwrap();
+        let from_save = open(&f, &saved).unwrap();
+        assert_eq!(read.report().tensors, 2);
+        for i in 0..f.inner.slices().len() {
+            assert_eq!(read.encoding(i), enc.encoding(i), "slice {i}");
+            let Some(r) = read.encoding(i) else { continue };
+            let got = read.host_pieces(r.file, r.offset, r.len).unwrap();
+            let want = from_save.host_pieces(r.file, r.offset, r.len).unwrap();
+            assert!(got[0].1.as_bytes() == want[0].1.as_bytes(), "slice {i}");
+        }
+        let names = |d: &Path| -> Vec<String> {
+            std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        };
+        assert_eq!(names(streamed.parent().unwrap()), vec![id.file_name()]);
+        // Cancelled, it leaves nothing behind, and no file at its name.
+        let other = dir.path().join("cancelled");
+        std::fs::create_dir_all(&other).unwrap();
+        let cancel = AtomicBool::new(true);
+        let path = other.join(id.file_name());
+        assert_eq!(EncodedSource::write_file(&*f.inner, &id, &path, 2, &cancel).unwrap(), None);
+        assert!(names(&other).is_empty(), "{:?}", names(&other));
+        // A temporary file a killed writer left (a prefix of a good file) is never opened.
+        let good = std::fs::read(&streamed).unwrap();
+        let temp = other.join(format!(".{}.1.0.tmp", id.file_name()));
+        std::fs::write(&temp, &good[..good.len() / 2]).unwrap();
+        assert_eq!(open(&f, &path).err(), Some(EncodedFileRefusal::Missing));
+        let listed = cached_files(&other);
+        assert_eq!(listed.len(), 1);
+        assert!(!listed[0].abandoned, "a fresh temporary file may still be written");
+        let old = std::time::SystemTime::now() - ABANDONED_AFTER * 2;
+        File::options().write(true).open(&temp).unwrap().set_modified(old).unwrap();
+        assert!(cached_files(&other)[0].abandoned);
+    }
+
+    #[test]
+    fn a_decision_is_recorded_for_the_checkpoint_files_it_was_made_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = checkpoint(dir.path());
+        let f = fixture(&model);
+        let folder = dir.path().join("cache");
+        let id = identity(&f);
+        assert_eq!(recorded_decision(&folder, &id), None);
+        record_decision(&folder, &id, "transfer-bound").unwrap();
+        assert_eq!(recorded_decision(&folder, &id).as_deref(), Some("transfer-bound"));
+        // Any choice of tensors of the same files finds it.
+        let fewer = Fixture { chosen: f.chosen[..1].to_vec(), ..fixture(&model) };
+        assert_eq!(
+            recorded_decision(&folder, &identity(&fewer)).as_deref(),
+            Some("transfer-bound")
+        );
+        assert!(id.decision_name().ends_with(".decision"));
+        assert!(cached_files(&folder).is_empty(), "decisions are not encoded files");
+        // A changed checkpoint has none.
+        let file = File::options().write(true).open(&model).unwrap();
+        file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+            .unwrap();
+        drop(file);
+        assert_eq!(recorded_decision(&folder, &identity(&fixture(&model))), None);
+    }
+
+    #[test]
+    fn a_use_mark_orders_encoded_files_without_touching_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fixture(&checkpoint(dir.path()));
+        let folder = dir.path().join("cache");
+        std::fs::create_dir_all(&folder).unwrap();
+        let (_, path) = encode_and_save(&f, &folder);
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(100);
+        File::options().write(true).open(&path).unwrap().set_modified(old).unwrap();
+        let before = std::fs::metadata(&path).unwrap();
+        let listed = cached_files(&folder);
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].bytes, before.len());
+        mark_used(&path).unwrap();
+        let after = std::fs::metadata(&path).unwrap();
+        assert_eq!(mtime_ns(&after), mtime_ns(&before), "the encoded file is not touched");
+        assert!(cached_files(&folder)[0].last_used_ns > listed[0].last_used_ns);
+        remove_cached(&path).unwrap();
+        assert_eq!(std::fs::read_dir(&folder).unwrap().count(), 0);
     }
 }

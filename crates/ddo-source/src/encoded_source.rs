@@ -198,7 +198,7 @@ impl EncodedSource {
 /// Tensor `i`'s encoding, made on `workers` threads, or `None` when it is not bf16 or fp16 or
 /// its encoding is not smaller. A tensor in host memory (a mapping) is encoded where it lies;
 /// another is read into `scratch` first.
-fn encode_tensor(
+pub(crate) fn encode_tensor(
     inner: &dyn WeightSource,
     i: usize,
     workers: usize,
@@ -225,7 +225,7 @@ fn encode_tensor(
 
 /// Gives the heap's free memory back to the host: the encoder's buffers, freed tensor by
 /// tensor, would otherwise stay resident in the allocator's arenas.
-fn release_freed_memory() {
+pub(crate) fn release_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free heap pages to the system; it touches no live
     // allocation.

@@ -52,7 +52,11 @@ mod staging;
 
 pub use checkpoint::{Checkpoint, CheckpointFile, file_identity, parse_index};
 pub use convert::{ConversionReport, ConvertedSource, convert, convertible};
-pub use encoded_file::{BODY_ALIGN, ENCODED_FILE_VERSION, EncodedFileIdentity, EncodedFileRefusal};
+pub use encoded_file::{
+    ABANDONED_AFTER, BODY_ALIGN, CachedFile, ENCODED_FILE_VERSION, EncodedFileIdentity,
+    EncodedFileRefusal, cached_files, lower_thread_priority, mark_used, record_decision,
+    recorded_decision, remove_cached,
+};
 pub use encoded_source::{EncodedSource, EncodingReport};
 pub use gguf::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufHeader, parse_gguf};
 pub use header::{Header, HeaderEntry, MAX_HEADER_LEN, header_len, parse_header};
