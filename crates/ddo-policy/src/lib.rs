@@ -8,7 +8,8 @@
 //! ([`UNSUPPORTED_SETTINGS`]) are refused unless left at their default, and every `DDO_*` variable
 //! ddo does not read becomes a warning on the plan. The rules a host applies while a component
 //! runs live here too: the automatic GPU budget ([`auto_budget`]), capacity profiles
-//! ([`capacity_profile`]) and the route's predicates ([`Route::facts`]). The crate is pure (no I/O beyond
+//! ([`capacity_profile`]), the default encoded-file folder and its bound ([`encoded_cache`]) and
+//! the route's predicates ([`Route::facts`]). The crate is pure (no I/O beyond
 //! [`Environment::from_process`]); the Python package calls it rather than re-implementing the
 //! rules.
 #![forbid(unsafe_code)]
@@ -16,6 +17,7 @@
 pub mod auto_budget;
 pub mod capacity_profile;
 mod config;
+pub mod encoded_cache;
 mod env;
 mod error;
 mod format;

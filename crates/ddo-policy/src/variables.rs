@@ -36,9 +36,10 @@ const TOOLING_KEYS: &[&str] = &[
     "FEATURES_DEVICE",
 ];
 
-/// Keys the Python package reads itself (`DDO_PROGRESS`: its progress bars; `DDO_PROFILE_DIR`:
-/// where capacity profiles are stored).
-const HOST_KEYS: &[&str] = &["PROGRESS", "PROFILE_DIR"];
+/// Keys the Python package and the composition root read themselves (`DDO_PROGRESS`: its
+/// progress bars; `DDO_PROFILE_DIR`: where capacity profiles are stored; `DDO_CACHE_DIR`: the
+/// default folder of encoded files).
+const HOST_KEYS: &[&str] = &["PROGRESS", "PROFILE_DIR", "CACHE_DIR"];
 
 /// One warning per `DDO_*` variable of `env` that ddo does not read, in name order; variables
 /// without the prefix are not ddo's business and are skipped.
@@ -281,6 +282,7 @@ mod tests {
             "DDO_FEATURES_DEVICE",
             "DDO_PROGRESS",
             "DDO_PROFILE_DIR",
+            "DDO_CACHE_DIR",
         ];
         assert_eq!(warnings(&known), Vec::<String>::new());
     }
