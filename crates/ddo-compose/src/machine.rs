@@ -8,7 +8,8 @@ use ddo_platform::cuda::CudaDevice;
 use ddo_platform::host::HostDevice;
 use ddo_policy::Plan;
 use ddo_session::{
-    ComponentSession, ExecutionDevice, ExecutionTarget, SessionError, SessionRoute, SessionSpec,
+    ComponentSession, EncodedCacheFolder, ExecutionDevice, ExecutionTarget, SessionError,
+    SessionRoute, SessionSpec,
 };
 
 use crate::device::plan_device;
@@ -58,13 +59,18 @@ impl Machine {
                     platform,
                     link_bytes_per_second,
                     peer_link: Some(measure_peer_link),
+                    encoded_cache: default_encoded_cache(),
                 };
                 Machine { target, cuda: Some(cuda) }
             }
             ExecutionDevice::Host => {
                 let platform = ddo_platform::host_platform(Arc::new(HostDevice::new()));
                 let platform = ddo_core::Platform { admission, ..platform };
-                Machine { target: ExecutionTarget::unmeasured(device, platform), cuda: None }
+                let target = ExecutionTarget {
+                    encoded_cache: default_encoded_cache(),
+                    ..ExecutionTarget::unmeasured(device, platform)
+                };
+                Machine { target, cuda: None }
             }
         })
     }
@@ -83,6 +89,17 @@ impl Machine {
     pub fn cuda(&self) -> Option<&Arc<CudaDevice>> {
         self.cuda.as_ref()
     }
+}
+
+/// The default encoded-file folder, from this process's environment
+/// ([`ddo_policy::encoded_cache::default_encoded_cache_dir`]), kept within
+/// [`DEFAULT_ENCODED_CACHE_BYTES`](ddo_policy::encoded_cache::DEFAULT_ENCODED_CACHE_BYTES).
+fn default_encoded_cache() -> Option<EncodedCacheFolder> {
+    let path = ddo_policy::encoded_cache::default_encoded_cache_dir(|v| std::env::var(v).ok())?;
+    Some(EncodedCacheFolder {
+        path,
+        cap_bytes: ddo_policy::encoded_cache::DEFAULT_ENCODED_CACHE_BYTES,
+    })
 }
 
 /// The peer link between two CUDA devices, bytes per second.

@@ -59,12 +59,32 @@ pub struct ExecutionTarget {
     pub link_bytes_per_second: Option<f64>,
     /// Measures a peer weight store's link (two GPUs); `None` where there is no peer link.
     pub peer_link: Option<PeerLinkProbe>,
+    /// The encoded-file folder `vmm_weight_encoding` uses when `vmm_encoded_cache_dir` is empty
+    /// (the composition root resolves it from the environment:
+    /// [`ddo_policy::encoded_cache::default_encoded_cache_dir`]); `None`: no default folder.
+    pub encoded_cache: Option<EncodedCacheFolder>,
+}
+
+/// A default encoded-file folder and the bytes of encoded files it keeps at most (the least
+/// recently used go beyond them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedCacheFolder {
+    /// The folder (made when first written).
+    pub path: std::path::PathBuf,
+    /// The most bytes of encoded files it keeps.
+    pub cap_bytes: u64,
 }
 
 impl ExecutionTarget {
     /// A target on `platform` with nothing measured: no link speed, no peer link.
     pub fn unmeasured(device: ExecutionDevice, platform: Platform) -> ExecutionTarget {
-        ExecutionTarget { device, platform, link_bytes_per_second: None, peer_link: None }
+        ExecutionTarget {
+            device,
+            platform,
+            link_bytes_per_second: None,
+            peer_link: None,
+            encoded_cache: None,
+        }
     }
 }
 

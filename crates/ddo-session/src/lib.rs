@@ -73,7 +73,7 @@ pub use ddo_arena::{
     Assignment, FoundUnit, ModuleNode, ModuleTree, Parameter, ParameterRef, UnitKind, UnitRule,
 };
 pub use decode_speed::measure_decode_rate;
-pub use device::{ExecutionDevice, ExecutionTarget, PeerLinkProbe};
+pub use device::{EncodedCacheFolder, ExecutionDevice, ExecutionTarget, PeerLinkProbe};
 pub use error::SessionError;
 pub use report::plan_snapshot;
 pub use session::{

@@ -36,6 +36,9 @@ impl ComponentSession {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         Self::between_passes(a, "unload during a forward pass")?;
+        // Encodings being written in the background stop (their thread joined, their temporary
+        // file removed); the next attach starts them again if they are still wanted.
+        self.stop_background_encoding();
         let attached = g.take().expect("attached");
         match Arc::try_unwrap(attached.memory) {
             Ok(memory) => {
@@ -68,8 +71,10 @@ impl ComponentSession {
         Ok(())
     }
 
-    /// Closes the session: unloads (refused while leases are live).
+    /// Closes the session: unloads (refused while leases are live); encodings being written in
+    /// the background stop (dropping the session stops them too).
     pub fn close(self) -> Result<(), SessionError> {
+        self.stop_background_encoding();
         if self.is_unloaded() { Ok(()) } else { self.unload().map(|_| ()) }
     }
 }

@@ -171,6 +171,11 @@ pub struct ComponentSession {
     auto_encoding: Mutex<Option<AutoEncoding>>,
     /// How fast the device decodes, timed once (by `auto`'s first encoded attach).
     decode_speed: Mutex<Option<crate::decode_speed::DecodeSpeed>>,
+    /// The encodings being written in the background, or written ([`encoding::JobSlot`]).
+    encoding_job: Mutex<encoding::JobSlot>,
+    /// Tests hold background encodings back while they hold this lock.
+    #[cfg(test)]
+    encoding_hold: Mutex<Option<Arc<std::sync::RwLock<()>>>>,
     warnings: Vec<String>,
 }
 
@@ -262,11 +267,26 @@ impl ComponentSession {
                 s.small_tensor_threshold_kb
             ));
         }
-        let auto_encoding = (s.vmm_weight_encoding == WeightEncoding::Auto
+        let timed = s.vmm_weight_encoding == WeightEncoding::Auto
             && route == SessionRoute::Native
             && target.link_bytes_per_second.is_some()
-            && target.platform.residency.decodes())
-        .then(AutoEncoding::timing);
+            && target.platform.residency.decodes();
+        // An earlier load of the same checkpoint files that found its passes transfer-bound
+        // recorded so in the encoded-file folder: this one streams encoded from the start.
+        let recorded = match (&weights, encoding::folder(s, &target)) {
+            (Weights::Checkpoint { path, .. }, Some(folder)) if timed => Checkpoint::open(path)
+                .ok()
+                .and_then(|c| ddo_source::EncodedFileIdentity::of(&c, c.slices(), &[]).ok())
+                .and_then(|id| ddo_source::recorded_decision(&folder.path, &id)),
+            _ => None,
+        };
+        let auto_encoding = timed.then(|| match recorded {
+            Some(why) => AutoEncoding::Encode {
+                applied: false,
+                why: format!("{why} (recorded by an earlier load)"),
+            },
+            None => AutoEncoding::timing(),
+        });
         let session = ComponentSession {
             route,
             plan,
@@ -278,6 +298,9 @@ impl ComponentSession {
             budget_override: Mutex::new(None),
             auto_encoding: Mutex::new(auto_encoding),
             decode_speed: Mutex::new(None),
+            encoding_job: Mutex::new(encoding::JobSlot::Idle),
+            #[cfg(test)]
+            encoding_hold: Mutex::new(None),
             warnings,
         };
         let attached = session.attach()?;

@@ -91,6 +91,8 @@ impl ComponentSession {
             {
                 auto.pass_begins(Instant::now(), streamed as f64 / link);
             }
+            // `auto` decided to encode: the encodings are written in the background.
+            self.start_decided_encoding();
         }
         a.memory.arena.begin_pass();
         let resident: Vec<UnitId> =

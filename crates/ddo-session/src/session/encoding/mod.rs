@@ -3,14 +3,42 @@
 //! machine ([`auto`]).
 
 mod auto;
+mod background;
 
 use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
 
 use ddo_arena::{Layout, UnitSpec};
-use ddo_core::{Dtype, TensorSlice};
-use ddo_policy::WeightEncoding;
+use ddo_core::{Dtype, TensorSlice, WeightSource};
+use ddo_policy::{Settings, WeightEncoding};
+use ddo_source::{Checkpoint, CheckpointSource, EncodedFileIdentity, EncodedSource, ReadOptions};
 
 pub(super) use auto::AutoEncoding;
+use background::{EncodingJob, JobSpec};
+pub(super) use background::{Folder, JobSlot, bound};
+
+/// The encoded-file folder of a session: `vmm_encoded_cache_dir` when set (unbounded: the
+/// user's), else the target's default folder (bounded).
+pub(super) fn folder(settings: &Settings, target: &crate::ExecutionTarget) -> Option<Folder> {
+    let named = &settings.vmm_encoded_cache_dir;
+    if !named.is_empty() {
+        return Some(Folder { path: named.into(), cap: None });
+    }
+    let default = target.encoded_cache.as_ref()?;
+    Some(Folder { path: default.path.clone(), cap: Some(default.cap_bytes) })
+}
+
+/// How an attach gets the encodings it chose.
+pub(in crate::session) enum Encodings {
+    /// From a complete encoded file, opened and checked (over a source of its own: serve it
+    /// over the attach's with [`EncodedSource::serving`]), and what the profile says of it.
+    Prepared(EncodedSource, String),
+    /// They are written in the background: the attach streams raw; what the profile says.
+    Pending(String),
+    /// Encoded at load (no folder, or passes not timed on this device).
+    AtLoad,
+}
 
 use super::{ComponentSession, SessionRoute};
 use crate::SessionError;
@@ -50,11 +78,9 @@ impl ComponentSession {
             Some(AutoEncoding::Raw { why }) => {
                 return Ok(EncodingChoice::none(format!("auto: raw: {why}")));
             }
-            // Any attach from now on encodes (a reload included): no switch is due any more.
-            Some(AutoEncoding::Encode { applied, why }) => {
-                *applied = true;
-                Some(why.clone())
-            }
+            // Any attach from now on encodes (a reload included): the attach marks it applied
+            // unless the encodings are still being written.
+            Some(AutoEncoding::Encode { why, .. }) => Some(why.clone()),
         };
         let specs = self.assignment.unit_specs(slices);
         let streamed: Vec<bool> = match mode {
@@ -106,6 +132,185 @@ impl ComponentSession {
             None => choice.why,
         };
         Ok(EncodingChoice { tensors: choice.tensors, why })
+    }
+}
+
+impl ComponentSession {
+    /// The encoded-file folder where encodings are written in the background: a folder, on a
+    /// device whose passes are timed (a measured link); elsewhere encodings are made at load.
+    pub(in crate::session) fn background_folder(&self) -> Option<Folder> {
+        self.target.link_bytes_per_second?;
+        folder(&self.plan.settings, &self.target)
+    }
+
+    /// Marks `auto`'s decision to encode applied (or, `applied` false, due again).
+    pub(in crate::session) fn mark_applied(&self, applied: bool) {
+        if let Some(AutoEncoding::Encode { applied: a, .. }) =
+            &mut *self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner())
+        {
+            *a = applied;
+        }
+    }
+
+    /// How the attach gets the encodings of the tensors `encode` of `checkpoint`: the encoded
+    /// file when one written in the background (or by an earlier load) is complete and checks,
+    /// else written in the background while the attach streams raw (the job started unless it
+    /// runs), or at load where there is no background folder.
+    pub(in crate::session) fn encodings(
+        &self,
+        checkpoint: &Arc<Checkpoint>,
+        encode: &[usize],
+    ) -> Encodings {
+        let Some(folder) = self.background_folder() else { return Encodings::AtLoad };
+        let identity = match EncodedFileIdentity::of(checkpoint, checkpoint.slices(), encode) {
+            Ok(id) => id,
+            Err(_) => return Encodings::AtLoad,
+        };
+        let path = folder.path.join(identity.file_name());
+        let shown = path.display().to_string();
+        let mut slot = self.encoding_job.lock().unwrap_or_else(|p| p.into_inner());
+        slot.poll();
+        match std::mem::take(&mut *slot) {
+            JobSlot::Ready { identity: written, prepared } if written == identity => {
+                return Encodings::Prepared(
+                    prepared,
+                    format!("written in the background to {shown}"),
+                );
+            }
+            JobSlot::Failed(why) => {
+                let note = format!("raw: the encodings could not be written ({why})");
+                *slot = JobSlot::Failed(why);
+                return Encodings::Pending(note);
+            }
+            JobSlot::Running(job) if job.path == path => {
+                *slot = JobSlot::Running(job);
+                return Encodings::Pending(format!(
+                    "streaming raw while the encodings are written to {shown} in the background"
+                ));
+            }
+            // Another choice's job or encodings: stopped (dropped).
+            _ => {}
+        }
+        let workers = std::thread::available_parallelism().map_or(1, usize::from);
+        let file = CheckpointSource::new(checkpoint.clone(), ReadOptions::pread())
+            .map_err(|e| e.to_string())
+            .and_then(|inner| {
+                let inner: Arc<dyn WeightSource> = Arc::new(inner);
+                EncodedSource::open_file(inner, &identity, &path, workers)
+                    .map_err(|e| e.to_string())
+            });
+        if let Ok(read) = file {
+            let _ = ddo_source::mark_used(&path);
+            return Encodings::Prepared(read, format!("read from {shown}"));
+        }
+        *slot = self.start_job(checkpoint.clone(), identity, folder);
+        match &*slot {
+            JobSlot::Failed(why) => {
+                Encodings::Pending(format!("raw: the encodings could not be written ({why})"))
+            }
+            _ => Encodings::Pending(format!(
+                "streaming raw while the encodings are written to {shown} in the background"
+            )),
+        }
+    }
+
+    /// Starts writing the encoded file of `identity` in `folder`.
+    fn start_job(
+        &self,
+        checkpoint: Arc<Checkpoint>,
+        identity: EncodedFileIdentity,
+        folder: Folder,
+    ) -> JobSlot {
+        let decision = match &*self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(AutoEncoding::Encode { why, .. }) => {
+                // Recorded once: a decision read back is not recorded again.
+                (!why.ends_with("(recorded by an earlier load)")).then(|| why.clone())
+            }
+            _ => None,
+        };
+        let spec = JobSpec {
+            checkpoint,
+            identity,
+            folder,
+            decision,
+            #[cfg(test)]
+            hold: self.encoding_hold.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        };
+        match EncodingJob::start(spec) {
+            Ok(job) => JobSlot::Running(job),
+            Err(why) => JobSlot::Failed(why),
+        }
+    }
+
+    /// `auto` decided to encode: its encodings start being written in the background, unless
+    /// they are already (or failed), or there is no background folder (the switch encodes
+    /// then). Called between passes; reads the checkpoint's header, writes nothing.
+    pub(in crate::session) fn start_decided_encoding(&self) {
+        let decided = matches!(
+            &*self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()),
+            Some(AutoEncoding::Encode { applied: false, .. })
+        );
+        if !decided
+            || self.background_folder().is_none()
+            || !matches!(
+                *self.encoding_job.lock().unwrap_or_else(|p| p.into_inner()),
+                JobSlot::Idle
+            )
+        {
+            return;
+        }
+        let super::Weights::Checkpoint { path, .. } = &self.weights else { return };
+        let Ok(checkpoint) = Checkpoint::open(path) else { return };
+        let checkpoint = Arc::new(checkpoint);
+        let encode = self
+            .conversions(checkpoint.slices())
+            .map(|all| all.iter().map(|&(i, _)| i).collect::<HashSet<usize>>())
+            .and_then(|converted| self.encoding_choice(checkpoint.slices(), &converted));
+        let why = |e: String| {
+            *self.encoding_job.lock().unwrap_or_else(|p| p.into_inner()) = JobSlot::Failed(e);
+        };
+        match encode {
+            // Nothing to encode: the switch only marks the decision applied.
+            Ok(choice) if choice.tensors.is_empty() => {}
+            Ok(choice) => {
+                let folder = self.background_folder().expect("checked");
+                match EncodedFileIdentity::of(&checkpoint, checkpoint.slices(), &choice.tensors) {
+                    Ok(identity) => {
+                        let job = self.start_job(checkpoint, identity, folder);
+                        *self.encoding_job.lock().unwrap_or_else(|p| p.into_inner()) = job;
+                    }
+                    Err(e) => why(e.to_string()),
+                }
+            }
+            Err(e) => why(e.to_string()),
+        }
+    }
+
+    /// Whether the background encoding finished its file (collecting it), recording a failure:
+    /// `auto` then stays raw and the profile says why.
+    pub(in crate::session) fn background_encoding_ready(&self) -> bool {
+        let mut slot = self.encoding_job.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(why) = slot.poll() {
+            let mut auto = self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(AutoEncoding::Encode { why: decided, .. }) = &*auto {
+                *auto = Some(AutoEncoding::Raw {
+                    why: format!("{decided}, but the encodings could not be written: {why}"),
+                });
+            }
+        }
+        matches!(*slot, JobSlot::Ready { .. })
+    }
+
+    /// Stops the background encoding (cancelled and joined) and forgets finished encodings.
+    pub(in crate::session) fn stop_background_encoding(&self) {
+        self.encoding_job.lock().unwrap_or_else(|p| p.into_inner()).stop();
+    }
+}
+
+/// Keeps a bounded folder's encoded files within its bound after `written` was written or used.
+pub(in crate::session) fn keep_bound(folder: &Folder, written: &Path) {
+    if let Some(cap) = folder.cap {
+        bound(&folder.path, cap, Some(written));
     }
 }
 

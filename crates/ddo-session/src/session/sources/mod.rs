@@ -17,7 +17,7 @@ use ddo_source::{
     EncodedSource, MmapChoice, RetainedStore,
 };
 
-use super::encoding::EncodingChoice;
+use super::encoding::{self, EncodingChoice, Encodings};
 use super::state::{CheckpointBytes, HostRange, SourceBytes};
 use super::{ComponentSession, SessionRoute};
 use crate::SessionError;
@@ -35,16 +35,35 @@ impl ComponentSession {
         let checkpoint = Arc::new(Checkpoint::open(path)?);
         let all = self.conversions(checkpoint.slices())?;
         let converted: HashSet<usize> = all.iter().map(|&(i, _)| i).collect();
-        let EncodingChoice { tensors: encode, why: note } =
+        let EncodingChoice { tensors: mut encode, why: mut note } =
             self.encoding_choice(checkpoint.slices(), &converted)?;
+        let (mut prepared, mut pending) = (None, false);
+        if !encode.is_empty() {
+            match self.encodings(&checkpoint, &encode) {
+                Encodings::Prepared(read, file_note) => prepared = Some((read, file_note)),
+                Encodings::Pending(why) => {
+                    encode.clear();
+                    note = format!("{note}; {why}");
+                    pending = true;
+                }
+                Encodings::AtLoad => {}
+            }
+        }
+        // Unless the encodings are still being written, this attach applies `auto`'s decision.
+        self.mark_applied(!pending);
         let CheckpointBytes { source, mapped, mut ranges, mut host } =
             self.stored_source(checkpoint.clone(), all.clone(), mmap, host_only, &encode)?;
         host.encoding_note = Some(note);
         if encode.is_empty() {
             return Ok(SourceBytes { source, ranges, host });
         }
-        let (mut encoded, file_note) =
-            self.encoded_source(source, &checkpoint, &encode, mapped.as_deref())?;
+        let served = prepared.and_then(|(read, file_note)| {
+            read.serving(source.clone()).map(|read| (read, Some(file_note)))
+        });
+        let (mut encoded, file_note) = match served {
+            Some(served) => served,
+            None => self.encoded_source(source, &checkpoint, &encode, mapped.as_deref())?,
+        };
         if let (Some(note), Some(file_note)) = (&mut host.encoding_note, file_note) {
             *note = format!("{note}; {file_note}");
         }
@@ -84,7 +103,8 @@ impl ComponentSession {
     ) -> Result<(EncodedSource, Option<String>), SessionError> {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let workers = cores.max(self.plan.settings.pin_cpu_workers as usize);
-        let folder = Path::new(&self.plan.settings.vmm_encoded_cache_dir);
+        let bounded = encoding::folder(&self.plan.settings, &self.target);
+        let folder = bounded.as_ref().map_or(Path::new(""), |f| f.path.as_path());
         let file = (!folder.as_os_str().is_empty()).then(|| {
             EncodedFileIdentity::of(checkpoint, source.slices(), encode).map(|identity| {
                 let path = folder.join(identity.file_name());
@@ -94,7 +114,10 @@ impl ComponentSession {
         let mut refused = None;
         if let Some(Ok((identity, path))) = &file {
             match EncodedSource::open_file(source.clone(), identity, path, workers) {
-                Ok(read) => return Ok((read, Some(format!("read from {}", path.display())))),
+                Ok(read) => {
+                    let _ = ddo_source::mark_used(path);
+                    return Ok((read, Some(format!("read from {}", path.display()))));
+                }
                 Err(EncodedFileRefusal::Missing) => {}
                 Err(why) => refused = Some(why),
             }
@@ -107,6 +130,10 @@ impl ComponentSession {
                 // A folder that cannot be written only leaves the encodings unsaved.
                 let saved =
                     std::fs::create_dir_all(folder).and_then(|()| encoded.save(&identity, &path));
+                if let (Ok(_), Some(bounded)) = (&saved, &bounded) {
+                    let _ = ddo_source::mark_used(&path);
+                    encoding::keep_bound(bounded, &path);
+                }
                 let shown = path.display();
                 Some(match (saved, refused) {
                     (Ok(_), None) => format!("encoded (encoded file {shown} written)"),
