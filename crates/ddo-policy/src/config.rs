@@ -363,7 +363,9 @@ settings! {
     /// the first passes are timed, then, if they run at their copy floor, the streamed units'
     /// tensors the device decodes faster than the link copies them; on the host backend the
     /// streamed units' tensors of 1 MiB or more, at load). A tensor is encoded only when its
-    /// encoding is smaller.
+    /// encoding is smaller. On a GPU with an encoded-file folder, encodings no file holds yet
+    /// are written in the background while passes stream raw, and the switch to encoded
+    /// streaming comes once the file is complete.
     vmm_weight_encoding: WeightEncoding = WeightEncoding::Off, "VMM_WEIGHT_ENCODING";
     /// A folder of encoded files for `vmm_weight_encoding`: the encodings of a checkpoint's
     /// chosen tensors are written there once (`<16 hex digits>.ddoenc`, named after the
@@ -371,7 +373,10 @@ settings! {
     /// again when it records the same checkpoint files (path, size, modification time), tensors
     /// and format, and every encoding in it checks; otherwise it encodes and writes the file
     /// again (atomically). A folder that cannot be written only leaves the encodings unsaved.
-    /// Empty (the default): encode at every load.
+    /// Empty (the default): `$DDO_CACHE_DIR`, else `$HF_HOME/ddo/encoded`, else
+    /// `$XDG_CACHE_HOME/huggingface/ddo/encoded`, else `~/.cache/huggingface/ddo/encoded`,
+    /// kept within 64 GiB (least recently used files removed); none of them set: encode at
+    /// every load.
     vmm_encoded_cache_dir: String = String::new(), "VMM_ENCODED_CACHE_DIR";
     /// Regex (Python `re.search` semantics on the module path) of the modules whose repeated
     /// blocks are streamed; other parameters stay resident. It must also compile as a Rust
