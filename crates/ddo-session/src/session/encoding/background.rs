@@ -34,7 +34,7 @@ pub(in crate::session) enum JobSlot {
     /// One runs.
     Running(EncodingJob),
     /// The file is complete and checked: its encodings, opened, for the switch.
-    Ready { identity: EncodedFileIdentity, prepared: EncodedSource },
+    Ready { identity: EncodedFileIdentity, prepared: Box<EncodedSource> },
     /// It failed: the component streams raw, and the profile says why.
     Failed(String),
 }
@@ -51,7 +51,7 @@ impl JobSlot {
         let identity = job.identity.clone();
         match job.join() {
             Ok(Some(prepared)) => {
-                *self = JobSlot::Ready { identity, prepared };
+                *self = JobSlot::Ready { identity, prepared: Box::new(prepared) };
                 None
             }
             Ok(None) => None,

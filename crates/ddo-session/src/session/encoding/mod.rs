@@ -33,7 +33,7 @@ pub(super) fn folder(settings: &Settings, target: &crate::ExecutionTarget) -> Op
 pub(in crate::session) enum Encodings {
     /// From a complete encoded file, opened and checked (over a source of its own: serve it
     /// over the attach's with [`EncodedSource::serving`]), and what the profile says of it.
-    Prepared(EncodedSource, String),
+    Prepared(Box<EncodedSource>, String),
     /// They are written in the background: the attach streams raw; what the profile says.
     Pending(String),
     /// Encoded at load (no folder, or passes not timed on this device).
@@ -201,7 +201,7 @@ impl ComponentSession {
             });
         if let Ok(read) = file {
             let _ = ddo_source::mark_used(&path);
-            return Encodings::Prepared(read, format!("read from {shown}"));
+            return Encodings::Prepared(Box::new(read), format!("read from {shown}"));
         }
         *slot = self.start_job(checkpoint.clone(), identity, folder);
         match &*slot {

@@ -58,7 +58,7 @@ impl ComponentSession {
             return Ok(SourceBytes { source, ranges, host });
         }
         let served = prepared.and_then(|(read, file_note)| {
-            read.serving(source.clone()).map(|read| (read, Some(file_note)))
+            (*read).serving(source.clone()).map(|read| (read, Some(file_note)))
         });
         let (mut encoded, file_note) = match served {
             Some(served) => served,
