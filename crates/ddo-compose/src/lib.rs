@@ -42,7 +42,7 @@ pub use device::{choose_device, plan_device};
 pub use link::measure_host_link;
 pub use machine::{Machine, open, open_with_admission};
 pub use os::{host_admission, host_room, observe_host_memory, running_on_wsl};
-pub use profile::{MachineProfile, PROFILE_MAX_AGE};
+pub use profile::{MachineProfile, PROFILE_MAX_AGE, cache_dir};
 pub use read_ahead::read_ahead;
 
 /// The CUDA adapter's handle, for hosts that adopt their own streams ([`Machine::cuda`]).

@@ -56,15 +56,19 @@ impl MachineProfile {
         file: &Path,
         refresh: bool,
     ) -> Result<MachineProfile, SessionError> {
-        if !refresh {
-            if let Some(profile) = read_fresh(file, key, now()) {
-                return Ok(profile);
-            }
+        if let Some(profile) = read_fresh(file, key, now()).filter(|_| !refresh) {
+            return Ok(profile);
         }
         let profile = Self::measure(device, key)?;
         let _ = write(file, &profile);
         Ok(profile)
     }
+}
+
+/// ddo's cache folder as this process's environment names it
+/// ([`ddo_policy::encoded_cache::ddo_cache_dir`]).
+pub fn cache_dir() -> Option<std::path::PathBuf> {
+    ddo_policy::encoded_cache::ddo_cache_dir(|v| std::env::var(v).ok())
 }
 
 fn now() -> u64 {

@@ -373,7 +373,7 @@ settings! {
     /// again when it records the same checkpoint files (path, size, modification time), tensors
     /// and format, and every encoding in it checks; otherwise it encodes and writes the file
     /// again (atomically). A folder that cannot be written only leaves the encodings unsaved.
-    /// Empty (the default): `$DDO_CACHE_DIR`, else `$HF_HOME/ddo/encoded`, else
+    /// Empty (the default): `$DDO_CACHE_DIR/encoded`, else `$HF_HOME/ddo/encoded`, else
     /// `$XDG_CACHE_HOME/huggingface/ddo/encoded`, else `~/.cache/huggingface/ddo/encoded`,
     /// kept within 64 GiB (least recently used files removed); none of them set: encode at
     /// every load.

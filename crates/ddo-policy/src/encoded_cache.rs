@@ -7,12 +7,11 @@ use std::path::PathBuf;
 /// used files are removed ([`lru_evictions`]).
 pub const DEFAULT_ENCODED_CACHE_BYTES: u64 = 64 << 30;
 
-/// The default encoded-file folder, from the environment `var` reads: `$DDO_CACHE_DIR` when
-/// set; else beside the Hugging Face cache, `$HF_HOME/ddo/encoded`; else
-/// `$XDG_CACHE_HOME/huggingface/ddo/encoded`; else `$HOME/.cache/huggingface/ddo/encoded`.
-/// `None` when none of them is set (no folder: encodings are made at load and not kept). Empty
-/// values count as unset.
-pub fn default_encoded_cache_dir(var: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
+/// ddo's cache folder, from the environment `var` reads: `$DDO_CACHE_DIR` when set; else
+/// beside the Hugging Face cache, `$HF_HOME/ddo`; else `$XDG_CACHE_HOME/huggingface/ddo`; else
+/// `$HOME/.cache/huggingface/ddo`. `None` when none of them is set. Empty values count as
+/// unset. It holds the encoded files (`encoded/`) and the machine profile (`machine.json`).
+pub fn ddo_cache_dir(var: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
     let set = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     if let Some(dir) = set("DDO_CACHE_DIR") {
         return Some(dir);
@@ -20,7 +19,13 @@ pub fn default_encoded_cache_dir(var: impl Fn(&str) -> Option<String>) -> Option
     let hf = set("HF_HOME")
         .or_else(|| set("XDG_CACHE_HOME").map(|c| c.join("huggingface")))
         .or_else(|| set("HOME").map(|h| h.join(".cache").join("huggingface")))?;
-    Some(hf.join("ddo").join("encoded"))
+    Some(hf.join("ddo"))
+}
+
+/// The default encoded-file folder: `encoded` in [`ddo_cache_dir`] (`None` without one: no
+/// folder, encodings are made at load and not kept).
+pub fn default_encoded_cache_dir(var: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    ddo_cache_dir(var).map(|d| d.join("encoded"))
 }
 
 /// A file of a bounded folder: its bytes and when it was last used (any monotone clock).
@@ -67,7 +72,9 @@ mod tests {
             ("HOME", "/home/u"),
         ];
         let dir = |from: usize| default_encoded_cache_dir(env(&all[from..]));
-        assert_eq!(dir(0), Some(PathBuf::from("/d")));
+        assert_eq!(dir(0), Some(PathBuf::from("/d/encoded")));
+        assert_eq!(ddo_cache_dir(env(&all)), Some(PathBuf::from("/d")));
+        assert_eq!(ddo_cache_dir(env(&all[1..])), Some(PathBuf::from("/hf/ddo")));
         assert_eq!(dir(1), Some(PathBuf::from("/hf/ddo/encoded")));
         assert_eq!(dir(2), Some(PathBuf::from("/xdg/huggingface/ddo/encoded")));
         assert_eq!(dir(3), Some(PathBuf::from("/home/u/.cache/huggingface/ddo/encoded")));

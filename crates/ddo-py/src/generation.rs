@@ -123,10 +123,18 @@ impl CardShare {
     }
 }
 
-/// The VAE decode's working set at `pixels`, from two measured `(pixels, peak bytes)` decodes.
+/// The VAE decode's working set at `pixels` per frame, from two measured one-frame
+/// `(pixels, peak bytes)` decodes, with `frames` frames of output at `bytes_per_pixel`.
 #[pyfunction]
-fn decode_need_bytes(small: (u64, u64), large: (u64, u64), pixels: u64) -> u64 {
-    decode::decode_need_bytes(small, large, pixels)
+#[pyo3(signature = (small, large, pixels, frames=1, bytes_per_pixel=0))]
+fn decode_need_bytes(
+    small: (u64, u64),
+    large: (u64, u64),
+    pixels: u64,
+    frames: u64,
+    bytes_per_pixel: u64,
+) -> u64 {
+    decode::decode_need_bytes(small, large, pixels, frames, bytes_per_pixel)
 }
 
 /// Whether a decode of `need_bytes` fits `available_bytes` under `vae_decode` (`exact`, `tiled`
@@ -174,6 +182,12 @@ fn host_room_bytes(margin_bytes: u64) -> Option<u64> {
     ddo_compose::host_room(margin_bytes)
 }
 
+/// ddo's cache folder as the environment names it (`None` when no variable locates one).
+#[pyfunction]
+fn cache_dir() -> Option<String> {
+    ddo_compose::cache_dir().map(|p| p.to_string_lossy().into_owned())
+}
+
 /// Registers the generation plan in `ddo._native`.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_generation, m)?)?;
@@ -184,5 +198,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_fit, m)?)?;
     m.add_function(wrap_pyfunction!(machine_profile, m)?)?;
     m.add_function(wrap_pyfunction!(host_room_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_dir, m)?)?;
     Ok(())
 }

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# The tests keep ddo's cache folder (the machine profile, encoded files) out of the user's.
+os.environ["DDO_CACHE_DIR"] = tempfile.mkdtemp(prefix="ddo-test-cache-")
 
 
 def seeded(seed: int = 0) -> None:

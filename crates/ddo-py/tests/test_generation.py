@@ -145,7 +145,7 @@ def test_the_decode_rule_refuses_or_reduces_before_the_steps():
     with pytest.raises(ddo.DynamicOffloadConfigError, match="vae_decode"):
         _native.decode_fit(1, 1, "fast", "8x8")
     # Two measured decodes extrapolate to the size asked.
-    need = _native.decode_need_bytes((1000, 2000), (4000, 5000), 16000)
+    need = _native.decode_need_bytes((1000, 2000), (4000, 5000), 16000)  # one frame
     assert 17000 <= need <= 17000 * 9 // 8 + 1
 
 

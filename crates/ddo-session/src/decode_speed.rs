@@ -132,6 +132,12 @@ fn time_decodes(
     Ok(DecodeSpeed { points })
 }
 
+/// How fast `platform`'s device decodes entropy-coded bf16 weights, bytes of bf16 per second
+/// at the largest probe size (what a whole-generation plan weighs against the link).
+pub fn measure_decode_rate(platform: &Platform) -> Result<f64, DeviceError> {
+    decode_speed(platform).map(|s| s.rate())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,10 +161,4 @@ mod tests {
         assert!(speed.points.iter().all(|&(_, s)| s > 0.0 && s.is_finite()));
         assert_eq!(device.live_streams(), 0, "the probe releases the stream it made");
     }
-}
-
-/// How fast `platform`'s device decodes entropy-coded bf16 weights, bytes of bf16 per second
-/// at the largest probe size (what a whole-generation plan weighs against the link).
-pub fn measure_decode_rate(platform: &Platform) -> Result<f64, DeviceError> {
-    decode_speed(platform).map(|s| s.rate())
 }

@@ -31,15 +31,23 @@ impl VaeDecode {
     }
 }
 
-/// The decode's peak working set at `pixels` output pixels (per frame times frames, for
-/// video), from two measured decodes: a line through them (activations grow with the pixels;
-/// what does not is the intercept), with an eighth more for the allocator's rounding.
-pub fn decode_need_bytes(small: (u64, u64), large: (u64, u64), pixels: u64) -> u64 {
+/// The decode's peak working set at `pixels` output pixels per frame, from two measured
+/// one-frame decodes: a line through them (activations grow with the pixels; what does not is
+/// the intercept), with an eighth more for the allocator's rounding. A video VAE decodes frame
+/// by frame, and its output of `frames` frames of `bytes_per_pixel` each adds to that.
+pub fn decode_need_bytes(
+    small: (u64, u64),
+    large: (u64, u64),
+    pixels: u64,
+    frames: u64,
+    bytes_per_pixel: u64,
+) -> u64 {
     let ((p0, b0), (p1, b1)) = if small.0 <= large.0 { (small, large) } else { (large, small) };
     let slope = if p1 > p0 { b1.saturating_sub(b0) as f64 / (p1 - p0) as f64 } else { 0.0 };
     let need = b1 as f64 + slope * pixels.saturating_sub(p1) as f64;
-    let need = need.max(b1 as f64);
-    (need * 1.125).min(u64::MAX as f64) as u64
+    let need = need.max(b1 as f64) * 1.125;
+    let output = frames.saturating_sub(1) as f64 * pixels as f64 * bytes_per_pixel as f64;
+    (need + output).min(u64::MAX as f64) as u64
 }
 
 /// What the decode will do.
@@ -120,11 +128,14 @@ mod tests {
     fn the_need_grows_with_the_pixels_through_both_measurements() {
         // 100 MiB of weights and workspace, 1 KiB per pixel.
         let at = |p: u64| 100 * MIB + p * 1024;
-        let need = decode_need_bytes((4096, at(4096)), (16384, at(16384)), 1 << 20);
+        let need = decode_need_bytes((4096, at(4096)), (16384, at(16384)), 1 << 20, 1, 6);
         let exact = at(1 << 20);
         assert!(need >= exact && need <= exact * 9 / 8 + 1, "{need} vs {exact}");
         // The order of the measurements does not matter.
-        assert_eq!(need, decode_need_bytes((16384, at(16384)), (4096, at(4096)), 1 << 20));
+        assert_eq!(need, decode_need_bytes((16384, at(16384)), (4096, at(4096)), 1 << 20, 1, 6));
+        // More frames add their output, not another frame's activations.
+        let video = decode_need_bytes((4096, at(4096)), (16384, at(16384)), 1 << 20, 5, 6);
+        assert_eq!(video - need, 4 * (1 << 20) * 6);
     }
 
     #[test]

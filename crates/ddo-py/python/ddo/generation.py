@@ -42,15 +42,12 @@ _FLOAT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _VAE_DECODE = ("exact", "tiled", "sliced")
 
 
-def cache_dir() -> str:
-    """ddo's cache folder: ``$DDO_CACHE_DIR``, else ``ddo`` beside the Hugging Face cache
-    (``$HF_HOME/ddo``, ``$XDG_CACHE_HOME/huggingface/ddo``, ``~/.cache/huggingface/ddo``)."""
-    if os.environ.get("DDO_CACHE_DIR"):
-        return os.environ["DDO_CACHE_DIR"]
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.environ["HF_HOME"], "ddo")
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "huggingface", "ddo")
+def cache_dir() -> Optional[str]:
+    """ddo's cache folder (the machine profile, the encoded files): ``$DDO_CACHE_DIR``, else
+    ``ddo`` beside the Hugging Face cache (``$HF_HOME/ddo``, ``$XDG_CACHE_HOME/huggingface/ddo``,
+    ``~/.cache/huggingface/ddo``); ``None`` when no variable locates one."""
+    found = _native.cache_dir()
+    return None if found is None else str(found)
 
 
 class GenerationPlan:
@@ -177,7 +174,10 @@ def _machine(
     free, total = torch.cuda.mem_get_info(d)
     props = torch.cuda.get_device_properties(d)
     key = f"{props.name}|{total}|{getattr(props, 'pci_bus_id', d.index)}|cuda {torch.version.cuda}|{socket.gethostname()}"
-    profile = json.loads(_native.machine_profile(device, key, os.path.join(cache_dir(), "machine.json"), refresh))
+    folder = cache_dir()
+    # Without a cache folder the machine is measured at each plan.
+    file = os.path.join(folder, "machine.json") if folder else ""
+    profile = json.loads(_native.machine_profile(device, key, file, refresh or not folder))
     return {
         "device": device, "card_total_bytes": int(total), "card_free_bytes": int(free),
         "link_bytes_per_second": profile.get("link_bytes_per_second"),
@@ -480,9 +480,11 @@ class Offloaded:
         if next(vae.parameters()).device.type != "cuda":
             return {"decision": "fits", "why": "the VAE does not decode on the card"}
         height, width, frames = self._output_size(call_kwargs)
-        latent_frames = 1 + (frames - 1) // 4 if getattr(vae.config, "z_dim", None) is not None else 1
+        video = getattr(vae.config, "z_dim", None) is not None
         small, large = self._calibrate(vae)
-        need = int(_native.decode_need_bytes(small, large, height * width * max(frames, latent_frames)))
+        # A video's frames: its output (3 channels in the VAE's dtype) grows with them.
+        per_pixel = 3 * (torch.finfo(vae.dtype).bits // 8) if vae.dtype.is_floating_point else 3
+        need = int(_native.decode_need_bytes(small, large, height * width, frames if video else 1, per_pixel))
         device = torch.device(self.plan.device)
         torch.cuda.empty_cache()
         free = int(torch.cuda.mem_get_info(device)[0])
