@@ -163,3 +163,17 @@ def test_a_decode_that_cannot_fit_is_refused_before_any_step(folder):
         assert result.measured().get("denoise") is None, "no step ran"
     finally:
         result.remove()
+
+
+def test_the_command_line_prints_the_plan_before_anything_loads(folder, capsys):
+    from ddo.tools.cli import main
+
+    path, _, _ = folder
+    assert main(["plan", str(path), "--gpu-budget-gb", str(BUDGET_GB)]) == 0
+    out = capsys.readouterr().out
+    assert "| transformer | denoise | vmm_fast_runtime |" in out and "why:" in out, out
+    assert main(["plan", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {c["name"] for c in data["components"]} == {"text_encoder", "text_encoder_2", "transformer", "vae"}
+    assert main(["plan", str(path / "transformer")]) == 1
+    assert "model_index.json" in capsys.readouterr().err

@@ -368,8 +368,9 @@ class Offloaded:
                 record.passes.append(now)
             if self._current == phase:
                 return
-            if self._current is not None and self._phases[self._current].started is not None:
-                self._phases[self._current].seconds += now - float(self._phases[self._current].started)
+            started = self._phases[self._current].started if self._current is not None else None
+            if self._current is not None and started is not None:
+                self._phases[self._current].seconds += now - started
             self._current = phase
             record.started = now
             if self.share is not None and self.share.entering(phase):
@@ -442,7 +443,7 @@ class Offloaded:
         frames = kwargs.get("num_frames", defaults.get("num_frames"))
         return side("height"), side("width"), int(frames) if isinstance(frames, int) and frames > 0 else 1
 
-    def _calibrate(self, vae: torch.nn.Module) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    def _calibrate(self, vae: Any) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """The VAE decode's peak working set at two small sizes: ``((pixels, bytes), ...)``."""
         if self._calibration is not None:
             return self._calibration
@@ -474,9 +475,10 @@ class Offloaded:
         ``width``, ``num_frames``), and what ``vae_decode`` does about it: the decision as a
         dict (``decision``: ``fits``, ``reduced`` or ``refused``, ``message``). A refusal raises
         :class:`DynamicOffloadCapacityError` from ``result(...)`` before any step runs."""
-        vae = getattr(self.pipeline, "vae", None)
-        if self.plan.device == "cpu" or not isinstance(vae, torch.nn.Module):
+        found = getattr(self.pipeline, "vae", None)
+        if self.plan.device == "cpu" or not isinstance(found, torch.nn.Module):
             return {"decision": "fits", "why": "no card to bound" if self.plan.device == "cpu" else "no VAE"}
+        vae: Any = found  # a Diffusers VAE: config, dtype, decode, enable_tiling
         if next(vae.parameters()).device.type != "cuda":
             return {"decision": "fits", "why": "the VAE does not decode on the card"}
         height, width, frames = self._output_size(call_kwargs)
@@ -581,7 +583,8 @@ def load(
     card (before any step), ``tiled`` or ``sliced`` turn on Diffusers' tiled or sliced decode
     when it would not fit (reported: tiling changes the output)."""
     _check_vae_decode(vae_decode)
-    p = plan(path, config=config, gpu_budget_gb=gpu_budget_gb, **{k: v for k, v in diffusers_kwargs.items() if k in ("dtype", "torch_dtype", "variant", "revision")})
+    facts_kwargs = {k: v for k, v in diffusers_kwargs.items() if k in ("dtype", "torch_dtype", "variant", "revision")}
+    p = plan(path, config=config, gpu_budget_gb=gpu_budget_gb, **facts_kwargs)
     loaded: DynamicOffloadPipelineResult = from_pretrained_pipeline_with_dynamic_offload(
         path, config=config, component_configs=_own_configs(p, config), **diffusers_kwargs
     )

@@ -1,6 +1,7 @@
 """The command line of ``python -m ddo``: ``presets`` lists the presets; ``inspect PATH`` lists a
 checkpoint's tensors, or says why it is invalid (exit 1); ``doctor`` measures this machine and
-recommends settings; ``bench FOLDER`` times a model on several routes side by side."""
+recommends settings; ``bench FOLDER`` times a model on several routes side by side; ``plan
+FOLDER`` prints the plan :func:`ddo.load` would follow on this machine."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from .bench import ROUTES
 _DESCRIPTION = """``python -m ddo presets`` lists the presets; ``python -m ddo inspect PATH`` lists a
 checkpoint's tensors, or says why it is invalid (exit 1); ``python -m ddo doctor`` measures this
 machine and recommends settings; ``python -m ddo bench FOLDER`` times a model on several routes
-side by side."""
+side by side; ``python -m ddo plan FOLDER`` prints the plan ``ddo.load`` would follow on this
+machine, before anything loads."""
 
 
 def _printable(text: str) -> str:
@@ -29,6 +31,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddo", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("presets", help="list the presets and their values")
+    plan = sub.add_parser("plan", help="print the plan ddo.load would follow for a pipeline folder on this machine")
+    plan.add_argument("folder", help="a Diffusers pipeline folder (model_index.json), or a hub id in the local cache")
+    plan.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="the dtype the components load in")
+    plan.add_argument("--gpu-budget-gb", type=float, help="bound what the plan shares of the card, GiB")
+    plan.add_argument("--device", help="the execution device (default cuda:0 when CUDA is available, else cpu)")
+    plan.add_argument("--refresh", action="store_true", help="measure the machine again instead of its cached profile")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     inspect = sub.add_parser("inspect", help="list a checkpoint's tensors")
     inspect.add_argument("path", help="a .safetensors file, an index .json, or a model folder")
     doctor = sub.add_parser("doctor", help="measure this machine and recommend settings")
@@ -64,6 +73,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "presets":
         print(_native.format_presets(), end="")
         return 0
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "doctor":
         return _doctor(args)
     if args.command == "bench":
@@ -81,6 +92,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{t['name']:<{width}}  {t['dtype']:<7}  {shape:<20}  {t['len']:>12}  {t['file'].rsplit('/', 1)[-1]}")
     total = sum(t["len"] for t in tensors)
     print(f"{len(tensors)} tensors in {len(info['files'])} file(s), {total} bytes")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..config import DynamicOffloadConfig
+    from ..errors import DynamicOffloadError
+    from ..generation import plan
+
+    kwargs = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
+    config = DynamicOffloadConfig(execution_device=args.device) if args.device else None
+    try:
+        p = plan(args.folder, config=config, gpu_budget_gb=args.gpu_budget_gb, refresh=args.refresh, **kwargs)
+    except DynamicOffloadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"machine": p.machine, **{k: v for k, v in p.data.items() if k != "table"}}, indent=2))
+    else:
+        print(_printable(p.table()).replace("\\n", "\n"), end="")
     return 0
 
 
