@@ -449,7 +449,7 @@ class Offloaded:
             return self._calibration
         device = next(vae.parameters()).device
         channels = int(getattr(vae.config, "latent_channels", 4) or 4)
-        z_dim = getattr(vae.config, "z_dim", None)
+        z_dim: Any = getattr(vae.config, "z_dim", None)
         video = z_dim is not None
         points = []
         for side in (16, 32):
