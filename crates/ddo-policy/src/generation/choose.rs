@@ -12,14 +12,15 @@ use crate::WeightEncoding;
 /// little and adds copies to every pass.
 pub const RESIDENT_BYTES: u64 = GIB;
 
-/// Activation bytes planned for a phase before its first pass measured them: the denoiser's at
-/// least 1.5 GiB or a sixteenth of the card, an encoder's 1 GiB, a streamed VAE's a quarter of
-/// the card (its decode at full resolution is the largest working set of a generation).
-pub fn unmeasured_activation_bytes(phase: Phase, card_total_bytes: u64) -> u64 {
+/// Activation bytes planned for a phase before its first pass measured them, on a card with
+/// `card_bytes` to share: the denoiser's at least 1.5 GiB or a sixteenth of the card, an
+/// encoder's 1 GiB, a streamed VAE's a quarter of the card (its decode at full resolution is
+/// the largest working set of a generation).
+pub fn unmeasured_activation_bytes(phase: Phase, card_bytes: u64) -> u64 {
     match phase {
-        Phase::Denoise => (3 * GIB / 2).max(card_total_bytes / 16),
+        Phase::Denoise => (3 * GIB / 2).max(card_bytes / 16),
         Phase::Encode => GIB,
-        Phase::Decode => card_total_bytes / 4,
+        Phase::Decode => card_bytes / 4,
     }
 }
 
@@ -75,7 +76,7 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
             .iter()
             .filter_map(|&i| request.components[i].activation_bytes)
             .max()
-            .unwrap_or_else(|| unmeasured_activation_bytes(phase, m.card_total_bytes))
+            .unwrap_or_else(|| unmeasured_activation_bytes(phase, m.usable_bytes()))
     };
     let members_of = |phase: Phase| -> Vec<usize> {
         (0..phase_of.len()).filter(|&i| phase_of[i] == phase && arena(i)).collect()
