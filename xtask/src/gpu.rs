@@ -304,6 +304,7 @@ pub(crate) fn bench_gpu(args: &[String]) -> Result<(), String> {
         "gpu_boundaries.py",
         "gpu_pipeline.py",
         "gpu_generation.py",
+        "gpu_compile.py",
         "gpu_dropin.py",
         "gpu_lowram.py",
         "gpu_shared.py",
@@ -345,6 +346,7 @@ work="${DDO_BENCH_DIR:-$(pwd)/target/ddo-bench}"
 #   bash run.sh boundaries        kept weights, reads between passes, refusals, interrupts, threads, rewrites
 #   bash run.sh pipeline [GIB]    a full-size Flux pipeline (12 B + T5-XXL) in one call under GIB
 #   bash run.sh generation [ARGS] whole generations by ddo and Diffusers' offloads on simulated cards
+#   bash run.sh compile [ARGS]    regional torch.compile of an offloaded transformer against resident compiled
 #   bash run.sh dropin            the host example, timer, phase helpers, profiles, doctor and bench
 #   bash run.sh decode [ARGS]     the GPU decoding rate of encoded weights beside the pinned link
 #   bash run.sh p2p [ARGS]        copies between every pair of GPUs beside pinned host copies
@@ -363,6 +365,7 @@ case "${1:-bench}" in
   boundaries) cmd=(python3 "$bundle/gpu_boundaries.py") ;;
   pipeline) cmd=(python3 "$bundle/gpu_pipeline.py" --dir "$work" --budget-gb "${2:-10}") ;;
   generation) cmd=(python3 "$bundle/gpu_generation.py" --dir "$work" "${@:2}") ;;
+  compile) cmd=(python3 "$bundle/gpu_compile.py" "${@:2}") ;;
   dropin) cmd=(python3 "$bundle/gpu_dropin.py") ;;
   decode) cmd=("$bundle/decode_rate" "${@:2}") ;;
   p2p) cmd=("$bundle/p2p_rate" "${@:2}") ;;
