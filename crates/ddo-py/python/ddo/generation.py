@@ -288,6 +288,9 @@ class Offloaded:
         self._calibration: Optional[Tuple[Tuple[int, int], Tuple[int, int]]] = None
         self._handles: List[Any] = []
         self._wrapped: List[Any] = []
+        self._calibrating = False
+        # Each streamed component's setup metrics as its own phase left it (before an eviction).
+        self._phase_setup: Dict[str, Dict[str, Any]] = {}
         self._phases: Dict[str, _Phase] = {}
         self._current: Optional[str] = None
         self.share: Any = None
@@ -362,6 +365,8 @@ class Offloaded:
 
     def _entering(self, phase: str, owner: str) -> Callable[[], None]:
         def enter() -> None:
+            if self._calibrating:
+                return  # the decode check's own small decodes start no phase
             now = time.perf_counter()
             record = self._phases.setdefault(phase, _Phase(phase))
             if phase == "denoise":
@@ -410,6 +415,8 @@ class Offloaded:
             try:
                 if not held:
                     raise DynamicOffloadError(f"{name} runs a forward in another thread")
+                if reclaim:
+                    self._phase_setup[name] = runtime.metrics().get("setup", {})
                 runtime.set_budget(int(budget))
                 if reclaim:
                     runtime.session.reclaim()
@@ -450,6 +457,16 @@ class Offloaded:
         device = next(vae.parameters()).device
         channels = int(getattr(vae.config, "latent_channels", 4) or 4)
         z_dim: Any = getattr(vae.config, "z_dim", None)
+        self._calibrating = True
+        try:
+            points = self._decode_points(vae, device, channels, z_dim)
+        finally:
+            self._calibrating = False
+        torch.cuda.empty_cache()
+        self._calibration = (points[0], points[1])
+        return self._calibration
+
+    def _decode_points(self, vae: Any, device: torch.device, channels: int, z_dim: Any) -> List[Tuple[int, int]]:
         video = z_dim is not None
         points = []
         for side in (16, 32):
@@ -466,9 +483,7 @@ class Offloaded:
             pixels = int(out.shape[-1] * out.shape[-2] * (out.shape[2] if video else 1))
             points.append((pixels, int(peak)))
             del out, latents
-        torch.cuda.empty_cache()
-        self._calibration = (points[0], points[1])
-        return self._calibration
+        return points
 
     def check_decode(self, **call_kwargs: Any) -> Dict[str, Any]:
         """Whether the VAE decode fits the card for a call with ``call_kwargs`` (``height``,
@@ -532,7 +547,8 @@ class Offloaded:
             r = self.components.get(name)
             if r is None or c["route"] == "none":
                 continue
-            runtime = r.metrics_snapshot().as_dict().get("setup", {})
+            # As its phase ran (an arena evicted since reports its floor now).
+            runtime = self._phase_setup.get(name) or r.metrics_snapshot().as_dict().get("setup", {})
             predicted = c.get("copy_seconds_per_pass")
             lines.append(
                 f"  {name}: streamed {int(runtime.get('streamed_bytes_per_pass') or 0) / 2**30:.2f} GiB/pass "

@@ -13,9 +13,13 @@ use ddo_core::WeightSource;
 use ddo_policy::encoded_cache::{CacheEntry, lru_evictions};
 use ddo_source::{Checkpoint, CheckpointSource, EncodedFileIdentity, EncodedSource, ReadOptions};
 
-/// Threads a background encoding uses (its own and one more for each tensor's chunks): the
-/// passes keep the rest of the host.
-pub(in crate::session) const BACKGROUND_WORKERS: usize = 2;
+/// Threads a background encoding uses: half the host's cores (at least two, at most eight), at
+/// lowered priority, so the passes keep the rest and win any core they contend for; a
+/// generation of a few seconds then ends encoded.
+pub(in crate::session) fn background_workers() -> usize {
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    (cores / 2).clamp(2, 8)
+}
 
 /// The encoded-file folder of a session, and its bound (the default folder's; a folder the
 /// settings name is the user's to keep).
@@ -142,7 +146,7 @@ fn run(spec: &JobSpec, cancel: &AtomicBool) -> Result<Option<EncodedSource>, Str
         CheckpointSource::new(spec.checkpoint.clone(), ReadOptions::pread())
             .map_err(|e| e.to_string())?,
     );
-    let workers = BACKGROUND_WORKERS;
+    let workers = background_workers();
     let prepared = match EncodedSource::open_file(inner.clone(), &spec.identity, &path, workers) {
         Ok(read) => read,
         Err(_) => {
