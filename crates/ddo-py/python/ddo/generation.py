@@ -264,6 +264,9 @@ class _Phase:
     passes: List[float] = field(default_factory=list)
     started: Optional[float] = None
     seconds: float = 0.0
+    # PyTorch's allocated bytes as the phase last began, and the most it took above them.
+    base: Optional[int] = None
+    activation_bytes: Optional[int] = None
 
 
 class Offloaded:
@@ -376,12 +379,29 @@ class Offloaded:
             started = self._phases[self._current].started if self._current is not None else None
             if self._current is not None and started is not None:
                 self._phases[self._current].seconds += now - started
+                self._measure_activations(self._current)
             self._current = phase
             record.started = now
             if self.share is not None and self.share.entering(phase):
                 self._apply(phase, owner)
+            if self.plan.device != "cpu":
+                # The phase's activations: PyTorch's peak above what it held as the phase began.
+                device = torch.device(self.plan.device)
+                torch.cuda.reset_peak_memory_stats(device)
+                record.base = int(torch.cuda.memory_allocated(device))
 
         return enter
+
+    def _measure_activations(self, phase: str) -> None:
+        """What ``phase`` took beside the arenas, measured as it ends: the share plans with it
+        from then on (the decode keeps the need its check measured, when larger)."""
+        record = self._phases.get(phase)
+        if self.plan.device == "cpu" or record is None or record.base is None:
+            return
+        peak = int(torch.cuda.max_memory_allocated(torch.device(self.plan.device))) - record.base
+        record.activation_bytes = max(record.activation_bytes or 0, peak)
+        if self.share is not None and (phase != "decode" or peak > int(self.share.activation(phase))):
+            self.share.set_activation(phase, int(record.activation_bytes))
 
     def _free_bytes(self) -> int:
         """Free memory of the card now; on the host backend, what the budget leaves beside the
@@ -537,6 +557,7 @@ class Offloaded:
             out["step_seconds"] = statistics.median(steps[1:] or steps)
             out["first_step_seconds"] = steps[0]
         out["evictions"] = int(self.share.evictions) if self.share is not None else 0
+        out["activation_bytes"] = {p: r.activation_bytes for p, r in self._phases.items() if r.activation_bytes is not None}
         return out
 
     def report(self) -> str:
@@ -560,6 +581,12 @@ class Offloaded:
             lines.append(f"  denoise step {m['step_seconds']:.3f} s (first {m['first_step_seconds']:.3f} s)")
         lines.append(f"  phases: {', '.join(f'{k} {v:.2f} s' for k, v in m.items() if k in ('encode', 'denoise', 'decode'))}")
         lines.append(f"  arenas that gave the card to another phase: {m['evictions']}")
+        if m["activation_bytes"]:
+            planned = {p["phase"]: p["activation_bytes"] for p in self.plan.phases}
+            lines.append("  activations: " + ", ".join(
+                f"{p} {b / 2**30:.2f} GiB" + (f" (planned {planned[p] / 2**30:.2f})" if p in planned else "")
+                for p, b in m["activation_bytes"].items()
+            ))
         if self.decode:
             lines.append(f"  decode: {self.decode.get('message') or self.decode['decision']}")
         return "\n".join(lines)
