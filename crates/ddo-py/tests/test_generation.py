@@ -109,10 +109,16 @@ def test_a_pipeline_object_streams_its_own_tensors(folder):
 
 def test_the_users_settings_win_over_the_plan(folder):
     path, extra, want = folder
-    config = ddo.DynamicOffloadConfig(components={"text_encoder_2": ddo.ComponentPolicy(route="none")})
+    config = ddo.DynamicOffloadConfig(
+        components={"text_encoder_2": ddo.ComponentPolicy(route="none")}, vmm_resident_weight_budget_gb=0.04
+    )
     result = ddo.load(path, gpu_budget_gb=BUDGET_GB, config=config)
     try:
         assert "text_encoder_2" not in result.components or result.components["text_encoder_2"].route == "none"
+        t = result.plan.components["transformer"]
+        assert t["budget_bytes"] == int(0.04 * 2**30), t
+        assert any("your configuration" in r for r in t["reasons"]), t["reasons"]
+        assert "text_encoder_2" not in {n for n, c in result.plan.components.items() if c["route"] != "none"}
         np.testing.assert_array_equal(generate(result.pipeline, extra), want)
     finally:
         result.remove()

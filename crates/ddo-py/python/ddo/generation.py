@@ -310,6 +310,15 @@ class Offloaded:
                 c["route"] = ran
                 if self._runtime(name) is None or ran not in ("vmm_fast_runtime", "vmm_runtime", "linear_runtime"):
                     c["route"] = "none" if self._runtime(name) is None else ran
+            runtime = self._runtime(name)
+            if runtime is not None and c["route"] in ("vmm_fast_runtime", "vmm_runtime", "linear_runtime"):
+                attached = int(runtime.metrics().get("setup", {}).get("gpu_budget_bytes") or 0)
+                # A denoiser attaches at its budget: a different one is the user's, and is kept.
+                if c["phase"] == "denoise" and attached and attached != c["budget_bytes"]:
+                    c["reasons"].append(
+                        f"your configuration gives it {attached / 2**30:.2f} GiB (the plan chose {c['budget_bytes'] / 2**30:.2f})"
+                    )
+                    c["budget_bytes"] = attached
         for c in self.plan.data["components"]:
             c.update(self.plan.components[c["name"]])
 
