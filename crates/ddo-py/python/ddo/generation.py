@@ -25,13 +25,14 @@ import torch
 from . import _native
 from .config import DynamicOffloadConfig
 from .errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
-from .loaders.checkpoint import local_path, variant_checkpoint
+from .loaders.checkpoint import variant_checkpoint
 from .loaders.pipeline import (
     DynamicOffloadPipelineResult,
     _class_of,
     _dtype_of,
     _is_component,
     from_pretrained_pipeline_with_dynamic_offload,
+    read_index,
 )
 from .results import DynamicOffloadApplyResult
 from .settings import resolve_settings
@@ -191,21 +192,6 @@ def _plan(components: List[Dict[str, Any]], machine: Dict[str, Any]) -> Generati
     return GenerationPlan(json.loads(_native.plan_generation(json.dumps(request))), machine)
 
 
-def _read_index(path: Union[str, os.PathLike], revision: Optional[str]) -> Tuple[str, Dict[str, Any]]:
-    root = local_path(path, revision)
-    index_path = os.path.join(root, "model_index.json")
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except FileNotFoundError:
-        raise DynamicOffloadError(f"{root} has no model_index.json: pass a Diffusers pipeline folder") from None
-    except (ValueError, OSError) as e:
-        raise DynamicOffloadError(f"{index_path} cannot be read as JSON: {e}") from None
-    if not isinstance(index, dict):
-        raise DynamicOffloadError(f"{index_path} holds a {type(index).__name__}, not an object of components")
-    return root, index
-
-
 def _pipeline_modules(pipe: Any) -> Dict[str, torch.nn.Module]:
     components = getattr(pipe, "components", None)
     if not isinstance(components, dict):
@@ -231,7 +217,7 @@ def plan(
     device = _device(config)
     if isinstance(source, (str, os.PathLike)):
         dtype = diffusers_kwargs.get("dtype", diffusers_kwargs.get("torch_dtype"))
-        root, index = _read_index(source, diffusers_kwargs.get("revision"))
+        root, index = read_index(source, diffusers_kwargs.get("revision"), diffusers_kwargs.get("cache_dir"))
         components = _folder_facts(root, index, dtype, diffusers_kwargs.get("variant"))
     else:
         components = [_module_facts(n, m) for n, m in _pipeline_modules(source).items()]
@@ -635,7 +621,7 @@ def load(
     card (before any step), ``tiled`` or ``sliced`` turn on Diffusers' tiled or sliced decode
     when it would not fit (reported: tiling changes the output)."""
     _check_vae_decode(vae_decode)
-    facts_kwargs = {k: v for k, v in diffusers_kwargs.items() if k in ("dtype", "torch_dtype", "variant", "revision")}
+    facts_kwargs = {k: v for k, v in diffusers_kwargs.items() if k in ("dtype", "torch_dtype", "variant", "revision", "cache_dir")}
     p = plan(path, config=config, gpu_budget_gb=gpu_budget_gb, **facts_kwargs)
     loaded: DynamicOffloadPipelineResult = from_pretrained_pipeline_with_dynamic_offload(
         path, config=config, component_configs=_own_configs(p, config), **diffusers_kwargs

@@ -74,6 +74,25 @@ def _class_of(library: str, name: str, where: str) -> Any:
     return found
 
 
+def read_index(
+    path: Union[str, os.PathLike], revision: Optional[str] = None, cache_dir: Optional[str] = None
+) -> "tuple[str, Dict[str, Any]]":
+    """The local folder of the pipeline ``path`` (a folder, or a hub id in the local cache) and
+    its ``model_index.json``; a folder without one, or one that is not an object, is refused."""
+    root = local_path(path, revision, cache_dir)
+    index_path = os.path.join(root, "model_index.json")
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise DynamicOffloadError(f"{root} has no model_index.json: pass a Diffusers pipeline folder") from None
+    except (ValueError, OSError) as e:
+        raise DynamicOffloadError(f"{index_path} cannot be read as JSON: {e}") from None
+    if not isinstance(index, dict):
+        raise DynamicOffloadError(f"{index_path} holds a {type(index).__name__}, not an object of components")
+    return root, index
+
+
 def _is_component(spec: Any) -> bool:
     """A ``[library, class]`` entry naming a class (not ``[null, null]``, not a plain value)."""
     return isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)
@@ -307,17 +326,8 @@ def from_pretrained_pipeline_with_dynamic_offload(
     finding = {k: pipeline_kwargs.pop(k) for k in _FINDING if k in pipeline_kwargs}
     per_component = {k: pipeline_kwargs.pop(k) for k in _PER_COMPONENT if k in pipeline_kwargs}
     streams_safetensors = per_component.get("use_safetensors") is not False
-    root = local_path(path, revision, finding.get("cache_dir"))
+    root, index = read_index(path, revision, finding.get("cache_dir"))
     index_path = os.path.join(root, "model_index.json")
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except FileNotFoundError:
-        raise DynamicOffloadError(f"{root} has no model_index.json: pass a Diffusers pipeline folder") from None
-    except (ValueError, OSError) as e:
-        raise DynamicOffloadError(f"{index_path} cannot be read as JSON: {e}") from None
-    if not isinstance(index, dict):
-        raise DynamicOffloadError(f"{index_path} holds a {type(index).__name__}, not an object of components")
     if gpu_budget_gb is not None and not isinstance(gpu_budget_gb, Mapping) and (
         isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, numbers.Real)
     ):
