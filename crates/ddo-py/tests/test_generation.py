@@ -133,12 +133,36 @@ def test_the_users_settings_win_over_the_plan(folder):
         (lambda p: ddo.plan(p, gpu_budget_gb=True), "gpu_budget_gb"),
         (lambda p: ddo.load(os.path.join(p, "transformer")), "model_index.json"),
         (lambda p: ddo.offload(object()), "components"),
+        (lambda p: ddo.plan(p, config={"route": "none"}), "config must be a ddo.DynamicOffloadConfig"),
+        (lambda p: ddo.load(p, config=ddo.ComponentPolicy(route="none")), "components=\\{name: policy\\}"),
+        (lambda p: ddo.plan(p, dtype="bfloat16"), "dtype must be a torch.dtype"),
+        (lambda p: ddo.plan(p, gpu_budget_gb=1e-30), "from 1 MiB"),
+        (lambda p: ddo.plan(p, gpu_budget_gb=1e300), "to 1 PiB"),
     ],
 )
 def test_bad_input_says_what_to_change(folder, call, message):
     path, _, _ = folder
     with pytest.raises(ddo.DynamicOffloadError, match=message):
         call(str(path))
+
+
+def test_numpy_budgets_plan_and_unknown_keywords_are_refused(folder):
+    path, _, _ = folder
+    assert ddo.plan(path, gpu_budget_gb=np.float32(BUDGET_GB)).components["transformer"]["route"] == "vmm_fast_runtime"
+    with pytest.raises(TypeError, match="frobnicate"):
+        ddo.plan(path, frobnicate=3)
+
+
+def test_a_component_whose_weights_cannot_be_read_is_named_before_anything_loads(folder, tmp_path):
+    import shutil
+
+    path, _, _ = folder
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    for f in (broken / "transformer").glob("*.safetensors"):
+        f.write_bytes(b"not a checkpoint")
+    with pytest.raises(ddo.DynamicOffloadCheckpointError, match="transformer: the plan reads"):
+        ddo.plan(broken)
 
 
 def test_the_decode_rule_refuses_or_reduces_before_the_steps():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import numbers
 import os
 import socket
 import statistics
@@ -24,7 +25,12 @@ import torch
 
 from . import _native
 from .config import DynamicOffloadConfig
-from .errors import DynamicOffloadCapacityError, DynamicOffloadConfigError, DynamicOffloadError
+from .errors import (
+    DynamicOffloadCapacityError,
+    DynamicOffloadCheckpointError,
+    DynamicOffloadConfigError,
+    DynamicOffloadError,
+)
 from .loaders.checkpoint import variant_checkpoint
 from .loaders.pipeline import (
     DynamicOffloadPipelineResult,
@@ -40,6 +46,8 @@ from .settings import resolve_settings
 __all__ = ["GenerationPlan", "Offloaded", "cache_dir", "load", "offload", "plan"]
 
 _FLOAT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+#: Diffusers' loading keywords a plan reads (what the components' bytes depend on, where they are).
+_PLAN_KEYWORDS = ("dtype", "torch_dtype", "variant", "revision", "cache_dir")
 _VAE_DECODE = ("exact", "tiled", "sliced")
 
 
@@ -119,9 +127,10 @@ def _folder_facts(root: str, index: Dict[str, Any], dtype: Any, variant: Optiona
         try:
             checkpoint = variant_checkpoint(folder, variant)
             info = json.loads(_native.inspect_checkpoint(checkpoint))
-        except (DynamicOffloadError, OSError):
-            facts.append({"name": name, "weight_bytes": 0, "from_checkpoint": False})
-            continue
+        except (DynamicOffloadError, OSError) as e:
+            raise DynamicOffloadCheckpointError(
+                f"{name}: the plan reads each model component's safetensors headers, and {folder}'s cannot be read: {e}"
+            ) from None
         tensors = [(t["name"], int(t["len"]), t["dtype"]) for t in info["tensors"]]
         facts.append(dict(_tensor_facts(tensors, _dtype_of(dtype, name)), name=name, from_checkpoint=True))
     return facts
@@ -149,11 +158,34 @@ def _device(config: Optional[DynamicOffloadConfig]) -> str:
 
 
 def _budget_bytes(gpu_budget_gb: Any) -> Optional[int]:
+    """``gpu_budget_gb`` in bytes: a number (NumPy's too) from 1 MiB to 1 PiB, in GiB."""
     if gpu_budget_gb is None:
         return None
-    if isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, (int, float)) or not 0 < float(gpu_budget_gb) < 2**20:
-        raise DynamicOffloadConfigError(f"gpu_budget_gb must be a positive number of GiB, not {gpu_budget_gb!r}")
-    return int(float(gpu_budget_gb) * 2**30)
+    if isinstance(gpu_budget_gb, bool) or not isinstance(gpu_budget_gb, numbers.Real):
+        raise DynamicOffloadConfigError(f"gpu_budget_gb must be a number of GiB, not {gpu_budget_gb!r}")
+    value = float(gpu_budget_gb)
+    if not 2**-10 <= value <= 2**20:
+        raise DynamicOffloadConfigError(
+            f"gpu_budget_gb is {gpu_budget_gb!r}: give the GiB the weights may take on the card, from 1 MiB (0.0009765625) "
+            "to 1 PiB (1048576)"
+        )
+    return int(value * 2**30)
+
+
+def _check_sources(config: Any, dtype: Any) -> None:
+    """The configuration and the dtype the one call takes, refused by name when of another kind."""
+    if config is not None and not isinstance(config, DynamicOffloadConfig):
+        hint = (
+            ": put it in config=ddo.DynamicOffloadConfig(components={name: policy})"
+            if type(config).__name__ == "ComponentPolicy" else ""
+        )
+        raise DynamicOffloadConfigError(f"config must be a ddo.DynamicOffloadConfig, not {type(config).__name__}{hint}")
+    dtypes = list(dtype.values()) if isinstance(dtype, dict) else [dtype]
+    wrong = [d for d in dtypes if d is not None and not isinstance(d, torch.dtype)]
+    if wrong:
+        raise DynamicOffloadConfigError(
+            f"dtype must be a torch.dtype (torch.bfloat16) or a mapping of component names to them, not {wrong[0]!r}"
+        )
 
 
 def _machine(
@@ -214,9 +246,16 @@ def plan(
     loaded. ``gpu_budget_gb`` bounds what the plan shares of the card (on the host backend it
     plans the host device as a card of that size); ``refresh`` measures the machine again
     instead of reading its cached profile."""
+    dtype = diffusers_kwargs.get("dtype", diffusers_kwargs.get("torch_dtype"))
+    _check_sources(config, dtype)
+    unknown = sorted(k for k in diffusers_kwargs if k not in _PLAN_KEYWORDS)
+    if unknown:
+        raise TypeError(
+            f"ddo.plan() got the keyword(s) {', '.join(unknown)}: it takes Diffusers' {', '.join(_PLAN_KEYWORDS)} "
+            "(the others change nothing it plans)"
+        )
     device = _device(config)
     if isinstance(source, (str, os.PathLike)):
-        dtype = diffusers_kwargs.get("dtype", diffusers_kwargs.get("torch_dtype"))
         root, index = read_index(source, diffusers_kwargs.get("revision"), diffusers_kwargs.get("cache_dir"))
         components = _folder_facts(root, index, dtype, diffusers_kwargs.get("variant"))
     else:
@@ -621,7 +660,7 @@ def load(
     card (before any step), ``tiled`` or ``sliced`` turn on Diffusers' tiled or sliced decode
     when it would not fit (reported: tiling changes the output)."""
     _check_vae_decode(vae_decode)
-    facts_kwargs = {k: v for k, v in diffusers_kwargs.items() if k in ("dtype", "torch_dtype", "variant", "revision", "cache_dir")}
+    facts_kwargs = {k: v for k, v in diffusers_kwargs.items() if k in _PLAN_KEYWORDS}
     p = plan(path, config=config, gpu_budget_gb=gpu_budget_gb, **facts_kwargs)
     loaded: DynamicOffloadPipelineResult = from_pretrained_pipeline_with_dynamic_offload(
         path, config=config, component_configs=_own_configs(p, config), **diffusers_kwargs
