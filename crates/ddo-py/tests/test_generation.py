@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -207,3 +208,40 @@ def test_the_command_line_prints_the_plan_before_anything_loads(folder, capsys):
     assert {c["name"] for c in data["components"]} == {"text_encoder", "text_encoder_2", "transformer", "vae"}
     assert main(["plan", str(path / "transformer")]) == 1
     assert "model_index.json" in capsys.readouterr().err
+
+
+def test_threads_generating_while_phases_evict_each_other_get_the_right_images(folder):
+    import copy
+    import threading
+
+    from diffusers import FluxPipeline
+
+    path, extra, want = folder
+    result = ddo.load(path, gpu_budget_gb=BUDGET_GB)
+    try:
+        # Encoding and decoding each need the whole card: every phase change evicts.
+        result.share.set_activation("encode", 40 << 20)
+        result.share.set_activation("decode", 40 << 20)
+        base = result.pipeline
+        pipes = [FluxPipeline(**{**base.components, "scheduler": copy.deepcopy(base.scheduler)}) for _ in range(4)]
+        outcomes: dict = {}
+
+        def work(i):
+            try:
+                outcomes[i] = [np.array_equal(generate(pipes[i], extra), want) for _ in range(4)]
+            except ddo.DynamicOffloadError as e:  # a clear refusal is allowed, a wrong image is not
+                outcomes[i] = [str(e)]
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        with warnings.catch_warnings():  # resizes of a component another thread runs are put off, with a warning
+            warnings.simplefilter("ignore")
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+        assert not any(t.is_alive() for t in threads)
+        assert all(ok is True or isinstance(ok, str) for v in outcomes.values() for ok in v), outcomes
+        assert sum(ok is True for v in outcomes.values() for ok in v) >= 6, outcomes
+        np.testing.assert_array_equal(generate(base, extra), want)
+    finally:
+        result.remove()

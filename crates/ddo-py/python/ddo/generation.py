@@ -16,6 +16,7 @@ import numbers
 import os
 import socket
 import statistics
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -317,6 +318,7 @@ class Offloaded:
         self._handles: List[Any] = []
         self._wrapped: List[Any] = []
         self._calibrating = False
+        self._share_lock = threading.RLock()
         # Each streamed component's setup metrics as its own phase left it (before an eviction).
         self._phase_setup: Dict[str, Dict[str, Any]] = {}
         self._phases: Dict[str, _Phase] = {}
@@ -417,7 +419,8 @@ class Offloaded:
             self._current = phase
             record.started = now
             if self.share is not None and self.share.entering(phase):
-                self._apply(phase, owner)
+                with self._share_lock:
+                    self._apply(phase, owner)
             if self.plan.device != "cpu":
                 # The phase's activations: PyTorch's peak above what it held as the phase began.
                 device = torch.device(self.plan.device)
