@@ -112,11 +112,12 @@ class Skip(Exception):
 
 
 def sweep_config(spec: str, card_gb: float) -> dict:
+    """The transformer's own settings of a sweep entry (the other components follow the plan)."""
     backend, budget, enc = SWEEP_SPEC.match(spec).groups()
     config: dict = {"backend": backend}
     if budget:
         gib = float(budget[1:]) * card_gb if budget.startswith("x") else float(budget)
-        config["components"] = {"transformer": {"vmm_resident_weight_budget_gb": round(gib, 2)}}
+        config["vmm_resident_weight_budget_gb"] = round(gib, 2)
     if enc:
         config["vmm_weight_encoding"] = "on"
     return config
@@ -143,16 +144,8 @@ def setup(a: argparse.Namespace, r: dict, folder: str, card_gb: float):
         else:
             config = sweep_config(r["sweep"], card_gb)
             r["config"] = config
-            try:
-                result = ddo.load(folder, config=ddo.DynamicOffloadConfig(**config), torch_dtype=dtype)
-            except ddo.DynamicOffloadConfigError as e:
-                if "components" not in config:
-                    raise
-                # The budget as a top-level setting where a component's policy does not take it.
-                print(f"components= refused ({e}); the budget as a top-level setting", flush=True)
-                config = dict(config, **config.pop("components")["transformer"])
-                r["config"] = config
-                result = ddo.load(folder, config=ddo.DynamicOffloadConfig(**config), torch_dtype=dtype)
+            own = {"transformer": ddo.DynamicOffloadConfig(**config)}
+            result = ddo.load(folder, component_configs=own, torch_dtype=dtype)
         return result.pipeline, result
     if r["row"] == "published":
         try:

@@ -245,3 +245,17 @@ def test_threads_generating_while_phases_evict_each_other_get_the_right_images(f
         np.testing.assert_array_equal(generate(base, extra), want)
     finally:
         result.remove()
+
+
+def test_one_components_own_settings_win_over_the_plan_for_it(folder):
+    path, extra, want = folder
+    own = {"transformer": ddo.DynamicOffloadConfig(vmm_resident_weight_budget_gb=0.035)}
+    result = ddo.load(path, gpu_budget_gb=BUDGET_GB, component_configs=own)
+    try:
+        assert result.plan.components["transformer"]["budget_bytes"] == int(0.035 * 2**30)
+        assert result.plan.components["text_encoder_2"]["route"] == "vmm_fast_runtime"
+        np.testing.assert_array_equal(generate(result.pipeline, extra), want)
+    finally:
+        result.remove()
+    with pytest.raises(ddo.DynamicOffloadConfigError, match="unet"):
+        ddo.load(path, component_configs={"unet": ddo.DynamicOffloadConfig()})

@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -268,17 +268,36 @@ def plan(
 # Running
 
 
-def _own_configs(p: GenerationPlan, config: Optional[DynamicOffloadConfig]) -> Dict[str, DynamicOffloadConfig]:
-    """Each component's configuration: the plan's choice, under what the user's ``config``
-    sets explicitly (their settings win)."""
+def _explicit(config: Optional[DynamicOffloadConfig]) -> Dict[str, Any]:
+    return {k: getattr(config, k) for k in config.explicit_fields()} if config is not None else {}
+
+
+def _own_configs(
+    p: GenerationPlan,
+    config: Optional[DynamicOffloadConfig],
+    component_configs: Optional[Mapping[str, DynamicOffloadConfig]] = None,
+) -> Dict[str, DynamicOffloadConfig]:
+    """Each component's configuration: the plan's choice, under what the user's ``config`` sets
+    explicitly, under what ``component_configs[name]`` sets explicitly (the user's settings win,
+    the component's own last)."""
+    own = dict(component_configs or {})
+    unknown = sorted(n for n in own if n not in p.components)
+    if unknown:
+        raise DynamicOffloadConfigError(
+            f"component_configs names {', '.join(unknown)}, which the pipeline has no model component of "
+            f"(it has {', '.join(p.components)})"
+        )
+    for c in own.values():
+        _check_sources(c, None)
     out = {}
-    mine = {k: getattr(config, k) for k in config.explicit_fields()} if config is not None else {}
+    mine = _explicit(config)
     own_policies = dict(getattr(config, "components", None) or {}) if config is not None else {}
-    for name, c in p.components.items():
-        planned = dict(c["config"])
-        if name in own_policies or any(k in mine for k in ("route", "backend", "preset")):
+    for name, choice in p.components.items():
+        planned = dict(choice["config"])
+        theirs = {**mine, **_explicit(own.get(name))}
+        if name in own_policies or any(k in theirs for k in ("route", "backend", "preset", "execution_mode")):
             planned = {}  # the user chose this component's route: the plan stays out of it
-        out[name] = DynamicOffloadConfig().replace(**{**planned, **mine})
+        out[name] = DynamicOffloadConfig().replace(**{**planned, **theirs})
     return out
 
 
@@ -651,13 +670,16 @@ def load(
     path: Union[str, os.PathLike],
     *,
     config: Optional[DynamicOffloadConfig] = None,
+    component_configs: Optional[Mapping[str, DynamicOffloadConfig]] = None,
     gpu_budget_gb: Optional[float] = None,
     vae_decode: str = "exact",
     **diffusers_kwargs: Any,
 ) -> Offloaded:
     """Loads the Diffusers pipeline folder (or cached hub id) ``path`` by ddo's plan for this
     machine (:func:`plan`; ``gpu_budget_gb`` as there): each model component streams from its checkpoint, or stays on the
-    card, as the plan says. ``config`` settings set explicitly override the plan; Diffusers'
+    card, as the plan says. ``config`` settings set explicitly override the plan, and
+    ``component_configs`` (component names to a ``DynamicOffloadConfig``) those of one
+    component (``{"transformer": DynamicOffloadConfig(vmm_resident_weight_budget_gb=10)}``); Diffusers'
     loading keywords (``dtype``/``torch_dtype``, ``variant``, ``revision``, ...) pass through as
     Diffusers takes them. ``vae_decode``: ``exact`` refuses a call whose decode cannot fit the
     card (before any step), ``tiled`` or ``sliced`` turn on Diffusers' tiled or sliced decode
@@ -666,7 +688,7 @@ def load(
     facts_kwargs = {k: v for k, v in diffusers_kwargs.items() if k in _PLAN_KEYWORDS}
     p = plan(path, config=config, gpu_budget_gb=gpu_budget_gb, **facts_kwargs)
     loaded: DynamicOffloadPipelineResult = from_pretrained_pipeline_with_dynamic_offload(
-        path, config=config, component_configs=_own_configs(p, config), **diffusers_kwargs
+        path, config=config, component_configs=_own_configs(p, config, component_configs), **diffusers_kwargs
     )
     try:
         return Offloaded(loaded.pipeline, p, loaded.offload, vae_decode)
