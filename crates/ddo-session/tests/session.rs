@@ -153,6 +153,30 @@ fn the_native_route_streams_every_block_from_the_mapping() {
 }
 
 #[test]
+fn an_aborted_pass_gives_back_the_leases_its_host_never_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(dir.path(), 6);
+    let session = native(&path, &[]).unwrap();
+    let streamed: Vec<_> =
+        session.units().unwrap().into_iter().filter(|u| !u.resident && !u.pinned).collect();
+    assert!(streamed.len() >= 3, "{streamed:?}");
+    // An interrupt lands after acquire returned and before its caller recorded the lease.
+    session.begin_pass(S).unwrap();
+    let _lost = session.acquire(streamed[0].id, S).unwrap();
+    session.abort_pass(S).unwrap();
+    // The next passes take every unit in order again, and the session unloads: no lease is live.
+    run_and_check(&session, 2, &checkpoint_bytes(6));
+    // A lease taken on another stream, or before the pass, is the caller's to give back.
+    let other = StreamId(7);
+    let kept = session.acquire(streamed[0].id, other).unwrap();
+    session.begin_pass(S).unwrap();
+    session.abort_pass(S).unwrap();
+    assert!(session.unload().is_err(), "the lease taken before the pass is still live");
+    session.release(kept, other).unwrap();
+    assert!(session.unload().unwrap());
+}
+
+#[test]
 fn read_backends_and_retained_windows_serve_the_same_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let path = checkpoint(dir.path(), 4);
