@@ -129,6 +129,8 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
             .collect();
         let more = fill(share.saturating_sub(floors.iter().sum()), &wants);
         let given: Vec<u64> = floors.iter().zip(more).map(|(f, m)| f + m).collect();
+        // The phase's arenas at their floors, side by side.
+        let floors_sum: u64 = floors.iter().sum();
         for (&i, budget) in members.iter().zip(given) {
             let c = &request.components[i];
             let choice = &mut choices[i];
@@ -150,13 +152,14 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
                     gib(idle(i))
                 )
             };
-            if choice.floor_bytes > share {
+            if floors_sum > share {
                 notes.push(format!(
-                    "{}: streaming block by block it needs {} of the card, and its share is {}: \
-                     a phase that runs evicts another arena (re-uploaded when that phase runs again); \
-                     a card with more free memory avoids it",
+                    "{}: streaming block by block it needs {} of the card ({} for its phase's \
+                     arenas), and its phase's share is {}: a phase that runs evicts another arena \
+                     (re-uploaded when that phase runs again); a card with more free memory avoids it",
                     c.name,
                     gib(choice.floor_bytes),
+                    gib(floors_sum),
                     gib(share)
                 ));
             } else if budget >= c.weight_bytes {
@@ -546,6 +549,18 @@ mod tests {
         let p = plan(2, None, flux());
         assert!(p.notes.iter().any(|n| n.contains("transformer")), "{:?}", p.notes);
         assert!(p.component("transformer").unwrap().budget_bytes >= floor_bytes(&flux()[2]));
+    }
+
+    #[test]
+    fn encoders_whose_floors_crowd_their_share_together_are_noted() {
+        // Each floor fits the encode phase's share alone; both together do not.
+        let components = vec![
+            component("transformer", 1 << 20, 2, 1 << 19),
+            component("text_encoder", 12913 << 20, 7, (12913 << 20) * 95 / 700),
+            component("text_encoder_2", 2560 << 20, 2, (2560 << 20) * 95 / 200),
+        ];
+        let p = plan(6, None, components);
+        assert!(p.notes.iter().any(|n| n.contains("for its phase's arenas")), "{}", p.table());
     }
 
     proptest! {
