@@ -260,35 +260,3 @@ def test_one_components_own_settings_win_over_the_plan_for_it(folder):
     with pytest.raises(ddo.DynamicOffloadConfigError, match="unet"):
         ddo.load(path, component_configs={"unet": ddo.DynamicOffloadConfig()})
 
-
-def test_an_interrupt_between_a_blocks_acquire_and_its_record_leaves_the_pipeline_usable(folder):
-    path, extra, want = folder
-    result = ddo.load(path, gpu_budget_gb=BUDGET_GB)
-    runtime = result._runtime("transformer")
-    real = runtime.session
-
-    class Interrupting:
-        """The session, with a KeyboardInterrupt landing as the first acquire returns."""
-
-        acquired = 0
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def acquire(self, *args):
-            lease = real.acquire(*args)
-            Interrupting.acquired += 1
-            if Interrupting.acquired == 1:
-                raise KeyboardInterrupt
-            return lease
-
-    try:
-        runtime.session = Interrupting()
-        with pytest.raises(KeyboardInterrupt):
-            generate(result.pipeline, extra)
-        runtime.session = real
-        for _ in range(2):
-            np.testing.assert_array_equal(generate(result.pipeline, extra), want)
-    finally:
-        runtime.session = real
-        result.remove()

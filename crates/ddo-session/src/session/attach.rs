@@ -104,7 +104,6 @@ impl ComponentSession {
             slices,
             leases: HashMap::new(),
             next_lease: 1,
-            pass_began: None,
             pass: Vec::new(),
             host,
             setup_seconds: t.elapsed().as_secs_f64(),

@@ -95,7 +95,6 @@ impl ComponentSession {
             self.start_decided_encoding();
         }
         a.memory.arena.begin_pass();
-        a.pass_began = Some((stream, a.next_lease));
         let resident: Vec<UnitId> =
             a.units.iter().filter(|u| u.resident && !u.pinned).map(|u| u.id).collect();
         let leased = (|| -> Result<(), SessionError> {
@@ -147,7 +146,6 @@ impl ComponentSession {
     pub fn end_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        a.pass_began = None;
         Self::release_pass(a, stream)
     }
 
@@ -157,16 +155,13 @@ impl ComponentSession {
     pub fn release_leases(&self, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        let all: Vec<Lease> =
-            a.pass.drain(..).chain(a.leases.drain().map(|(_, (l, _))| l)).collect();
+        let all: Vec<Lease> = a.pass.drain(..).chain(a.leases.drain().map(|(_, l)| l)).collect();
         a.memory.arena.release_all(all, stream).map_err(SessionError::Arena)
     }
 
     /// Ends a pass that was interrupted (an exception inside the forward): gives back the pass
     /// leases after the work enqueued on `stream`, and the order seen is not learned. The caller
-    /// releases the leases its own blocks acquired, on their streams; the leases taken on
-    /// `stream` since the pass began that are still live then (an interrupt between `acquire`
-    /// returning and its caller recording it) are given back here too.
+    /// releases the leases its own blocks acquired, on their streams.
     pub fn abort_pass(&self, stream: StreamId) -> Result<(), SessionError> {
         if let Some(auto) = self.auto_encoding.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
             auto.interrupted();
@@ -174,17 +169,6 @@ impl ComponentSession {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
         a.memory.arena.abandon_pass();
-        if let Some((pass_stream, first)) = a.pass_began.take().filter(|(s, _)| *s == stream) {
-            let lost: Vec<u64> = a
-                .leases
-                .iter()
-                .filter(|(id, (_, s))| **id >= first && *s == pass_stream)
-                .map(|(id, _)| *id)
-                .collect();
-            let lost: Vec<Lease> =
-                lost.iter().filter_map(|id| a.leases.remove(id)).map(|(l, _)| l).collect();
-            a.memory.arena.release_all(lost, stream).map_err(SessionError::Arena)?;
-        }
         Self::release_pass(a, stream)
     }
 
@@ -195,7 +179,7 @@ impl ComponentSession {
         let lease = a.memory.arena.acquire(unit, stream)?;
         let id = a.next_lease;
         a.next_lease += 1;
-        a.leases.insert(id, (lease, stream));
+        a.leases.insert(id, lease);
         Ok(LeaseId(id))
     }
 
@@ -203,7 +187,7 @@ impl ComponentSession {
     pub fn release(&self, lease: LeaseId, stream: StreamId) -> Result<(), SessionError> {
         let mut g = self.lock();
         let a = Self::attached(&mut g)?;
-        let (l, _) = a
+        let l = a
             .leases
             .remove(&lease.0)
             .ok_or_else(|| SessionError::Lifecycle(format!("lease {} is not live", lease.0)))?;

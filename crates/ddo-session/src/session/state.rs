@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ddo_arena::{Arena, Lease};
-use ddo_core::{Dtype, HostSlice, StreamId, WeightSource};
+use ddo_core::{Dtype, HostSlice, WeightSource};
 use ddo_source::{
     CheckpointSource, ConversionReport, EncodingReport, PackReport, RegisteredRange, Registrar,
     RetainedReport, StagingPool,
@@ -140,12 +140,8 @@ pub(super) struct Attached {
     pub(super) units: Vec<UnitInfo>,
     /// Every parameter name (aliases included) -> the source's slice index.
     pub(super) slices: HashMap<String, usize>,
-    /// Leases taken with `acquire`, by id, with the stream each was taken on.
-    pub(super) leases: HashMap<u64, (Lease, StreamId)>,
+    pub(super) leases: HashMap<u64, Lease>,
     pub(super) next_lease: u64,
-    /// The running pass's stream and the first lease id taken since it began: what an aborted
-    /// pass gives back of the leases its host never recorded.
-    pub(super) pass_began: Option<(StreamId, u64)>,
     /// Leases of pinned and plan-resident units held from `begin_pass` to `end_pass`.
     pub(super) pass: Vec<Lease>,
     pub(super) host: HostReport,
