@@ -57,7 +57,7 @@ pub fn plan_generation(request: &GenerationRequest) -> GenerationPlan {
     if fixed > m.usable_bytes() {
         notes.push(format!(
             "the components kept on the card ({}) exceed its free memory ({}): stream them with \
-             components={{name: {{\"route\": \"vmm_fast_runtime\"}}}}",
+             component_configs={{name: ddo.DynamicOffloadConfig(route=\"dynamic_offload\", backend=\"vmm\")}}",
             gib(fixed),
             gib(m.usable_bytes())
         ));
